@@ -1,0 +1,1 @@
+"""Client side: the ClientApp, the local training loop, SAM machinery, client rules."""

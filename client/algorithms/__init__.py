@@ -1,0 +1,1 @@
+"""Client halves of the algorithms (one small file each); see common.registry."""

@@ -1,0 +1,112 @@
+"""The ClientApp: ``train``, ``evaluate`` and ``query`` (partition handshake).
+
+Per-client persistent state lives in ``context.state`` and is written only as the last step
+of a successful ``train`` call (Flower's deployment runtime keeps partial writes of a call
+that later raises; the simulation runtime drops them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from client.node import NodeSettings
+from client.train import local_train, round_generator
+from common import protocol as P
+from common import registry
+from common.config import RunConfig
+from common.data import client_split, dataset_for
+from common.evaluate import evaluate as evaluate_model
+from common.models import build_model
+
+log = logging.getLogger("flwr.flatflower.client")
+META = "client-meta"  # MetricRecord in context.state: rounds trained, last round
+
+app = ClientApp()
+
+
+def _setup(context: Context) -> tuple[RunConfig, NodeSettings, torch.device]:
+    cfg = RunConfig.from_mapping(context.run_config)
+    node = NodeSettings.from_node_config(context.node_config)
+    device = node.torch_device()
+    if device.type == "cpu":
+        torch.set_num_threads(node.threads)
+    return cfg, node, device
+
+
+def _model(cfg: RunConfig, node: NodeSettings, arrays: ArrayRecord, device: torch.device):
+    data = dataset_for(cfg, node.data_dir)
+    model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes)
+    model.load_state_dict(P.from_record(arrays), strict=True)
+    return model.to(device)
+
+
+def _read_state(context: Context) -> dict:
+    return {name: P.from_record(rec) for name, rec in context.state.array_records.items()}
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One round of local training with the run's algorithm."""
+    cfg, node, device = _setup(context)
+    spec = registry.get(cfg.algorithm)
+    server_round = int(msg.content[P.CONFIG]["server-round"])
+    data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+    model = _model(cfg, node, msg.content[P.MODEL], device)
+    broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
+    rule = spec.client_class()(cfg, model, broadcast, _read_state(context))
+    result = local_train(
+        model, data, rule, cfg, cfg.round_lr(server_round),
+        round_generator(cfg.seed, server_round, node.partition_id),
+    )
+    content = RecordDict(
+        {
+            P.MODEL: P.to_record(model.state_dict()),
+            P.METRICS: MetricRecord(
+                {
+                    "num-examples": result.num_examples,
+                    "num-steps": result.num_steps,
+                    "train-loss": result.mean_loss,
+                    "partition-id": node.partition_id,
+                }
+            ),
+        }
+    )
+    for name, tensors in rule.uploads(model).items():
+        content[name] = P.to_record(tensors)
+    # Commit client state last: only a successful call changes it.
+    for name, tensors in rule.new_state(model).items():
+        context.state[name] = P.to_record(tensors)
+    meta = context.state.metric_records.get(META, MetricRecord({"rounds-trained": 0}))
+    context.state[META] = MetricRecord(
+        {"rounds-trained": int(meta["rounds-trained"]) + 1, "last-round": server_round}
+    )
+    log.info("partition %d round %d: %d steps, loss %.4f", node.partition_id, server_round,
+             result.num_steps, result.mean_loss)
+    return Message(content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Loss and accuracy of the received model on this client's local data."""
+    cfg, node, device = _setup(context)
+    data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+    model = _model(cfg, node, msg.content[P.MODEL], device)
+    loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
+    metrics = MetricRecord({"num-examples": len(data), "eval-loss": loss, "eval-accuracy": acc,
+                            "partition-id": node.partition_id})
+    return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Handshake: which partition this node holds (and that its data loads)."""
+    cfg, node, device = _setup(context)
+    data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+    metrics = MetricRecord({"partition-id": node.partition_id, "num-partitions": node.num_partitions,
+                            "num-examples": len(data)})
+    return Message(RecordDict({P.METRICS: metrics, "node": ConfigRecord({"device": str(device)})}),
+                   reply_to=msg)

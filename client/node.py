@@ -1,0 +1,64 @@
+"""Per-node settings from ``context.node_config`` (``flower-supernode --node-config``).
+
+Keys: ``partition-id`` and ``num-partitions`` (required; the simulation engine injects
+them), ``device`` (``auto`` = CUDA when present, else CPU; or ``cpu``, ``cuda``, ``cuda:1``),
+``data-dir`` (where this node keeps its datasets; overrides the run config's) and
+``threads`` (CPU threads for torch, default 1 so runs are reproducible across runtimes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NODE_KEYS = ("partition-id", "num-partitions", "device", "data-dir", "threads")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    partition_id: int
+    num_partitions: int
+    device: str = "auto"
+    data_dir: str = ""
+    threads: int = 1
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeSettings:
+        for key in ("partition-id", "num-partitions"):
+            if key not in node_config:
+                raise ValueError(
+                    f"node config lacks '{key}': start the SuperNode with "
+                    '--node-config "partition-id=<i> num-partitions=<N>"'
+                )
+        try:
+            settings = cls(
+                partition_id=int(node_config["partition-id"]),
+                num_partitions=int(node_config["num-partitions"]),
+                device=str(node_config.get("device", "auto")),
+                data_dir=str(node_config.get("data-dir", "")),
+                threads=int(node_config.get("threads", 1)),
+            )
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"invalid node config {dict(node_config)}: {err}") from None
+        if settings.num_partitions < 1:
+            raise ValueError(f"num-partitions must be >= 1 (got {settings.num_partitions})")
+        if not 0 <= settings.partition_id < settings.num_partitions:
+            raise ValueError(
+                f"partition-id {settings.partition_id} is out of range "
+                f"[0, {settings.num_partitions - 1}] for num-partitions={settings.num_partitions}"
+            )
+        if settings.threads < 1:
+            raise ValueError(f"threads must be >= 1 (got {settings.threads})")
+        return settings
+
+    def torch_device(self) -> torch.device:
+        """The device to train on; ``auto`` picks CUDA when available."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} requested but CUDA is not available on this node")
+        return device

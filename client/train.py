@@ -1,0 +1,87 @@
+"""The one local training loop every algorithm uses.
+
+Per step: the algorithm gives a direction d (its gradient, SAM gradient, corrections...);
+d becomes the parameters' .grad, is optionally clipped (global norm), and one
+``torch.optim.SGD`` step applies lr, weight decay and client momentum. With momentum and
+weight decay 0 and no clipping the step is exactly w <- w - lr * d.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from client.algorithms.base import ClientAlgorithm
+from client.sam import trainable
+from common.config import RunConfig
+from common.datasets import Split
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    num_examples: int
+    num_steps: int
+    mean_loss: float
+
+
+def round_generator(seed: int, server_round: int, partition_id: int) -> torch.Generator:
+    """The client's shuffling RNG: a function of (seed, round, partition) only."""
+    state = np.random.SeedSequence([seed, server_round, partition_id]).generate_state(1)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
+def batch_indices(
+    n: int, batch_size: int, local_epochs: int, local_steps: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """Mini-batches of a reshuffled pass per epoch.
+
+    ``local_steps > 0``: exactly that many batches (epochs roll over as needed);
+    otherwise ``local_epochs`` full passes (the last batch of a pass may be smaller).
+    """
+    steps = local_steps if local_steps > 0 else local_epochs * math.ceil(n / batch_size)
+    done = 0
+    while done < steps:
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch_size):
+            if done == steps:
+                return
+            yield order[start : start + batch_size]
+            done += 1
+
+
+def local_train(
+    model: nn.Module,
+    data: Split,
+    rule: ClientAlgorithm,
+    cfg: RunConfig,
+    lr: float,
+    generator: torch.Generator,
+) -> LocalResult:
+    """Train ``model`` in place on ``data`` with ``rule``'s directions."""
+    if len(data) == 0:
+        raise ValueError("this client's partition is empty: nothing to train on")
+    device = next(model.parameters()).device
+    params = trainable(model)
+    optimizer = torch.optim.SGD(
+        params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+    model.train()
+    losses: list[float] = []
+    for idx in batch_indices(len(data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, generator):
+        x, y = data.get(idx)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss, direction = rule.direction(model, x, y)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"local loss became {loss} at step {len(losses) + 1}")
+        for p, d in zip(params, direction):
+            p.grad = d.detach()
+        if cfg.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm)
+        optimizer.step()
+        losses.append(loss)
+    return LocalResult(len(data), len(losses), float(np.mean(losses)))

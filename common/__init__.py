@@ -1,0 +1,1 @@
+"""What the server and client sides share: run config, models, data, partitions, protocol."""

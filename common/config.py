@@ -1,0 +1,217 @@
+"""Typed, validated run configuration.
+
+One flat set of keys, shared by the ServerApp, every ClientApp and the CLI. Flower hands it
+over as ``context.run_config`` (``[tool.flwr.app.config]`` fused with ``flwr run -c``
+overrides); the Python simulation API hands over nothing, so every default also lives here
+(``tests/test_config.py`` keeps this table and pyproject.toml equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A run-config value is missing, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """All hyperparameters of one run. Field ``foo_bar`` is run-config key ``foo-bar``."""
+
+    algorithm: str = "fedsam"
+    num_server_rounds: int = 10
+    seed: int = 0
+    # data and model
+    dataset: str = "digits"
+    data_dir: str = ""
+    download: bool = True
+    model: str = "auto"
+    partition: str = "dirichlet"
+    dirichlet_alpha: float = 0.5
+    classes_per_client: int = 2
+    # participation and server
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 0.0
+    sampling: str = "fixed"
+    min_available_nodes: int = 1
+    node_wait_timeout: float = 120.0
+    round_timeout: float = 600.0
+    aggregation: str = "weighted"
+    server_lr: float = 1.0
+    # local training
+    lr: float = 0.1
+    lr_decay: float = 1.0
+    local_epochs: int = 5
+    local_steps: int = 0
+    batch_size: int = 32
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    clip_norm: float = 0.0
+    eval_batch_size: int = 512
+    # SAM family
+    rho: float = 0.1
+    mofedsam_beta: float = 0.1
+    mofedsam_server_step: str = "delta"
+    # output
+    run_dir: str = ""
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None = None) -> RunConfig:
+        """Build from run-config keys (``num-server-rounds``); unset keys keep defaults."""
+        values = dict(values or {})
+        by_key = {_key(f.name): f for f in fields(cls)}
+        unknown = sorted(k for k in values if k not in by_key)
+        if unknown:
+            raise ConfigError(
+                f"unknown run-config key(s): {', '.join(unknown)}. "
+                f"Valid keys: {', '.join(sorted(by_key))}"
+            )
+        kwargs = {by_key[k].name: _coerce(k, v, by_key[k].type) for k, v in values.items()}
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A validated copy with some fields changed (snake_case names)."""
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        """Run-config keys -> values (what ``flwr run -c`` and config.json hold)."""
+        return {_key(f.name): getattr(self, f.name) for f in fields(self)}
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise ConfigError listing every invalid value."""
+        from common import datasets, models, partition, registry
+
+        problems: list[str] = []
+
+        def choice(name: str, valid) -> None:
+            value = getattr(self, name)
+            if value not in valid:
+                problems.append(
+                    f"{_key(name)}={value!r} is not one of: {', '.join(sorted(valid))}"
+                )
+
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                problems.append(message)
+
+        choice("algorithm", registry.ALGORITHMS)
+        choice("dataset", datasets.DATASETS)
+        choice("model", ("auto", *models.MODELS))
+        choice("partition", partition.PARTITIONS)
+        choice("sampling", ("fixed", "bernoulli"))
+        choice("aggregation", ("weighted", "uniform"))
+        choice("mofedsam_server_step", ("delta", "literal"))
+        check(self.num_server_rounds >= 1, "num-server-rounds must be >= 1")
+        check(self.seed >= 0, "seed must be >= 0")
+        check(_pos(self.lr), f"lr must be > 0 (got {self.lr})")
+        check(_pos(self.lr_decay) and self.lr_decay <= 1.0, "lr-decay must be in (0, 1]")
+        check(_nonneg(self.rho), f"rho must be >= 0 (got {self.rho})")
+        check(0.0 <= self.mofedsam_beta <= 1.0, "mofedsam-beta must be in [0, 1]")
+        check(_pos(self.server_lr), f"server-lr must be > 0 (got {self.server_lr})")
+        check(
+            0.0 < self.fraction_train <= 1.0,
+            f"fraction-train must be in (0, 1] (got {self.fraction_train})",
+        )
+        check(
+            0.0 <= self.fraction_evaluate <= 1.0,
+            f"fraction-evaluate must be in [0, 1] (got {self.fraction_evaluate})",
+        )
+        check(_pos(self.dirichlet_alpha), "dirichlet-alpha must be > 0")
+        check(self.classes_per_client >= 1, "classes-per-client must be >= 1")
+        check(self.min_available_nodes >= 1, "min-available-nodes must be >= 1")
+        check(_pos(self.node_wait_timeout), "node-wait-timeout must be > 0 seconds")
+        check(_pos(self.round_timeout), "round-timeout must be > 0 seconds")
+        check(self.local_epochs >= 1, "local-epochs must be >= 1")
+        check(self.local_steps >= 0, "local-steps must be >= 0 (0 = use local-epochs)")
+        check(self.batch_size >= 1, "batch-size must be >= 1")
+        check(self.eval_batch_size >= 1, "eval-batch-size must be >= 1")
+        check(_nonneg(self.weight_decay), "weight-decay must be >= 0")
+        check(0.0 <= self.momentum < 1.0, "momentum must be in [0, 1)")
+        check(_nonneg(self.clip_norm), "clip-norm must be >= 0 (0 = no clipping)")
+        if problems:
+            raise ConfigError("invalid run config: " + "; ".join(problems))
+
+    # ----------------------------------------------------------------- derived
+    def round_lr(self, server_round: int) -> float:
+        """Local learning rate of round ``server_round`` (1-based): lr * lr_decay^(r-1)."""
+        return self.lr * self.lr_decay ** (server_round - 1)
+
+    def resolved_model(self) -> str:
+        """The model name, with ``auto`` replaced by the dataset's default model."""
+        from common.datasets import DEFAULT_MODEL
+
+        return DEFAULT_MODEL[self.dataset] if self.model == "auto" else self.model
+
+
+def _key(field_name: str) -> str:
+    return field_name.replace("_", "-")
+
+
+def _pos(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def _nonneg(x: float) -> bool:
+    return math.isfinite(x) and x >= 0
+
+
+def _coerce(key: str, value: Any, type_name: Any) -> Any:
+    """Cast a TOML/CLI value to the field's type, with a clear error."""
+    type_name = type_name if isinstance(type_name, str) else type_name.__name__
+    try:
+        if type_name == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+                return value.lower() in ("true", "1")
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            raise ValueError
+        if type_name == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if type_name == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r} is not a valid {type_name}") from None
+
+
+def parse_assignments(items: list[str]) -> dict[str, Any]:
+    """Parse CLI ``key=value`` strings; values are read as TOML scalars when possible."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, raw = (s.strip() for s in item.split("=", 1))
+        try:
+            out[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = raw  # a bare word such as fedsam
+    return out
+
+
+DEFAULTS = {_key(f.name): f.default for f in fields(RunConfig)}

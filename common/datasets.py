@@ -1,0 +1,170 @@
+"""Datasets: name -> train/test splits held compactly in memory.
+
+``digits`` (scikit-learn) and ``synthetic`` need no files or network; the torchvision
+datasets are read from ``data_dir`` (downloaded there when allowed).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+
+DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100")
+
+DEFAULT_MODEL = {
+    "digits": "mlp",
+    "synthetic": "logreg",
+    "mnist": "cnn",
+    "fashion-mnist": "cnn",
+    "cifar10": "lenet",
+    "cifar100": "lenet",
+}
+
+# name -> (torchvision class, num_classes, mean, std)
+_TORCHVISION = {
+    "mnist": ("MNIST", 10, (0.1307,), (0.3081,)),
+    "fashion-mnist": ("FashionMNIST", 10, (0.2860,), (0.3530,)),
+    "cifar10": ("CIFAR10", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ("CIFAR100", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+
+class DatasetUnavailableError(RuntimeError):
+    """A dataset is not on disk and could not be downloaded."""
+
+
+@dataclass
+class Split:
+    """Samples ``x`` (stored compactly) with int64 labels ``y`` and how to normalise x."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    scale: float = 1.0
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def get(self, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 inputs (x / scale, then per-channel standardised) and int64 labels."""
+        x = self.x[index].float() / self.scale
+        if self.mean is not None and self.std is not None:
+            view = (1, -1) + (1,) * (x.dim() - 2)
+            mean = torch.tensor(self.mean, dtype=torch.float32).view(view)
+            std = torch.tensor(self.std, dtype=torch.float32).view(view)
+            x = (x - mean) / std
+        return x, self.y[index].long()
+
+    def subset(self, indices: Sequence[int] | np.ndarray) -> Split:
+        """The rows ``indices``, with the same normalisation."""
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        return replace(self, x=self.x[idx], y=self.y[idx])
+
+
+@dataclass
+class FederatedDataset:
+    """A dataset's train and test splits and what a model needs to know about it."""
+
+    name: str
+    train: Split
+    test: Split
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+
+def default_data_dir() -> str:
+    """``$FLATFLOWER_DATA`` if set, else ``~/.cache/flatflower/data``."""
+    return os.path.expanduser(os.environ.get("FLATFLOWER_DATA") or "~/.cache/flatflower/data")
+
+
+def load_dataset(name: str, data_dir: str = "", download: bool = True) -> FederatedDataset:
+    """Load dataset ``name`` (cached per process); torchvision data lives in ``data_dir``."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+    root = os.path.abspath(os.path.expanduser(data_dir or default_data_dir()))
+    return _load_cached(name, root, bool(download))
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cached(name: str, root: str, download: bool) -> FederatedDataset:
+    if name == "digits":
+        return _digits()
+    if name == "synthetic":
+        return _synthetic()
+    return _torchvision(name, root, download)
+
+
+def _digits() -> FederatedDataset:
+    """scikit-learn's 8x8 digits, fixed stratified 80/20 split (1437 / 360)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x = (bunch.images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    y = bunch.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    return FederatedDataset("digits", _split(x_tr, y_tr), _split(x_te, y_te), 10, (1, 8, 8))
+
+
+def _synthetic(
+    num_classes: int = 10, dim: int = 20, n_train: int = 2000, n_test: int = 500
+) -> FederatedDataset:
+    """Fixed (seed 0) Gaussian classes: mean ~ 1.5 N(0, I), sample = mean + N(0, I)."""
+    rng = np.random.default_rng(0)
+    means = rng.normal(size=(num_classes, dim)) * 1.5
+
+    def sample(n: int) -> Split:
+        y = rng.permutation(np.repeat(np.arange(num_classes), n // num_classes))
+        x = means[y] + rng.normal(size=(len(y), dim))
+        return _split(x.astype(np.float32), y.astype(np.int64))
+
+    train = sample(n_train)
+    return FederatedDataset("synthetic", train, sample(n_test), num_classes, (dim,))
+
+
+def _split(x: np.ndarray, y: np.ndarray) -> Split:
+    x_t, y_t = (torch.from_numpy(np.ascontiguousarray(a)) for a in (x, y))
+    return Split(x_t, y_t)
+
+
+def _torchvision(name: str, root: str, download: bool) -> FederatedDataset:
+    """MNIST / Fashion-MNIST / CIFAR as uint8 NCHW, normalised on ``Split.get``."""
+    import torchvision.datasets as tvd
+
+    cls_name, num_classes, mean, std = _TORCHVISION[name]
+    cls = getattr(tvd, cls_name)
+    try:
+        train, test = (cls(root, train=flag, download=download) for flag in (True, False))
+        splits = [_tv_split(ds, mean, std) for ds in (train, test)]
+    except Exception as exc:  # torchvision raises RuntimeError, OSError, URLError, ...
+        raise DatasetUnavailableError(_unavailable_message(name, root, download, exc)) from exc
+    shape = tuple(splits[0].x.shape[1:])
+    return FederatedDataset(name, splits[0], splits[1], num_classes, shape)
+
+
+def _tv_split(ds, mean: tuple[float, ...], std: tuple[float, ...]) -> Split:
+    data = torch.as_tensor(np.asarray(ds.data), dtype=torch.uint8)
+    x = data.unsqueeze(1) if data.dim() == 3 else data.permute(0, 3, 1, 2)
+    y = torch.as_tensor(np.asarray(ds.targets), dtype=torch.int64)
+    return Split(x.contiguous(), y, mean=mean, std=std, scale=255.0)
+
+
+def _unavailable_message(name: str, root: str, download: bool, exc: Exception) -> str:
+    how = (
+        "the download failed - this machine may be offline"
+        if download
+        else "downloading is disabled (download=false)"
+    )
+    return (
+        f"dataset {name!r} is not available: it was not found in {root} and {how} "
+        f"({type(exc).__name__}: {exc}). To fix: put the dataset files in {root} "
+        f"(the layout torchvision expects), or set data-dir / $FLATFLOWER_DATA to a "
+        f"directory that holds them, or allow download (download=true) on a machine "
+        f"with network access."
+    )

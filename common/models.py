@@ -1,0 +1,145 @@
+"""Model zoo: run-config name -> builder(input_shape, num_classes).
+
+No model contains BatchNorm or dropout: the SAM algorithms run two forward passes per
+step, and both must see the same function of the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+Shape = tuple[int, ...]
+
+
+def _logreg(input_shape: Shape, num_classes: int) -> nn.Module:
+    """Multinomial logistic regression."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+
+def _mlp(input_shape: Shape, num_classes: int) -> nn.Module:
+    """One hidden layer of 128 ReLU units."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(math.prod(input_shape), 128),
+        nn.ReLU(),
+        nn.Linear(128, num_classes),
+    )
+
+
+def _image_dims(input_shape: Shape, model: str) -> tuple[int, int, int]:
+    """(C, H, W) of an image input shape, or a ValueError naming the model."""
+    if len(input_shape) != 3:
+        raise ValueError(f"model {model!r} needs an image input (C, H, W), got {input_shape}")
+    c, h, w = input_shape
+    return c, h, w
+
+
+def _cnn(input_shape: Shape, num_classes: int) -> nn.Module:
+    """Small two-conv CNN sized for 8x8 digits (any C x H x W with H, W >= 4)."""
+    c, h, w = _image_dims(input_shape, "cnn")
+    if h < 4 or w < 4:
+        raise ValueError(f"model 'cnn' needs H, W >= 4, got {input_shape}")
+    return nn.Sequential(
+        nn.Conv2d(c, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * (h // 4) * (w // 4), 64),
+        nn.ReLU(),
+        nn.Linear(64, num_classes),
+    )
+
+
+def _cifar_cnn(input_shape: Shape, num_classes: int) -> nn.Module:
+    """The FedAvg CIFAR CNN ("FedAvgNetCIFAR" of FedGMT)."""
+    c, h, w = _image_dims(input_shape, "cifar-cnn")
+    if h < 4 or w < 4:
+        raise ValueError(f"model 'cifar-cnn' needs H, W >= 4, got {input_shape}")
+    return nn.Sequential(
+        nn.Conv2d(c, 32, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * (h // 4) * (w // 4), 512),
+        nn.ReLU(),
+        nn.Linear(512, num_classes),
+    )
+
+
+def _lenet(input_shape: Shape, num_classes: int) -> nn.Module:
+    """The FedDyn / FL-Simulator / FedTOGA "LeNet" (unpadded 5x5 convs)."""
+    c, h, w = _image_dims(input_shape, "lenet")
+    fh, fw = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
+    if fh < 1 or fw < 1:
+        raise ValueError(f"model 'lenet' needs H, W >= 16, got {input_shape}")
+    return nn.Sequential(
+        nn.Conv2d(c, 64, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * fh * fw, 384),
+        nn.ReLU(),
+        nn.Linear(384, 192),
+        nn.ReLU(),
+        nn.Linear(192, num_classes),
+    )
+
+
+def _resnet18_gn(input_shape: Shape, num_classes: int) -> nn.Module:
+    """torchvision ResNet-18 with GroupNorm(2, C) for BatchNorm; ImageNet stem kept."""
+    from torchvision.models import resnet18
+
+    c, _, _ = _image_dims(input_shape, "resnet18-gn")
+    model = resnet18(
+        weights=None, num_classes=num_classes, norm_layer=lambda ch: nn.GroupNorm(2, ch)
+    )
+    if c != 3:
+        model.conv1 = nn.Conv2d(c, 64, 7, 2, 3, bias=False)
+    return model
+
+
+MODELS: dict[str, Callable[[Shape, int], nn.Module]] = {
+    "logreg": _logreg,
+    "mlp": _mlp,
+    "cnn": _cnn,
+    "cifar-cnn": _cifar_cnn,
+    "lenet": _lenet,
+    "resnet18-gn": _resnet18_gn,
+}
+
+
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, seed: int | None = None
+) -> nn.Module:
+    """Build model ``name``; with ``seed``, its initial weights depend only on the seed.
+
+    Seeding happens inside a forked RNG, so torch's global RNG state is left unchanged.
+    """
+    try:
+        builder = MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODELS)}") from None
+    shape = tuple(int(d) for d in input_shape)
+    if seed is None:
+        return builder(shape, num_classes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builder(shape, num_classes)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,41 @@
+"""The wire protocol: record names and tensor <-> ArrayRecord conversion.
+
+Every train message carries ``arrays`` (the global model) and ``config`` (round, lr), plus
+the extra ArrayRecords its algorithm declares in ``common.registry`` (``down``). Every train
+reply carries ``arrays`` (the local model after training), ``metrics`` (num-examples,
+num-steps, train-loss, partition-id) and the algorithm's ``up`` records.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, RecordDict
+
+# Record names. One constant per name, so a typo is an import error, not a silent miss.
+MODEL = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+GLOBAL_UPDATE = "global_update"  # MoFedSAM / FedCM: the server's global update direction
+
+Tensors = "OrderedDict[str, torch.Tensor]"
+
+
+def to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """Named tensors -> ArrayRecord (order kept, copied to CPU numpy)."""
+    return ArrayRecord(
+        {name: Array(np.ascontiguousarray(t.detach().cpu().numpy())) for name, t in tensors.items()}
+    )
+
+
+def from_record(record: ArrayRecord) -> OrderedDict[str, torch.Tensor]:
+    """ArrayRecord -> named tensors (CPU, writable copies)."""
+    return OrderedDict((name, torch.from_numpy(arr.numpy().copy())) for name, arr in record.items())
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """Bytes of all array payloads in a message (what the model traffic costs)."""
+    return sum(rec.count_bytes() for rec in content.array_records.values())

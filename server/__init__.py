@@ -1,0 +1,1 @@
+"""Server side: the ServerApp, run directory, central evaluation, in-process grid, CLI."""

@@ -1,0 +1,96 @@
+"""An in-process Grid: the real ServerApp and ClientApp in one process, no ports, no Ray.
+
+Each virtual node keeps its own Context (so ``context.state`` persists across rounds as on
+a SuperNode); every message is deep-copied on the way out and back, like the wire; a
+ClientApp exception becomes an error reply (code 2), as in Flower's runtimes. Used by the
+tests and by ``flatflower simulate --engine inprocess``.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.task_identity import TaskIdentity
+
+CLIENT_APP_RAISED_EXCEPTION = 2
+
+
+class InProcessGrid(Grid):
+    def __init__(self, client_app: ClientApp, num_nodes: int, run_config: Mapping[str, Any],
+                 node_config: Mapping[str, Any] | None = None, first_node_id: int = 1000):
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0
+        self.client_app = client_app
+        self.contexts = {
+            first_node_id + i: Context(
+                run_id=1, node_id=first_node_id + i, state=RecordDict(), run_config=dict(run_config),
+                node_config={"partition-id": i, "num-partitions": num_nodes, **(node_config or {})},
+            )
+            for i in range(num_nodes)
+        }
+        self.offline: set[int] = set()  # node ids that get_node_ids() hides (failure tests)
+        self._run = None
+        self._pending: dict[str, Message] = {}
+
+    # -- Grid API
+    def set_run(self, run) -> None:
+        self._run = run
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None) -> Message:
+        return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return [n for n in self.contexts if n not in self.offline]
+
+    def _deliver(self, msg: Message) -> Message:
+        msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        incoming = copy.deepcopy(msg)
+        try:
+            reply = self.client_app(incoming, self.contexts[msg.metadata.dst_node_id])
+        except Exception as err:  # the runtime turns ClientApp exceptions into error replies
+            reason = f"{type(err)}:<'{err}'>\n{traceback.format_exc()}"
+            reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=incoming)
+        reply = copy.deepcopy(reply)
+        reply.metadata.__dict__["_src_node_id"] = msg.metadata.dst_node_id
+        return reply
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            reply = self._deliver(msg)
+            self._pending[msg.metadata.message_id] = reply
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._pending.pop(i) for i in message_ids if i in self._pending]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None):
+        return list(self.pull_messages(self.push_messages(messages)))
+
+
+def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
+                  node_config: Mapping[str, Any] | None = None,
+                  server_app: ServerApp | None = None,
+                  client_app: ClientApp | None = None) -> tuple[Path, InProcessGrid]:
+    """Run the real ServerApp against ``num_clients`` in-process ClientApps."""
+    from client.app import app as default_client_app
+    from common.config import RunConfig
+    from server.app import app as default_server_app
+
+    cfg = RunConfig.from_mapping(run_config)
+    grid = InProcessGrid(client_app or default_client_app, num_clients, cfg.to_dict(), node_config)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())
+    (server_app or default_server_app)(grid, context)
+    return Path(cfg.run_dir).resolve() if cfg.run_dir else Path("."), grid

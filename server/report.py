@@ -1,0 +1,279 @@
+"""Summarize finished (or running) runs: tables, an accuracy plot and a JSON dump.
+
+Reads what a run directory holds (``config.json`` and ``metrics.jsonl``, one JSON object
+per round) and backs ``flatflower report RUN_DIR [RUN_DIR ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+class ReportError(ValueError):
+    """A run directory is missing, unreadable or holds no rounds."""
+
+
+@dataclass
+class RunSummary:
+    """The curves of one run, as read from its directory."""
+
+    run_dir: Path
+    label: str
+    algorithm: str
+    seed: int | None
+    rounds: list[int] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    bytes_total: int = 0
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    """The ``config`` section of ``config.json``; empty when the file or key is missing."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path}: not valid JSON ({exc})") from exc
+    section = data.get("config", {}) if isinstance(data, dict) else {}
+    return section if isinstance(section, dict) else {}
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """One dict per round line, sorted by round; a truncated or blank line is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a run still writing its last line
+        if isinstance(row, dict) and "round" in row and "test_accuracy" in row:
+            rows.append(row)
+    return sorted(rows, key=lambda row: int(row["round"]))
+
+
+def _make_label(config: dict[str, Any], run_dir: Path) -> str:
+    """``"<algorithm> seed<seed>"`` from the config, else the directory name."""
+    algorithm, seed = config.get("algorithm"), config.get("seed")
+    if algorithm is None:
+        return run_dir.name
+    return f"{algorithm} seed{seed}" if seed is not None else str(algorithm)
+
+
+def load_run(run_dir: str | Path) -> RunSummary:
+    """Read one run directory into a :class:`RunSummary`."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"run directory not found: {run_dir}")
+    metrics_path = run_dir / METRICS_FILE
+    if not metrics_path.is_file():
+        raise ReportError(f"metrics file not found: {metrics_path}")
+    rows = _read_metrics(metrics_path)
+    if not rows:
+        raise ReportError(f"no rounds recorded in {metrics_path}")
+    config = _read_config(run_dir)
+    return RunSummary(
+        run_dir=run_dir,
+        label=_make_label(config, run_dir),
+        algorithm=str(config.get("algorithm", run_dir.name)),
+        seed=config.get("seed"),
+        rounds=[int(row["round"]) for row in rows],
+        accuracy=[float(row["test_accuracy"]) for row in rows],
+        loss=[float(row.get("test_loss", float("nan"))) for row in rows],
+        bytes_total=sum(int(row.get("bytes_down", 0)) + int(row.get("bytes_up", 0)) for row in rows),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Summaries
+# ---------------------------------------------------------------------------
+
+
+def rounds_to_target(run: RunSummary, target: float | None) -> int | None:
+    """The first round whose accuracy reaches ``target``; None if none does (or no target)."""
+    if target is None:
+        return None
+    return next((r for r, acc in zip(run.rounds, run.accuracy) if acc >= target), None)
+
+
+def summarize(run: RunSummary, last_k: int = 5, target: float | None = None) -> dict[str, Any]:
+    """Headline numbers of one run; last-k statistics ignore round 0."""
+    trained = [acc for r, acc in zip(run.rounds, run.accuracy) if r >= 1]
+    tail = np.asarray(trained[-last_k:] if last_k > 0 else [], dtype=float)
+    return {
+        "label": run.label,
+        "algorithm": run.algorithm,
+        "seed": run.seed,
+        "rounds": run.rounds[-1],
+        "final_accuracy": run.accuracy[-1],
+        "last_k_mean": float(tail.mean()) if tail.size else None,
+        "last_k_std": float(tail.std()) if tail.size else None,
+        "best_accuracy": max(run.accuracy),
+        "rounds_to_target": rounds_to_target(run, target),
+        "bytes_total": run.bytes_total,
+    }
+
+
+def _mean_or_none(values: Iterable[float | None]) -> float | None:
+    """Mean of the non-None values; None when there are none."""
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None
+
+
+def group_by_algorithm(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per algorithm, aggregating its runs (seeds); order of first appearance."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for summary in summaries:
+        groups.setdefault(summary["algorithm"], []).append(summary)
+    rows = []
+    for algorithm, runs in groups.items():
+        finals = np.asarray([run["final_accuracy"] for run in runs], dtype=float)
+        rows.append(
+            {
+                "algorithm": algorithm,
+                "num_seeds": len(runs),
+                "final_accuracy_mean": float(finals.mean()),
+                "final_accuracy_std": float(finals.std()),
+                "last_k_mean": _mean_or_none(run["last_k_mean"] for run in runs),
+                "rounds_to_target_mean": _mean_or_none(run["rounds_to_target"] for run in runs),
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------
+
+
+def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path) -> Path:
+    """Test accuracy vs round, one labelled line per run, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    try:
+        for run in runs:
+            ax.plot(run.rounds, run.accuracy, marker="o", markersize=3, label=run.label)
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy")
+        ax.set_title("Test accuracy per round")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_png, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    return out_png
+
+
+def _format_cell(key: str, value: Any) -> str:
+    """Accuracies as percentages, ``None`` as ``-``, everything else as is."""
+    if value is None:
+        return "-"
+    if "accuracy" in key or key.startswith("last_k"):
+        return f"{100 * value:.2f}%"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _merge_mean_std(row: dict[str, Any]) -> dict[str, str]:
+    """Format one row, fusing ``X_mean``/``X_std`` and ``last_k_mean``/``last_k_std`` pairs."""
+    cells: dict[str, str] = {}
+    for key, value in row.items():
+        if key.endswith("_std") and key[: -len("_std")] + "_mean" in row:
+            continue
+        if key.endswith("_mean") and key[: -len("_mean")] + "_std" in row:
+            std = row[key[: -len("_mean")] + "_std"]
+            text = _format_cell(key, value)
+            cells[f"{key} ± std"] = text if std is None else f"{text} ± {_format_cell(key, std)}"
+        else:
+            cells[key] = _format_cell(key, value)
+    return cells
+
+
+def render_table(rows: Sequence[dict[str, Any]], title: str, width: int = 160) -> str:
+    """Render rows (summaries or per-algorithm rows) as a plain-text table."""
+    formatted = [_merge_mean_std(row) for row in rows]
+    columns = list(formatted[0]) if formatted else []
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column.replace("_", " "), justify="left" if column in ("label", "algorithm") else "right")
+    for cells in formatted:
+        table.add_row(*(cells.get(column, "-") for column in columns))
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, color_system=None, force_terminal=False).print(table)
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flatflower report`` argument parser."""
+    parser = argparse.ArgumentParser(prog="flatflower report", description="Summarize run directories.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to summarize")
+    parser.add_argument("--last-k", type=int, default=5, help="rounds averaged for the last-k mean (default 5)")
+    parser.add_argument("--target", type=float, default=None, help="accuracy target for rounds-to-target")
+    parser.add_argument("--out", type=Path, default=Path("report.png"), help="accuracy plot (default report.png)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--by-algorithm", action="store_true", help="always print the per-algorithm table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``flatflower report``; 0 on success, 2 on a bad run directory."""
+    args = build_parser().parse_args(argv)
+    try:
+        runs = [load_run(run_dir) for run_dir in args.run_dirs]
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    summaries = [summarize(run, last_k=args.last_k, target=args.target) for run in runs]
+    print(render_table(summaries, title=f"Runs (last {args.last_k} rounds)"))
+    grouped = group_by_algorithm(summaries)
+    show_groups = args.by_algorithm or any(row["num_seeds"] > 1 for row in grouped)
+    if show_groups:
+        print(render_table(grouped, title="Per algorithm (mean ± std over seeds)"))
+    png = plot_accuracy(runs, args.out)
+    print(f"plot: {png}")
+    if args.json is not None:
+        payload = {"runs": summaries, "by_algorithm": grouped}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

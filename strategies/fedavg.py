@@ -1,0 +1,19 @@
+"""FedAvg server (FedSAM paper Alg. 1; McMahan et al. 2017):
+
+    Delta^{r+1} = sum_i p_i (w_i - w^r)          (p_i: sample-weighted or uniform)
+    w^{r+1}     = w^r + eta_g * Delta^{r+1}        (eta_g = server-lr; 1 = model averaging)
+"""
+
+from __future__ import annotations
+
+from strategies.aggregate import add_scaled, sub, weighted_sum
+from strategies.base import FlatStrategy
+
+
+class FedAvg(FlatStrategy):
+    def mean_delta(self, updates, weights):
+        """sum_i p_i (w_i - w^r): the aggregated client update."""
+        return weighted_sum([sub(u.model, self.model) for u in updates], weights)
+
+    def update(self, server_round, updates, weights):
+        self.model = add_scaled(self.model, self.cfg.server_lr, self.mean_delta(updates, weights))

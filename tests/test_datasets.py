@@ -1,0 +1,172 @@
+"""Tests for common/datasets.py (offline only: no downloads)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common import datasets
+from common.datasets import (
+    DATASETS,
+    DEFAULT_MODEL,
+    DatasetUnavailableError,
+    FederatedDataset,
+    Split,
+    default_data_dir,
+    load_dataset,
+)
+from common.models import MODELS
+
+
+def test_default_model_is_known_for_every_dataset() -> None:
+    assert set(DEFAULT_MODEL) == set(DATASETS)
+    assert set(DEFAULT_MODEL.values()) <= set(MODELS)
+
+
+def test_digits_shapes_and_values() -> None:
+    ds = load_dataset("digits")
+    assert isinstance(ds, FederatedDataset)
+    assert (len(ds.train), len(ds.test)) == (1437, 360)
+    assert ds.num_classes == 10 and ds.input_shape == (1, 8, 8)
+    assert ds.train.x.shape == (1437, 1, 8, 8) and ds.train.x.dtype == torch.float32
+    assert ds.train.y.dtype == torch.int64
+    x, y = ds.train.get(slice(None))
+    assert x.min() >= 0.0 and x.max() <= 1.0 and x.max() == 1.0
+    assert set(y.tolist()) == set(range(10)) == set(ds.test.y.tolist())
+
+
+def test_digits_split_is_stratified() -> None:
+    ds = load_dataset("digits")
+    test_counts = torch.bincount(ds.test.y, minlength=10)
+    assert test_counts.min() >= 35 and test_counts.max() <= 37
+
+
+def test_digits_is_deterministic() -> None:
+    a = datasets._digits()
+    b = datasets._digits()
+    assert torch.equal(a.train.x, b.train.x) and torch.equal(a.test.y, b.test.y)
+
+
+def test_load_dataset_is_cached() -> None:
+    assert load_dataset("digits") is load_dataset("digits")
+
+
+def test_synthetic_sizes_and_balance() -> None:
+    ds = load_dataset("synthetic")
+    assert ds.train.x.shape == (2000, 20) and ds.test.x.shape == (500, 20)
+    assert ds.train.x.dtype == torch.float32 and ds.input_shape == (20,)
+    assert torch.bincount(ds.train.y).tolist() == [200] * 10
+    assert torch.bincount(ds.test.y).tolist() == [50] * 10
+    assert not torch.equal(ds.train.y[:20], ds.train.y[:20].sort().values)  # shuffled
+
+
+def test_synthetic_is_deterministic_and_independent_of_global_seed() -> None:
+    np.random.seed(1)
+    torch.manual_seed(1)
+    a = datasets._synthetic()
+    np.random.seed(2)
+    torch.manual_seed(2)
+    b = datasets._synthetic()
+    assert torch.equal(a.train.x, b.train.x) and torch.equal(a.test.y, b.test.y)
+
+
+def test_synthetic_is_learnable() -> None:
+    """Class means are well separated: nearest train class mean classifies test well."""
+    ds = load_dataset("synthetic")
+    means = torch.stack([ds.train.x[ds.train.y == c].mean(0) for c in range(10)])
+    pred = torch.cdist(ds.test.x, means).argmin(1)
+    assert (pred == ds.test.y).float().mean() > 0.8
+
+
+def _tiny_image_split() -> Split:
+    x = torch.tensor([[[[0, 255]], [[51, 102]]], [[[255, 0]], [[0, 0]]]], dtype=torch.uint8)
+    return Split(x, torch.tensor([1, 0]), mean=(0.5, 0.2), std=(0.5, 0.1), scale=255.0)
+
+
+def test_split_get_normalises_per_channel() -> None:
+    x, y = _tiny_image_split().get(slice(None))
+    assert x.dtype == torch.float32 and x.shape == (2, 2, 1, 2)
+    expected = torch.tensor(
+        [[[[-1.0, 1.0]], [[0.0, 2.0]]], [[[1.0, -1.0]], [[-2.0, -2.0]]]]
+    )
+    torch.testing.assert_close(x, expected)
+    assert y.dtype == torch.int64 and y.tolist() == [1, 0]
+
+
+def test_split_get_with_tensor_index() -> None:
+    x, y = _tiny_image_split().get(torch.tensor([1]))
+    torch.testing.assert_close(x[0, 0, 0], torch.tensor([1.0, -1.0]))
+    assert y.tolist() == [0]
+
+
+def test_split_get_without_normalisation() -> None:
+    split = Split(torch.tensor([[2.0, 4.0]]), torch.tensor([3]), scale=2.0)
+    x, _ = split.get(slice(None))
+    assert x.tolist() == [[1.0, 2.0]]
+
+
+def test_subset_selects_rows_and_keeps_normalisation() -> None:
+    split = _tiny_image_split()
+    sub = split.subset(np.array([1]))
+    assert len(sub) == 1 and sub.y.tolist() == [0]
+    assert (sub.mean, sub.std, sub.scale) == (split.mean, split.std, split.scale)
+    torch.testing.assert_close(sub.get(slice(None))[0], split.get(slice(1, 2))[0])
+    assert len(split.subset([])) == 0
+
+
+def test_missing_torchvision_dataset_gives_actionable_error(tmp_path) -> None:
+    with pytest.raises(DatasetUnavailableError) as info:
+        load_dataset("cifar10", data_dir=str(tmp_path), download=False)
+    message = str(info.value)
+    assert str(tmp_path) in message
+    assert "cifar10" in message and "download" in message and "data-dir" in message
+
+
+def test_default_data_dir(monkeypatch) -> None:
+    monkeypatch.setenv("FLATFLOWER_DATA", "/some/where")
+    assert default_data_dir() == "/some/where"
+    monkeypatch.delenv("FLATFLOWER_DATA")
+    assert default_data_dir().endswith("/.cache/flatflower/data")
+    assert not default_data_dir().startswith("~")
+
+
+def test_unknown_dataset_lists_names() -> None:
+    with pytest.raises(ValueError, match="unknown dataset 'imagenet'") as info:
+        load_dataset("imagenet")
+    for name in DATASETS:
+        assert name in str(info.value)
+
+
+def _write_idx(path, magic: int, array: np.ndarray) -> None:
+    header = np.array([magic, *array.shape], dtype=">i4").tobytes()
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def test_mnist_from_local_files(tmp_path) -> None:
+    """A tiny MNIST in torchvision's raw layout loads offline as uint8 NCHW."""
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 6), ("t10k", 4)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", 0x803, rng.integers(0, 256, (n, 28, 28)))
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", 0x801, np.arange(n) % 10)
+    ds = load_dataset("mnist", data_dir=str(tmp_path), download=False)
+    assert (len(ds.train), len(ds.test)) == (6, 4)
+    assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == (6, 1, 28, 28)
+    assert ds.input_shape == (1, 28, 28) and ds.num_classes == 10
+    assert ds.test.y.dtype == torch.int64 and ds.test.y.tolist() == [0, 1, 2, 3]
+    x, _ = ds.train.get(slice(0, 1))
+    expected = (ds.train.x[:1].float() / 255 - 0.1307) / 0.3081
+    torch.testing.assert_close(x, expected)
+
+
+def test_cifar_layout_becomes_nchw() -> None:
+    class FakeCifar:
+        data = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
+        targets = [3, 7]
+
+    split = datasets._tv_split(FakeCifar(), (0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    assert split.x.shape == (2, 3, 4, 4) and split.x.dtype == torch.uint8
+    assert torch.equal(split.x[1, 2], torch.from_numpy(FakeCifar.data[1, :, :, 2]))
+    assert split.y.dtype == torch.int64 and split.y.tolist() == [3, 7]

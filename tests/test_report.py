@@ -1,0 +1,211 @@
+"""Tests for server.report: loading run directories, summaries, grouping, plot and CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.report import (
+    ReportError,
+    group_by_algorithm,
+    load_run,
+    main,
+    plot_accuracy,
+    render_table,
+    summarize,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(
+    root: Path,
+    name: str,
+    accuracies: list[float],
+    algorithm: str | None = "fedsam",
+    seed: int = 0,
+    with_round0: bool = True,
+    truncated_tail: str | None = None,
+) -> Path:
+    """A fake run dir; ``accuracies[0]`` is round 0 when ``with_round0``, else round 1."""
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    config = {"config": {"seed": seed, "dataset": "digits"}, "version": "0.1.0", "seed": seed}
+    if algorithm is not None:
+        config["config"]["algorithm"] = algorithm
+    (run_dir / "config.json").write_text(json.dumps(config))
+    first = 0 if with_round0 else 1
+    lines = []
+    for i, acc in enumerate(accuracies):
+        rnd = first + i
+        row = {"round": rnd, "test_accuracy": acc, "test_loss": 1.0 - acc}
+        if rnd >= 1:
+            row.update(bytes_down=100, bytes_up=10 * rnd, clients_sampled=4, clients_replied=4)
+        lines.append(json.dumps(row))
+    text = "\n".join(lines) + "\n"
+    if truncated_tail is not None:
+        text += truncated_tail
+    (run_dir / "metrics.jsonl").write_text(text)
+    return run_dir
+
+
+# Round 0..6
+ACC = [0.10, 0.30, 0.50, 0.60, 0.70, 0.80, 0.90]
+
+
+def test_load_run_reads_curves_label_and_bytes(tmp_path: Path) -> None:
+    run = load_run(write_run(tmp_path, "r", ACC, seed=3))
+    assert run.label == "fedsam seed3"
+    assert run.algorithm == "fedsam"
+    assert run.seed == 3
+    assert run.rounds == [0, 1, 2, 3, 4, 5, 6]
+    assert run.accuracy == ACC
+    assert run.loss == pytest.approx([1.0 - a for a in ACC])
+    # rounds 1..6: 100 down + 10*r up each; round 0 carries no bytes
+    assert run.bytes_total == 6 * 100 + 10 * (1 + 2 + 3 + 4 + 5 + 6)
+
+
+def test_label_falls_back_to_directory_name(tmp_path: Path) -> None:
+    run = load_run(write_run(tmp_path, "my-run", ACC, algorithm=None))
+    assert run.label == "my-run"
+
+
+def test_summarize_last_k_excludes_round0(tmp_path: Path) -> None:
+    run = load_run(write_run(tmp_path, "r", ACC))
+    summary = summarize(run, last_k=3, target=0.65)
+    tail = [0.70, 0.80, 0.90]
+    assert summary["rounds"] == 6
+    assert summary["final_accuracy"] == pytest.approx(0.90)
+    assert summary["best_accuracy"] == pytest.approx(0.90)
+    assert summary["last_k_mean"] == pytest.approx(0.80)
+    assert summary["last_k_std"] == pytest.approx(np.sqrt(sum((a - 0.8) ** 2 for a in tail) / 3))
+    assert summary["rounds_to_target"] == 4
+    assert summary["bytes_total"] == run.bytes_total
+
+    # k larger than the run: only rounds 1..6 count, never round 0
+    whole = summarize(run, last_k=50)
+    assert whole["last_k_mean"] == pytest.approx(np.mean(ACC[1:]))
+    assert whole["last_k_std"] == pytest.approx(np.std(ACC[1:]))
+
+
+def test_rounds_to_target_never_reached_and_round0(tmp_path: Path) -> None:
+    run = load_run(write_run(tmp_path, "r", ACC))
+    assert summarize(run, target=0.95)["rounds_to_target"] is None
+    assert summarize(run, target=None)["rounds_to_target"] is None
+    assert summarize(run, target=0.10)["rounds_to_target"] == 0  # initial model already there
+    assert summarize(run, target=0.90)["rounds_to_target"] == 6
+
+
+def test_truncated_last_line_is_skipped(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, "r", ACC, truncated_tail='{"round": 7, "test_accur')
+    run = load_run(run_dir)
+    assert run.rounds[-1] == 6
+    assert summarize(run)["final_accuracy"] == pytest.approx(0.90)
+
+
+def test_missing_directory_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ReportError, match="nope"):
+        load_run(missing)
+
+
+def test_missing_metrics_or_no_rounds_is_an_error(tmp_path: Path) -> None:
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(ReportError, match="metrics.jsonl"):
+        load_run(empty_dir)
+    (empty_dir / "metrics.jsonl").write_text('{"round": 1, "test_acc')
+    with pytest.raises(ReportError, match="no rounds"):
+        load_run(empty_dir)
+
+
+def test_group_by_algorithm_over_seeds(tmp_path: Path) -> None:
+    runs = [
+        load_run(write_run(tmp_path, "a0", [0.1, 0.5, 0.7], seed=0)),
+        load_run(write_run(tmp_path, "a1", [0.1, 0.6, 0.9], seed=1)),
+        load_run(write_run(tmp_path, "b0", [0.1, 0.4, 0.5], algorithm="fedavg")),
+    ]
+    summaries = [summarize(run, last_k=2, target=0.65) for run in runs]
+    rows = {row["algorithm"]: row for row in group_by_algorithm(summaries)}
+    assert set(rows) == {"fedsam", "fedavg"}
+
+    fedsam = rows["fedsam"]
+    assert fedsam["num_seeds"] == 2
+    assert fedsam["final_accuracy_mean"] == pytest.approx(0.8)
+    assert fedsam["final_accuracy_std"] == pytest.approx(0.1)  # population std of 0.7, 0.9
+    assert fedsam["last_k_mean"] == pytest.approx(np.mean([0.6, 0.75]))
+    assert fedsam["rounds_to_target_mean"] == pytest.approx(2.0)  # both reach 0.65 at round 2
+
+    fedavg = rows["fedavg"]
+    assert fedavg["num_seeds"] == 1
+    assert fedavg["final_accuracy_std"] == pytest.approx(0.0)
+    assert fedavg["rounds_to_target_mean"] is None
+
+
+def test_rounds_to_target_mean_ignores_seeds_that_missed(tmp_path: Path) -> None:
+    runs = [
+        load_run(write_run(tmp_path, "a0", [0.1, 0.5, 0.7], seed=0)),
+        load_run(write_run(tmp_path, "a1", [0.1, 0.2, 0.3], seed=1)),
+    ]
+    (row,) = group_by_algorithm([summarize(run, target=0.65) for run in runs])
+    assert row["rounds_to_target_mean"] == pytest.approx(2.0)
+
+
+def test_render_table_formats_percentages_and_missing(tmp_path: Path) -> None:
+    run = load_run(write_run(tmp_path, "r", ACC))
+    text = render_table([summarize(run, last_k=3, target=0.99)], title="Runs")
+    assert "Runs" in text
+    assert "fedsam seed0" in text
+    assert "90.00%" in text  # final accuracy
+    assert "80.00% ± 8.16%" in text  # last-3 mean ± std
+    assert "last k mean ± std" in text
+    row = next(line for line in text.splitlines() if "fedsam seed0" in line)
+    cells = [cell.strip() for cell in row.strip("│ ").split("│")]
+    assert cells[7] == "-"  # rounds_to_target is None
+
+
+def test_plot_accuracy_writes_png(tmp_path: Path) -> None:
+    runs = [load_run(write_run(tmp_path, f"r{s}", ACC, seed=s)) for s in range(2)]
+    out = plot_accuracy(runs, tmp_path / "plots" / "acc.png")
+    assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_main_writes_png_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dirs = [
+        write_run(tmp_path, "a0", [0.1, 0.5, 0.7], seed=0),
+        write_run(tmp_path, "a1", [0.1, 0.6, 0.9], seed=1),
+    ]
+    png, js = tmp_path / "out.png", tmp_path / "out.json"
+    argv = [*map(str, dirs), "--last-k", "2", "--target", "0.65", "--out", str(png), "--json", str(js)]
+    assert main(argv) == 0
+
+    data = png.read_bytes()
+    assert len(data) > len(PNG_MAGIC) and data.startswith(PNG_MAGIC)
+    payload = json.loads(js.read_text())
+    assert [run["label"] for run in payload["runs"]] == ["fedsam seed0", "fedsam seed1"]
+    assert payload["runs"][1]["final_accuracy"] == pytest.approx(0.9)
+    assert payload["by_algorithm"][0]["num_seeds"] == 2
+
+    stdout = capsys.readouterr().out
+    assert "fedsam seed1" in stdout
+    assert "Per algorithm" in stdout  # shown because fedsam has two seeds
+
+
+def test_main_default_png_in_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = write_run(tmp_path, "r", ACC)
+    monkeypatch.chdir(tmp_path)
+    assert main([str(run_dir)]) == 0
+    assert (tmp_path / "report.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_main_missing_directory_returns_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "does-not-exist"
+    assert main([str(missing), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert str(missing) in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "x.png").exists()
