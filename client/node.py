@@ -33,6 +33,10 @@ class NodeSettings:
                     f"node config lacks '{key}': start the SuperNode with "
                     '--node-config "partition-id=<i> num-partitions=<N>"'
                 )
+        for key in ("partition-id", "num-partitions", "threads"):
+            value = node_config.get(key, 1)
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(f"node config '{key}' must be a whole number (got {value!r})")
         try:
             settings = cls(
                 partition_id=int(node_config["partition-id"]),

@@ -43,6 +43,8 @@ def batch_indices(
     ``local_steps > 0``: exactly that many batches (epochs roll over as needed);
     otherwise ``local_epochs`` full passes (the last batch of a pass may be smaller).
     """
+    if n <= 0:
+        raise ValueError("no samples to draw mini-batches from")
     steps = local_steps if local_steps > 0 else local_epochs * math.ceil(n / batch_size)
     done = 0
     while done < steps:

@@ -188,9 +188,11 @@ def _coerce(key: str, value: Any, type_name: Any) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
-        if not isinstance(value, str):
-            raise ValueError
-        return value
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. run-dir=123 read as a TOML number
+        raise ValueError
     except (TypeError, ValueError):
         raise ConfigError(f"{key}={value!r} is not a valid {type_name}") from None
 
@@ -208,9 +210,12 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = (s.strip() for s in item.split("=", 1))
         try:
-            out[key] = tomllib.loads(f"v = {raw}")["v"]
+            value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
-            out[key] = raw  # a bare word such as fedsam
+            value = raw  # a bare word such as fedsam
+        if isinstance(DEFAULTS.get(key), str) and not isinstance(value, str):
+            value = raw.strip('"\'')  # text keys keep the text: run-dir=2024-01-01
+        out[key] = value
     return out
 
 

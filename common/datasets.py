@@ -101,15 +101,36 @@ def _load_cached(name: str, root: str, download: bool) -> FederatedDataset:
 
 
 def _digits() -> FederatedDataset:
-    """scikit-learn's 8x8 digits, fixed stratified 80/20 split (1437 / 360)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    """scikit-learn's 8x8 handwritten digits, fixed stratified 80/20 split (1437 / 360).
 
-    bunch = load_digits()
-    x = (bunch.images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
-    y = bunch.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    return FederatedDataset("digits", _split(x_tr, y_tr), _split(x_te, y_te), 10, (1, 8, 8))
+    The CSV that scikit-learn ships is read directly: importing sklearn costs more than a
+    second, and every ClientApp message in a deployment is a fresh process.
+    """
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetUnavailableError("dataset 'digits' needs scikit-learn (pip install scikit-learn)")
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    with gzip.open(path, "rt") as f:
+        raw = np.loadtxt(f, delimiter=",", dtype=np.float32)
+    x, y = raw[:, :-1].reshape(-1, 1, 8, 8) / 16.0, raw[:, -1].astype(np.int64)
+    test = _stratified_test_indices(y, test_fraction=0.2, seed=0)
+    train = np.setdiff1d(np.arange(len(y)), test)
+    return FederatedDataset("digits", _split(x[train], y[train]), _split(x[test], y[test]), 10, (1, 8, 8))
+
+
+def _stratified_test_indices(y: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:
+    """ceil(fraction * n) test indices, each class contributing in proportion (largest remainder)."""
+    rng = np.random.default_rng(seed)
+    classes, counts = np.unique(y, return_counts=True)
+    n_test = int(np.ceil(test_fraction * len(y)))
+    exact = counts * n_test / len(y)
+    quota = np.floor(exact).astype(int)
+    quota[np.argsort(-(exact - quota), kind="stable")[: n_test - quota.sum()]] += 1
+    picks = [rng.permutation(np.flatnonzero(y == c))[:q] for c, q in zip(classes, quota)]
+    return np.sort(np.concatenate(picks))
 
 
 def _synthetic(

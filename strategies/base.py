@@ -19,6 +19,7 @@ An algorithm subclass sets its records in :meth:`init_records` and implements
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -103,6 +104,8 @@ class FlatStrategy(FlowerFedAvg):
     def load_state_dict(self, state: dict) -> None:
         if state["algorithm"] != self.spec.name:
             raise ValueError(f"checkpoint is for {state['algorithm']}, not {self.spec.name}")
+        if layout_of(state["model"]) != self.layout:
+            raise ValueError("checkpoint model does not match this run's model (keys/shapes/dtypes)")
         self.round = int(state["round"])
         self.model = OrderedDict((k, v.clone()) for k, v in state["model"].items())
         self.records = {n: OrderedDict((k, v.clone()) for k, v in r.items()) for n, r in state["records"].items()}
@@ -127,7 +130,12 @@ class FlatStrategy(FlowerFedAvg):
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def handshake(self, grid: Grid, node_ids: list[int]) -> None:
-        """Ask nodes not seen before which partition they hold (one ``query`` message each)."""
+        """Ask nodes not seen before which partition they hold (one ``query`` message each).
+
+        Nodes that are no longer connected are forgotten first, so a restarted SuperNode
+        (new node id, same partition) takes its partition back.
+        """
+        self.partition_of = {n: p for n, p in self.partition_of.items() if n in node_ids}
         new = [n for n in node_ids if n not in self.partition_of]
         if not new:
             return
@@ -159,7 +167,7 @@ class FlatStrategy(FlowerFedAvg):
         return {self.partition_of[n]: n for n in nodes if n in self.partition_of}
 
     def sample(self, server_round: int, partitions: list[int], fraction: float) -> list[int]:
-        """Partition ids for this round: ``fixed`` = round(fraction * N) without replacement,
+        """Partition ids for this round: ``fixed`` = fraction * N rounded half up, without replacement,
         ``bernoulli`` = each with probability ``fraction`` (redrawn if empty). Seeded by
         (seed, round) only."""
         rng = np.random.default_rng([self.cfg.seed, server_round])
@@ -170,7 +178,7 @@ class FlatStrategy(FlowerFedAvg):
                 if chosen:
                     return chosen
         total = self.num_partitions or len(partitions)
-        size = min(len(partitions), max(1, round(fraction * total)))
+        size = min(len(partitions), max(1, math.floor(fraction * total + 0.5)))
         return sorted(int(p) for p in rng.choice(partitions, size=size, replace=False))
 
     # ------------------------------------------------------------------ Flower hooks: train
@@ -253,13 +261,21 @@ class FlatStrategy(FlowerFedAvg):
                         group_id=str(server_round)) for p in chosen]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Sample-weighted mean of the clients' eval-loss and eval-accuracy."""
-        rows = [r.content.metric_records[P.METRICS] for r in replies
-                if not r.has_error() and P.METRICS in r.content.metric_records]
+        """Sample-weighted mean of the clients' eval-loss and eval-accuracy (invalid replies skipped)."""
+        keys = ("eval-loss", "eval-accuracy")
+        rows = []
+        for reply in replies:
+            if reply.has_error():
+                log.warning("round %d: evaluation failed on node %d: %s", server_round,
+                            self._node_of(reply), reply.error.reason)
+                continue
+            metrics = reply.content.metric_records.get(P.METRICS, {})
+            values = [metrics.get(k) for k in ("num-examples", *keys)]
+            if any(v is None or not math.isfinite(float(v)) for v in values) or values[0] < 1:
+                log.warning("round %d: invalid evaluation reply ignored: %s", server_round, dict(metrics))
+                continue
+            rows.append(metrics)
         if not rows:
             return None
         total = float(sum(m["num-examples"] for m in rows))
-        return MetricRecord({
-            key: float(sum(m[key] * m["num-examples"] for m in rows)) / total
-            for key in ("eval-loss", "eval-accuracy")
-        })
+        return MetricRecord({k: float(sum(m[k] * m["num-examples"] for m in rows)) / total for k in keys})

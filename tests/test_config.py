@@ -1,0 +1,205 @@
+"""Tests for common/config.py: defaults, validation, CLI parsing and derived values."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+import pytest
+from conftest import fast_config
+
+from common.config import DEFAULTS, ConfigError, RunConfig, parse_assignments
+from common.datasets import DATASETS
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def app_config() -> dict:
+    with open(PYPROJECT, "rb") as f:
+        return tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+
+
+# ----------------------------------------------------------------------------- defaults
+def test_defaults_equal_pyproject_key_by_key() -> None:
+    toml = app_config()
+    assert sorted(DEFAULTS) == sorted(toml)
+    for key, value in toml.items():
+        assert DEFAULTS[key] == value, key
+        assert type(DEFAULTS[key]) is type(value), f"{key}: {type(DEFAULTS[key])} vs {type(value)}"
+
+
+def test_pyproject_config_is_a_valid_run_config() -> None:
+    assert RunConfig.from_mapping(app_config()) == RunConfig()
+    assert RunConfig.from_mapping({}) == RunConfig() == RunConfig.from_mapping(None)
+
+
+# ----------------------------------------------------------------------------- validation
+INVALID = [
+    ({"algorithm": "fedprox"}, "algorithm='fedprox' is not one of: fedavg, fedsam, mofedsam"),
+    ({"lr": 0.0}, "lr must be > 0"),
+    ({"lr": -0.1}, "lr must be > 0"),
+    ({"lr": float("nan")}, "lr must be > 0 (got nan)"),
+    ({"lr": "nan"}, "lr must be > 0 (got nan)"),
+    ({"rho": -0.01}, "rho must be >= 0"),
+    ({"fraction-train": 0.0}, "fraction-train must be in (0, 1]"),
+    ({"fraction-train": 1.5}, "fraction-train must be in (0, 1]"),
+    ({"fraction-evaluate": -0.1}, "fraction-evaluate must be in [0, 1]"),
+    ({"dataset": "imagenet"}, "dataset='imagenet' is not one of"),
+    ({"model": "vgg16"}, "model='vgg16' is not one of"),
+    ({"partition": "zipf"}, "partition='zipf' is not one of"),
+    ({"aggregation": "median"}, "aggregation='median' is not one of: uniform, weighted"),
+    ({"sampling": "poisson"}, "sampling='poisson' is not one of: bernoulli, fixed"),
+    ({"local-epochs": 0}, "local-epochs must be >= 1"),
+    ({"batch-size": 0}, "batch-size must be >= 1"),
+    ({"momentum": 1.0}, "momentum must be in [0, 1)"),
+    ({"lr-decay": 0.0}, "lr-decay must be in (0, 1]"),
+    ({"lr-decay": 1.5}, "lr-decay must be in (0, 1]"),
+    ({"learning-rate": 0.1}, "unknown run-config key(s): learning-rate"),
+    ({"lr": "abc"}, "lr='abc' is not a valid float"),
+    ({"num-server-rounds": 1.5}, "num-server-rounds=1.5 is not a valid int"),
+    ({"download": "maybe"}, "download='maybe' is not a valid bool"),
+    ({"algorithm": 3}, "algorithm='3' is not one of: fedavg, fedsam, mofedsam"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), INVALID,
+                         ids=[f"{next(iter(o))}={next(iter(o.values()))!r}" for o, _ in INVALID])
+def test_invalid_value_is_rejected_with_a_clear_message(overrides: dict, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_mapping(overrides)
+    assert expected in str(err.value)
+
+
+def test_unknown_key_message_lists_the_valid_keys() -> None:
+    with pytest.raises(ConfigError, match="Valid keys: ") as err:
+        RunConfig.from_mapping({"learning-rate": 0.1})
+    listed = str(err.value).split("Valid keys: ", 1)[1].split(", ")
+    assert listed == sorted(DEFAULTS)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_mapping({"lr": 0.0, "rho": -1.0, "batch-size": 0})
+    message = str(err.value)
+    assert "lr must be > 0" in message and "rho must be >= 0" in message
+    assert "batch-size must be >= 1" in message
+
+
+def test_replace_validates() -> None:
+    cfg = RunConfig()
+    assert cfg.replace(lr=0.5).lr == 0.5
+    with pytest.raises(ConfigError, match="lr must be > 0"):
+        cfg.replace(lr=-1.0)
+
+
+def test_invalid_config_fails_before_training(tmp_path: Path) -> None:
+    """The in-process runner refuses the config before it creates a run directory."""
+    from server.inprocess import run_inprocess
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match="lr must be > 0"):
+        run_inprocess(fast_config(lr=0.0, run_dir=str(run_dir)), num_clients=2)
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(True, True), (False, False), ("true", True), ("False", False), ("1", True), ("0", False),
+     (1, True), (0, False)],
+)
+def test_bool_coercion(value, expected: bool) -> None:
+    assert RunConfig.from_mapping({"download": value}).download is expected
+
+
+def test_numeric_coercion() -> None:
+    cfg = RunConfig.from_mapping({"num-server-rounds": 3.0, "lr": 1, "seed": "7"})
+    assert cfg.num_server_rounds == 3 and type(cfg.num_server_rounds) is int
+    assert cfg.lr == 1.0 and type(cfg.lr) is float
+    assert cfg.seed == 7
+    with pytest.raises(ConfigError, match="is not a valid int"):
+        RunConfig.from_mapping({"seed": True})
+
+
+# ----------------------------------------------------------------------------- CLI parsing
+def test_parse_assignments_reads_toml_scalars_and_bare_words() -> None:
+    values = parse_assignments([
+        "num-server-rounds=5",
+        "lr = 0.05",
+        "rho=1e-2",
+        'dataset="fashion-mnist"',
+        "algorithm=mofedsam",
+        "download=false",
+        "data-dir=/tmp/some dir",
+        "run-dir=a=b",
+    ])
+    assert values == {
+        "num-server-rounds": 5, "lr": 0.05, "rho": 0.01, "dataset": "fashion-mnist",
+        "algorithm": "mofedsam", "download": False, "data-dir": "/tmp/some dir", "run-dir": "a=b",
+    }
+    assert type(values["num-server-rounds"]) is int and type(values["lr"]) is float
+    assert values["download"] is False
+    cfg = RunConfig.from_mapping(values)
+    assert (cfg.num_server_rounds, cfg.algorithm, cfg.download) == (5, "mofedsam", False)
+
+
+def test_parse_assignments_true_and_empty_list() -> None:
+    assert parse_assignments(["download=true"]) == {"download": True}
+    assert parse_assignments([]) == {}
+
+
+def test_parse_assignments_requires_equals_sign() -> None:
+    with pytest.raises(ConfigError, match="--set expects key=value, got 'lr'"):
+        parse_assignments(["lr"])
+
+
+def test_parse_assignments_numeric_looking_string_value() -> None:
+    cfg = RunConfig.from_mapping(parse_assignments(["run-dir=123", "data-dir=2024-01-01"]))
+    assert (cfg.run_dir, cfg.data_dir) == ("123", "2024-01-01")
+    assert RunConfig.from_mapping({"run-dir": 123}).run_dir == "123"  # flwr run -c run-dir=123
+
+
+# ----------------------------------------------------------------------------- derived values
+def test_round_lr_decays_geometrically() -> None:
+    cfg = RunConfig.from_mapping({"lr": 0.1, "lr-decay": 0.5})
+    assert cfg.round_lr(1) == pytest.approx(0.1)
+    assert cfg.round_lr(2) == pytest.approx(0.05)
+    assert cfg.round_lr(4) == pytest.approx(0.0125)
+    constant = RunConfig.from_mapping({"lr": 0.3})
+    assert [constant.round_lr(r) for r in (1, 5, 100)] == [0.3, 0.3, 0.3]
+
+
+EXPECTED_AUTO_MODEL = {
+    "digits": "mlp", "synthetic": "logreg", "mnist": "cnn", "fashion-mnist": "cnn",
+    "cifar10": "lenet", "cifar100": "lenet",
+}
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_resolved_model_auto_per_dataset(dataset: str) -> None:
+    cfg = RunConfig.from_mapping({"dataset": dataset})
+    assert cfg.model == "auto"
+    assert cfg.resolved_model() == EXPECTED_AUTO_MODEL[dataset]
+    assert RunConfig.from_mapping({"dataset": dataset, "model": "resnet18-gn"}).resolved_model() \
+        == "resnet18-gn"
+
+
+def test_to_dict_from_mapping_round_trip() -> None:
+    cfg = RunConfig.from_mapping(fast_config(algorithm="mofedsam", lr=0.05, download=False,
+                                             run_dir="runs/x", fraction_train=0.5))
+    values = cfg.to_dict()
+    assert sorted(values) == sorted(DEFAULTS)
+    assert values["local-steps"] == 2 and values["algorithm"] == "mofedsam"
+    assert RunConfig.from_mapping(values) == cfg
+    # as written to config.json and read back
+    assert RunConfig.from_mapping(json.loads(json.dumps(values))) == cfg
+
+
+def test_defaults_mapping_matches_dataclass() -> None:
+    assert DEFAULTS == RunConfig().to_dict()
+    assert all(not (isinstance(v, float) and math.isnan(v)) for v in DEFAULTS.values())
