@@ -39,7 +39,8 @@ def _setup(context: Context) -> tuple[RunConfig, NodeSettings, torch.device]:
 
 def _model(cfg: RunConfig, node: NodeSettings, arrays: ArrayRecord, device: torch.device):
     data = dataset_for(cfg, node.data_dir)
-    model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes)
+    # seed=0: the weights are overwritten below; seeding keeps the global RNG untouched
+    model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
     model.load_state_dict(P.from_record(arrays), strict=True)
     return model.to(device)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import RunConfig
 from server.cli import main as cli
 from server.inprocess import run_inprocess
 
@@ -133,3 +134,21 @@ def test_cli_refuses_to_overwrite_a_run(tmp_path, capsys):
     assert cli(["simulate", "--engine", "inprocess", "--run-dir", str(tmp_path / "r")]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == '{"round": 0}\n'
+
+
+def test_cli_reports_a_failed_run_with_nonzero_exit(tmp_path, capsys):
+    """Pass/fail comes from the `flwr ls` status, not from `flwr run`'s exit code."""
+    from server.cli import EXIT_FAILED, Progress, _finish
+
+    cfg = RunConfig.from_mapping({"run-dir": str(tmp_path)})
+    code = _finish(cfg, False, Progress(tmp_path, 3), "ServerApp failed with exception: boom")
+    assert code == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "run failed: ServerApp failed with exception: boom" in err and str(tmp_path) in err
+
+
+def test_cli_unwritable_run_dir_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a directory")
+    code = cli(["simulate", "--engine", "inprocess", "--run-dir", str(tmp_path / "file" / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err
