@@ -25,7 +25,7 @@ install: $(STAMP)
 
 # A 4-client FedSAM federation on scikit-learn digits over real SuperLink/SuperNode processes.
 demo: $(STAMP)
-	$(BIN)/flatflower local --algorithm fedsam --clients 4 --rounds 6 --dataset digits \
+	$(BIN)/flatflower local --algorithm fedsam --clients 4 --rounds 6 --dataset digits --set local-epochs=10 \
 		--run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 # Everything: unit, algorithm and integration tests (real processes on loopback, Ray).

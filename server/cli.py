@@ -178,12 +178,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     preflight(cfg, args.clients)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
     if args.engine == "inprocess":
-        from server.inprocess import run_inprocess
-
-        logging.getLogger("flwr").setLevel(logging.WARNING)
-        print(f"in-process simulation: {args.clients} clients, {cfg.algorithm}", flush=True)
-        run_inprocess(cfg.to_dict(), args.clients)
-        return _finish(cfg, True, progress)
+        return _simulate_inprocess(cfg, args.clients, progress)
 
     from server.federation import COMPLETED, LocalFederation
 
@@ -205,6 +200,34 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return _finish(cfg, row.get("status") == COMPLETED, progress, row.get("status-details", ""))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _simulate_inprocess(cfg: RunConfig, clients: int, progress: Progress) -> int:
+    """The run in a worker thread, its rounds printed live from metrics.jsonl."""
+    import threading
+
+    from server.inprocess import run_inprocess
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    for name in ("flwr.flatflower.server", "flwr.flatflower.client"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    print(f"in-process simulation: {clients} clients, {cfg.algorithm}", flush=True)
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            run_inprocess(cfg.to_dict(), clients)
+        except BaseException as err:  # reported below, in the main thread
+            failure.append(err)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    while worker.is_alive():
+        progress()
+        worker.join(0.5)
+    if failure:
+        raise failure[0]
+    return _finish(cfg, True, progress)
 
 
 def main(argv: list[str] | None = None) -> int:

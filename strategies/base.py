@@ -63,11 +63,12 @@ class FlatStrategy(FlowerFedAvg):
     def __init__(self, cfg: RunConfig, initial_model: OrderedDict, spec: AlgorithmSpec | None = None):
         super().__init__(
             fraction_train=cfg.fraction_train,
-            fraction_evaluate=cfg.fraction_evaluate,
+            fraction_evaluate=1.0,  # set below: 0 (our default) makes Flower warn at every start
             min_train_nodes=1,
             min_evaluate_nodes=0,
             min_available_nodes=cfg.min_available_nodes,
         )
+        self.fraction_evaluate = cfg.fraction_evaluate
         self.cfg = cfg
         self.spec = spec or get_spec(cfg.algorithm)
         self.model: OrderedDict = OrderedDict((k, v.clone()) for k, v in initial_model.items())
