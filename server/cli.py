@@ -244,15 +244,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"local": cmd_local, "simulate": cmd_simulate}[args.command](args)
-    except (UsageError, ConfigError, DatasetUnavailableError, PartitionError, RunDirError) as err:
+    except (UsageError, ConfigError, DatasetUnavailableError, PartitionError, RunDirError,
+            OSError) as err:  # OSError: e.g. a run directory that cannot be created
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except FederationError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED
-    except OSError as err:  # e.g. a run directory that cannot be created
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted; all Flower processes were stopped", file=sys.stderr)
         return 130

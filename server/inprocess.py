@@ -88,7 +88,6 @@ def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
     from client.app import app as default_client_app
     from common.config import RunConfig
     from server.app import app as default_server_app
-
     from server.rundir import default_run_dir
 
     cfg = RunConfig.from_mapping(run_config)

@@ -35,7 +35,8 @@ from common.config import RunConfig
 from common.registry import AlgorithmSpec
 from common.registry import get as get_spec
 from strategies.aggregate import client_weights
-from strategies.validation import ClientUpdate, RejectedReply, layout_of, parse_train_reply
+from strategies.validation import (ClientUpdate, RejectedReply, layout_of, metric_value,
+                                  parse_train_reply)
 
 log = logging.getLogger("flwr.flatflower.server")
 
@@ -271,9 +272,12 @@ class FlatStrategy(FlowerFedAvg):
                             self._node_of(reply), reply.error.reason)
                 continue
             metrics = reply.content.metric_records.get(P.METRICS, {})
-            values = [metrics.get(k) for k in ("num-examples", *keys)]
-            if any(v is None or not math.isfinite(float(v)) for v in values) or values[0] < 1:
-                log.warning("round %d: invalid evaluation reply ignored: %s", server_round, dict(metrics))
+            try:
+                metric_value(metrics, "num-examples", 1)
+                for key in keys:
+                    metric_value(metrics, key, 0)
+            except RejectedReply as why:
+                log.warning("round %d: evaluation reply ignored: %s", server_round, why)
                 continue
             rows.append(metrics)
         if not rows:

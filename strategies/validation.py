@@ -57,7 +57,8 @@ def _parse_record(name: str, record: ArrayRecord, layout: Layout) -> OrderedDict
     return out
 
 
-def _metric(metrics, key: str, minimum: float) -> float:
+def metric_value(metrics, key: str, minimum: float) -> float:
+    """A finite metric >= minimum, or RejectedReply saying what is wrong."""
     if key not in metrics:
         raise RejectedReply(f"metrics lack '{key}'")
     value = float(metrics[key])
@@ -80,12 +81,12 @@ def parse_train_reply(
     if P.METRICS not in content.metric_records:
         raise RejectedReply("reply has no 'metrics' record")
     metrics = content.metric_records[P.METRICS]
-    reported = int(_metric(metrics, "partition-id", 0))
+    reported = int(metric_value(metrics, "partition-id", 0))
     if reported != partition_id:
         raise RejectedReply(f"reply claims partition {reported}, node holds {partition_id}")
-    num_examples = _metric(metrics, "num-examples", 1)
-    num_steps = _metric(metrics, "num-steps", 1)
-    train_loss = _metric(metrics, "train-loss", 0)
+    num_examples = metric_value(metrics, "num-examples", 1)
+    num_steps = metric_value(metrics, "num-steps", 1)
+    train_loss = metric_value(metrics, "train-loss", 0)
     return ClientUpdate(
         node_id=node_id,
         partition_id=partition_id,
