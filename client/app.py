@@ -45,6 +45,12 @@ def _model(cfg: RunConfig, node: NodeSettings, arrays: ArrayRecord, device: torc
     return model.to(device)
 
 
+def _initial_weights(cfg: RunConfig, node: NodeSettings):
+    """w^0, the run's initial global model (the server builds it from the same seed)."""
+    data = dataset_for(cfg, node.data_dir)
+    return build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed).state_dict()
+
+
 def _read_state(context: Context) -> dict:
     return {name: P.from_record(rec) for name, rec in context.state.array_records.items()}
 
@@ -58,7 +64,8 @@ def train(msg: Message, context: Context) -> Message:
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
     model = _model(cfg, node, msg.content[P.MODEL], device)
     broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
-    rule = spec.client_class()(cfg, model, broadcast, _read_state(context))
+    rule = spec.client_class()(cfg, model, broadcast, _read_state(context),
+                               initial_weights=lambda: _initial_weights(cfg, node))
     result = local_train(
         model, data, rule, cfg, cfg.round_lr(server_round),
         round_generator(cfg.seed, server_round, node.partition_id),

@@ -7,9 +7,13 @@ subtracting the perturbation, which would drift in floating point).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 EPS = 1e-12  # guards ||g|| = 0; the paper has no epsilon (notes §1.2)
 
@@ -19,11 +23,18 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def loss_and_grad(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
-    """Cross-entropy on (x, y) and its gradient w.r.t. the trainable parameters."""
-    loss = F.cross_entropy(model(x), y)
-    grads = torch.autograd.grad(loss, trainable(model))
-    return float(loss.detach()), list(grads)
+def loss_and_grad(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None = None
+) -> tuple[float, list[torch.Tensor]]:
+    """Loss on (x, y) (cross-entropy unless ``loss_fn``) and its gradient w.r.t. the trainable
+    parameters. ``loss_fn(logits, x, y)`` returns (objective to differentiate, loss to report)."""
+    logits = model(x)
+    if loss_fn is None:
+        objective = reported = F.cross_entropy(logits, y)
+    else:
+        objective, reported = loss_fn(logits, x, y)
+    grads = torch.autograd.grad(objective, trainable(model))
+    return float(reported.detach()), list(grads)
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -31,23 +42,34 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.sqrt(sum((t.detach().float() ** 2).sum() for t in tensors))
 
 
-def perturbed_gradient(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, direction: list[torch.Tensor], rho: float
-) -> list[torch.Tensor]:
-    """Gradient at w + rho * d/||d|| on the same batch; the weights come back unchanged."""
+def unit_scaled(direction: list[torch.Tensor], radius: float) -> list[torch.Tensor]:
+    """radius * d/||d|| (global norm); all zeros when d = 0."""
+    scale = radius / (float(global_norm(direction)) + EPS)
+    return [d * scale for d in direction]
+
+
+def gradient_at(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, offset: list[torch.Tensor]
+) -> tuple[float, list[torch.Tensor]]:
+    """(loss, gradient) at w + offset on (x, y); the weights come back bit-exactly."""
     params = trainable(model)
-    scale = rho / (global_norm(direction) + EPS)
     saved = [p.detach().clone() for p in params]
     with torch.no_grad():
-        for p, d in zip(params, direction):
-            p.add_(d, alpha=float(scale))
+        for p, o in zip(params, offset):
+            p.add_(o)
     try:
-        _, grads = loss_and_grad(model, x, y)
+        return loss_and_grad(model, x, y)
     finally:
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
-    return grads
+
+
+def perturbed_gradient(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, direction: list[torch.Tensor], rho: float
+) -> list[torch.Tensor]:
+    """Gradient at w + rho * d/||d|| on the same batch; the weights come back unchanged."""
+    return gradient_at(model, x, y, unit_scaled(direction, rho))[1]
 
 
 def sam_gradient(

@@ -53,10 +53,26 @@ class RunConfig:
     momentum: float = 0.0
     clip_norm: float = 0.0
     eval_batch_size: int = 512
-    # SAM family
+    # SAM family (shared radius) and per-algorithm hyperparameters (docs/algorithms.md)
     rho: float = 0.1
     mofedsam_beta: float = 0.1
-    mofedsam_server_step: str = "delta"
+    fedcm_alpha: float = 0.1
+    fedcm_server_step: str = "delta"
+    feddyn_alpha: float = 0.1
+    fedgmt_alpha: float = 0.95
+    fedgmt_beta: float = 10.0
+    fedgmt_gamma: float = 1.0
+    fedgmt_tau: float = 3.0
+    fedgmt_v2_alpha: float = 0.5
+    fedgmt_v2_init: str = "initial"
+    fednsam_lambda: float = 0.85
+    fedtoga_alpha: float = 0.1
+    fedtoga_prox_scale: str = "multiplier"
+    fedtoga_kappa: float = 1.0
+    fedtoga_beta: float = 0.9
+    fedtoga_perturbation: str = "G"
+    fedtoga_dual_divisor: str = "M"
+    fedtoga_delta_scale: str = "literal"
     # output
     run_dir: str = ""
 
@@ -111,13 +127,29 @@ class RunConfig:
         choice("partition", partition.PARTITIONS)
         choice("sampling", ("fixed", "bernoulli"))
         choice("aggregation", ("weighted", "uniform"))
-        choice("mofedsam_server_step", ("delta", "literal"))
+        choice("fedcm_server_step", ("delta", "literal"))
+        choice("fedgmt_v2_init", ("initial", "global"))
+        choice("fedtoga_prox_scale", ("multiplier", "literal"))
+        choice("fedtoga_perturbation", ("G", "N", "fusion"))
+        choice("fedtoga_dual_divisor", ("M", "N"))
+        choice("fedtoga_delta_scale", ("literal", "per-lr"))
         check(self.num_server_rounds >= 1, "num-server-rounds must be >= 1")
         check(self.seed >= 0, "seed must be >= 0")
         check(_pos(self.lr), f"lr must be > 0 (got {self.lr})")
         check(_pos(self.lr_decay) and self.lr_decay <= 1.0, "lr-decay must be in (0, 1]")
         check(_nonneg(self.rho), f"rho must be >= 0 (got {self.rho})")
         check(0.0 <= self.mofedsam_beta <= 1.0, "mofedsam-beta must be in [0, 1]")
+        check(0.0 <= self.fedcm_alpha <= 1.0, "fedcm-alpha must be in [0, 1]")
+        check(_pos(self.feddyn_alpha), f"feddyn-alpha must be > 0 (got {self.feddyn_alpha})")
+        for name in ("fedgmt_alpha", "fedgmt_v2_alpha"):
+            check(0.0 <= getattr(self, name) < 1.0, f"{_key(name)} must be in [0, 1)")
+        check(_pos(self.fedgmt_beta), f"fedgmt-beta must be > 0 (got {self.fedgmt_beta})")
+        check(_nonneg(self.fedgmt_gamma), f"fedgmt-gamma must be >= 0 (got {self.fedgmt_gamma})")
+        check(_pos(self.fedgmt_tau), f"fedgmt-tau must be > 0 (got {self.fedgmt_tau})")
+        check(0.0 <= self.fednsam_lambda < 1.0, "fednsam-lambda must be in [0, 1)")
+        check(_pos(self.fedtoga_alpha), f"fedtoga-alpha must be > 0 (got {self.fedtoga_alpha})")
+        check(_nonneg(self.fedtoga_kappa), f"fedtoga-kappa must be >= 0 (got {self.fedtoga_kappa})")
+        check(_nonneg(self.fedtoga_beta), f"fedtoga-beta must be >= 0 (got {self.fedtoga_beta})")
         check(_pos(self.server_lr), f"server-lr must be > 0 (got {self.server_lr})")
         check(
             0.0 < self.fraction_train <= 1.0,
@@ -146,6 +178,11 @@ class RunConfig:
     def round_lr(self, server_round: int) -> float:
         """Local learning rate of round ``server_round`` (1-based): lr * lr_decay^(r-1)."""
         return self.lr * self.lr_decay ** (server_round - 1)
+
+    def fedtoga_coefficient(self) -> float:
+        """FedTOGA's a, the prox weight and dual step: alpha ("multiplier", notes §6-A1) or
+        1/alpha ("literal", as printed in Alg. 1)."""
+        return self.fedtoga_alpha if self.fedtoga_prox_scale == "multiplier" else 1.0 / self.fedtoga_alpha
 
     def resolved_model(self) -> str:
         """The model name, with ``auto`` replaced by the dataset's default model."""

@@ -19,7 +19,13 @@ from flwr.app import Array, ArrayRecord, RecordDict
 MODEL = "arrays"
 CONFIG = "config"
 METRICS = "metrics"
-GLOBAL_UPDATE = "global_update"  # MoFedSAM / FedCM: the server's global update direction
+GLOBAL_UPDATE = "global_update"  # FedCM / MoFedSAM / FedTOGA: the server's global update Delta
+EMA_MODEL = "ema_model"  # FedGMT: the server's EMA ("trajectory") model e
+MOMENTUM = "server_momentum"  # FedNSAM: the server's Nesterov momentum m
+
+# Server-side state (never sent) and client-side state (``context.state``) record names.
+DUAL = "dual"  # FedDyn family: server dual h / client dual h_i (FedGMT: u, u_m)
+CLIENT_EMA = "ema"  # FedGMT-v2: the client's own EMA model e_m
 
 Tensors = "OrderedDict[str, torch.Tensor]"
 

@@ -32,7 +32,7 @@ class UsageError(Exception):
 
 # ---------------------------------------------------------------------------- arguments
 def _run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--algorithm", "-a", help="fedavg | fedsam | mofedsam (default: run config)")
+    p.add_argument("--algorithm", "-a", help="algorithm name, e.g. fedsam, fedgmt, fedtoga (default: run config)")
     p.add_argument("--clients", "-n", type=int, default=4, help="number of clients (default 4)")
     p.add_argument("--rounds", "-r", type=int, help="server rounds (num-server-rounds)")
     p.add_argument("--dataset", help="digits | synthetic | mnist | fashion-mnist | cifar10 | cifar100")

@@ -1,34 +1,10 @@
-"""MoFedSAM server (Qu et al. 2022, Alg. 2), keeping and broadcasting the global update.
-
-    Delta^{r+1} = - sum_i p_i (w_i - w^r) / (eta_l^r * tau_i)    (gradient units)
-
-is sent to the clients next round (Delta^0 = 0). The paper's normalisation is
--(1/(eta_l K S)) sum_i Delta_i; with tau_i = each client's actual number of local steps the
-two agree when all clients take K steps (notes §6 A1-A2).
-
-Model step, ``mofedsam-server-step``:
-  * ``delta`` (default, the notes' recommended reading): w^{r+1} = w^r + eta_g sum_i p_i (w_i - w^r),
-    i.e. model averaging at eta_g = 1 whatever eta_l and K are;
-  * ``literal`` (Alg. 2 as printed): w^{r+1} = w^r - eta_g Delta^{r+1}; equals ``delta`` only
-    when eta_l * K = 1 (the paper's defaults eta_l = 0.1, K = 10).
-"""
+"""MoFedSAM server (Qu et al. 2022, Alg. 2): FedCM's server (see strategies.fedcm); the
+difference from FedCM is the clients' SAM gradient."""
 
 from __future__ import annotations
 
-from common.protocol import GLOBAL_UPDATE
-from strategies.aggregate import add_scaled, scale, sub, weighted_sum, zeros_like
-from strategies.fedavg import FedAvg
+from strategies.fedcm import FedCM
 
 
-class MoFedSAM(FedAvg):
-    def init_records(self):
-        self.records[GLOBAL_UPDATE] = zeros_like(self.model)  # Delta^0 = 0
-
-    def update(self, server_round, updates, weights):
-        lr = self.cfg.round_lr(server_round)
-        per_client = [scale(sub(u.model, self.model), -1.0 / (lr * u.num_steps)) for u in updates]
-        self.records[GLOBAL_UPDATE] = weighted_sum(per_client, weights)
-        if self.cfg.mofedsam_server_step == "literal":
-            self.model = add_scaled(self.model, -self.cfg.server_lr, self.records[GLOBAL_UPDATE])
-        else:
-            self.model = add_scaled(self.model, self.cfg.server_lr, self.mean_delta(updates, weights))
+class MoFedSAM(FedCM):
+    """Broadcasts the global update Delta (2 models down, 1 up)."""

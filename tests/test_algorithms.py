@@ -116,7 +116,7 @@ def test_fedsam_matches_pseudocode(tmp_path):
 @pytest.mark.parametrize("step", ["delta", "literal"])
 def test_mofedsam_matches_pseudocode(tmp_path, step):
     result = run(tmp_path, "mofedsam", algorithm="mofedsam", rho=0.2,
-                 **{"mofedsam-beta": 0.3, "mofedsam-server-step": step, "server-lr": 0.8})
+                 **{"mofedsam-beta": 0.3, "fedcm-server-step": step, "server-lr": 0.8})
     assert_matches(result, reference(result, "mofedsam", rho=0.2, beta=0.3, server_lr=0.8, step=step))
 
 
@@ -144,7 +144,7 @@ def test_mofedsam_literal_step_equals_delta_step_when_lr_times_k_is_1(tmp_path):
     """Notes §6 A2: the literal Alg. 2 server step is model averaging iff eta_l * K = 1."""
     common = {"algorithm": "mofedsam", "rho": 0.1, "lr": 0.25, "local-steps": 4}
     a = run(tmp_path, "a", **common)["final"]
-    b = run(tmp_path, "b", **common, **{"mofedsam-server-step": "literal"})["final"]
+    b = run(tmp_path, "b", **common, **{"fedcm-server-step": "literal"})["final"]
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 

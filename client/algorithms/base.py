@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -16,7 +17,8 @@ class ClientAlgorithm:
     """Client half of an algorithm.
 
     ``broadcast`` holds the extra records the server sent this round (by record name);
-    ``state`` the client's persistent records from earlier rounds (empty at first). The
+    ``state`` the client's persistent records from earlier rounds (empty at first);
+    ``initial_weights()`` rebuilds the run's initial global model w^0. The
     local loop calls :meth:`direction` once per local step and applies it with SGD (weight
     decay, momentum and clipping are the loop's job). After training, :meth:`uploads` and
     :meth:`new_state` say what goes to the server and what the client keeps.
@@ -28,10 +30,12 @@ class ClientAlgorithm:
         model: nn.Module,
         broadcast: dict[str, OrderedDict[str, torch.Tensor]],
         state: dict[str, OrderedDict[str, torch.Tensor]],
+        initial_weights: Callable[[], OrderedDict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.broadcast = broadcast
         self.state = state
+        self.initial_weights = initial_weights  # w^0 of the run (rebuilt from the seed) on demand
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         device = next(model.parameters()).device
         # Broadcast tensors aligned with the trainable parameters, on the model's device.

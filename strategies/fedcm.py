@@ -1,0 +1,40 @@
+"""FedCM server (Xu et al. 2021), also MoFedSAM's (Qu et al. 2022, Alg. 2): it keeps and
+broadcasts the global update
+
+    Delta^{r+1} = - sum_i p_i (w_i - w^r) / (eta_l^r * tau_i)    (gradient units)
+
+sent to the clients next round (Delta^0 = 0). The papers' normalisation is
+-(1/(eta_l K S)) sum_i Delta_i; with tau_i = each client's actual number of local steps the
+two agree when all clients take K steps (MoFedSAM notes §6 A1-A2).
+
+Model step, ``fedcm-server-step``:
+  * ``delta`` (default, the notes' recommended reading and the FL-Simulator code):
+    w^{r+1} = w^r + eta_g sum_i p_i (w_i - w^r), i.e. model averaging at eta_g = 1;
+  * ``literal`` (Alg. 2 as printed): w^{r+1} = w^r - eta_g Delta^{r+1}; equals ``delta`` only
+    when eta_l * K = 1 (the paper's defaults eta_l = 0.1, K = 10).
+"""
+
+from __future__ import annotations
+
+from common.protocol import GLOBAL_UPDATE
+from strategies.aggregate import add_scaled, scale, sub, weighted_sum, zeros_like
+from strategies.fedavg import FedAvg
+
+
+def global_update(model, updates, weights, lr: float):
+    """-sum_i p_i (w_i - w) / (lr * tau_i): the round's mean pseudo-gradient."""
+    per_client = [scale(sub(u.model, model), -1.0 / (lr * u.num_steps)) for u in updates]
+    return weighted_sum(per_client, weights)
+
+
+class FedCM(FedAvg):
+    def init_records(self):
+        self.records[GLOBAL_UPDATE] = zeros_like(self.model)  # Delta^0 = 0
+
+    def update(self, server_round, updates, weights):
+        lr = self.cfg.round_lr(server_round)
+        self.records[GLOBAL_UPDATE] = global_update(self.model, updates, weights, lr)
+        if self.cfg.fedcm_server_step == "literal":
+            self.model = add_scaled(self.model, -self.cfg.server_lr, self.records[GLOBAL_UPDATE])
+        else:
+            self.model = add_scaled(self.model, self.cfg.server_lr, self.mean_delta(updates, weights))
