@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, RecordDict
 from flwr.serverapp import Grid
 
 from common import protocol as P
@@ -66,6 +66,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
             "train_loss": stats.get("train_loss"),
             **{k: int(stats[k]) for k in ("clients_sampled", "clients_replied", "clients_rejected",
                                            "clients_failed", "bytes_down", "bytes_up")},
+            "sampled_partitions": [int(p) for p in stats.get("sampled_partitions", [])],
             "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4),
         })
         run_dir.append_metrics(row)
@@ -77,6 +78,9 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     run_dir.write_summary({"final_test_accuracy": acc, "final_test_loss": loss,
                            "rounds": cfg.num_server_rounds,
                            "seconds": round(time.monotonic() - t_start, 2),
-                           "num_partitions": strategy.num_partitions})
+                           "num_partitions": strategy.num_partitions,
+                           "model_bytes": P.payload_bytes(RecordDict({P.MODEL: P.to_record(strategy.model)})),
+                           "records_down": list(strategy.spec.down),
+                           "records_up": list(strategy.spec.up)})
     log.info("flatflower: finished, final test accuracy %.4f, run directory %s", acc, run_dir.path)
     return run_dir.path

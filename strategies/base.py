@@ -23,7 +23,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -56,6 +56,7 @@ class RoundStats:
     bytes_down: int = 0
     bytes_up: int = 0
     train_loss: float = float("nan")
+    sampled_partitions: list[int] = field(default_factory=list)
 
 
 class FlatStrategy(FlowerFedAvg):
@@ -200,6 +201,7 @@ class FlatStrategy(FlowerFedAvg):
                         group_id=str(server_round)) for p in chosen]
         self._messages = msgs
         self.stats.clients_sampled = len(msgs)
+        self.stats.sampled_partitions = list(chosen)
         self.stats.bytes_down = P.payload_bytes(content) * len(msgs)
         log.info("round %d: sampled partitions %s", server_round, chosen)
         return msgs
@@ -245,7 +247,8 @@ class FlatStrategy(FlowerFedAvg):
             log.warning("round %d: no valid client update; the global model is unchanged",
                         server_round)
         self.round = server_round
-        metrics = MetricRecord({k: v for k, v in asdict(self.stats).items() if v == v})  # drop NaN
+        metrics = MetricRecord({k: v for k, v in asdict(self.stats).items()
+                                if v == v and v != []})  # drop NaN / empty
         return P.to_record(self.model), metrics
 
     # ------------------------------------------------------------------ Flower hooks: evaluate
