@@ -3,6 +3,10 @@
     flatflower local    --algorithm A --clients N --rounds R [...]   real SuperLink + N SuperNodes
     flatflower simulate --algorithm A --clients N --rounds R [...]   Flower's Ray simulation engine
     flatflower report   RUN_DIR [RUN_DIR ...]                        table + accuracy plot
+    flatflower presets                                               list configs/presets/
+
+``--preset NAME_OR_FILE`` starts from a paper's setting (server/presets.py); ``--set`` values
+override it, and the named flags override both.
 
 Bad input (unknown algorithm, invalid value, missing dataset, a run directory that already
 holds a run) is reported in one line before anything starts, with exit code 2.
@@ -22,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunConfig, parse_assignments
+from server.presets import PresetError, available, load_preset
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_CLIENTS = 4
 
 
 class UsageError(Exception):
@@ -33,7 +39,11 @@ class UsageError(Exception):
 # ---------------------------------------------------------------------------- arguments
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", "-a", help="algorithm name, e.g. fedsam, fedgmt, fedtoga (default: run config)")
-    p.add_argument("--clients", "-n", type=int, default=4, help="number of clients (default 4)")
+    p.add_argument("--preset", metavar="NAME_OR_FILE",
+                   help="start from a preset: a TOML file or a name in configs/presets/ "
+                        "(list: flatflower presets)")
+    p.add_argument("--clients", "-n", type=int,
+                   help=f"number of clients (default: the preset's, else {DEFAULT_CLIENTS})")
     p.add_argument("--rounds", "-r", type=int, help="server rounds (num-server-rounds)")
     p.add_argument("--dataset", help="digits | synthetic | mnist | fashion-mnist | cifar10 | cifar100")
     p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | resnet18-gn")
@@ -61,12 +71,28 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--gpus-per-client", type=float, default=0.0)
     sim.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
     sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)
+    sub.add_parser("presets", help="list the presets in configs/presets/")
     return parser
 
 
+def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
+    """The --preset's [config] values ({} without one); fills in --clients when not given.
+
+    Idempotent: the preset is read once and kept on ``args``."""
+    if not hasattr(args, "preset_values"):
+        preset = load_preset(args.preset) if args.preset else None
+        args.preset_values = dict(preset.config) if preset else {}
+        if args.clients is None:
+            args.clients = preset.clients if preset and preset.clients else DEFAULT_CLIENTS
+        if preset:
+            print(f"preset {preset.name}: {preset.description}", flush=True)
+    return args.preset_values
+
+
 def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> RunConfig:
-    """Run config from --set values, then explicit flags; validated."""
-    values = parse_assignments(args.sets)
+    """Run config from the preset, then --set values, then explicit flags; validated."""
+    values = dict(apply_preset(args))
+    values.update(parse_assignments(args.sets))
     flags = {"algorithm": args.algorithm, "num-server-rounds": args.rounds, "dataset": args.dataset,
              "model": args.model, "partition": args.partition, "seed": args.seed,
              "fraction-train": args.fraction}
@@ -230,6 +256,24 @@ def _simulate_inprocess(cfg: RunConfig, clients: int, progress: Progress) -> int
     return _finish(cfg, True, progress)
 
 
+def cmd_presets(args: argparse.Namespace) -> int:
+    """List name, description and source of each preset in configs/presets/."""
+    names = available()
+    if not names:
+        print("no presets in configs/presets/")
+    failed = False
+    for name in names:
+        try:
+            preset = load_preset(name)
+        except PresetError as err:
+            print(f"{name}: error: {err}", file=sys.stderr)
+            failed = True
+            continue
+        clients = f"  ({preset.clients} clients)" if preset.clients else ""
+        print(f"{name}{clients}\n    {preset.description}\n    source: {preset.source or '-'}")
+    return EXIT_USAGE if failed else EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "report":
@@ -243,9 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     from server.rundir import RunDirError
 
     try:
+        if args.command == "presets":
+            return cmd_presets(args)
+        apply_preset(args)
         return {"local": cmd_local, "simulate": cmd_simulate}[args.command](args)
-    except (UsageError, ConfigError, DatasetUnavailableError, PartitionError, RunDirError,
-            OSError) as err:  # OSError: e.g. a run directory that cannot be created
+    except (UsageError, ConfigError, PresetError, DatasetUnavailableError, PartitionError,
+            RunDirError, OSError) as err:  # OSError: e.g. a run directory that cannot be created
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except FederationError as err:

@@ -1,0 +1,111 @@
+"""Presets: TOML files that pin one paper's experimental setting.
+
+    [preset]
+    description = "FedTOGA, CIFAR-10, LeNet, Dirichlet u=0.1, 100 clients at 10%"
+    source = "FedTOGA (Li et al.), Table 1 ...: FedTOGA 82.05±0.11"
+    clients = 100                    # optional; the CLI's --clients default
+
+    [config]                         # run-config keys, as in [tool.flwr.app.config]
+    algorithm = "fedtoga"
+    ...
+
+``flatflower local|simulate --preset NAME_OR_FILE`` accepts a file path or the name of a file
+in ``configs/presets/`` of this checkout (``--preset fedtoga-cifar10-lenet-dir0.1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError, RunConfig
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "presets"
+PRESET_KEYS = ("description", "source", "clients")
+
+
+class PresetError(ValueError):
+    """A preset that cannot be found, parsed or validated."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One preset: what it reproduces, its client count and its run-config values."""
+
+    description: str
+    source: str = ""
+    clients: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.path else ""
+
+
+def available(directory: Path = PRESET_DIR) -> list[str]:
+    """Names of the presets in ``directory`` (file stems, sorted)."""
+    return sorted(p.stem for p in directory.glob("*.toml")) if directory.is_dir() else []
+
+
+def find_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Path:
+    """The file of a preset: an existing path, else ``directory/<name>.toml``."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    text = str(name_or_path)
+    if "/" in text or "\\" in text or text.endswith(".toml"):
+        raise PresetError(f"preset file {text} not found")
+    candidate = directory / f"{text}.toml"
+    if candidate.is_file():
+        return candidate
+    names = ", ".join(available(directory)) or "none"
+    raise PresetError(f"unknown preset {text!r}; available presets: {names}")
+
+
+def load_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Preset:
+    """Read and validate a preset (a file path or a name in ``directory``)."""
+    path = find_preset(name_or_path, directory)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise PresetError(f"{path}: invalid TOML: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise PresetError(f"{path}: cannot read preset: {err}") from None
+
+    unknown = sorted(set(data) - {"preset", "config"})
+    if unknown:
+        raise PresetError(f"{path}: unknown table(s) {', '.join(unknown)}; "
+                          "a preset has [preset] and [config]")
+    for table in ("preset", "config"):
+        if table not in data:
+            raise PresetError(f"{path}: missing [{table}] table")
+        if not isinstance(data[table], dict):
+            raise PresetError(f"{path}: {table} must be a table ([{table}])")
+    meta, config = data["preset"], data["config"]
+
+    unknown = sorted(set(meta) - set(PRESET_KEYS))
+    if unknown:
+        raise PresetError(f"{path}: unknown key(s) in [preset]: {', '.join(unknown)}; "
+                          f"valid keys: {', '.join(PRESET_KEYS)}")
+    for key in ("description", "source"):
+        if not isinstance(meta.get(key, ""), str):
+            raise PresetError(f"{path}: [preset] {key} must be a string")
+    if not meta.get("description", "").strip():
+        raise PresetError(f"{path}: [preset] needs a description")
+    clients = meta.get("clients")
+    if clients is not None and (type(clients) is not int or clients < 1):  # bool is not int here
+        raise PresetError(f"{path}: [preset] clients must be a positive integer, got {clients!r}")
+
+    try:
+        RunConfig.from_mapping(config)
+    except ConfigError as err:
+        raise PresetError(f"{path}: [config]: {err}") from None
+    return Preset(meta["description"], meta.get("source", ""), clients, dict(config), path)

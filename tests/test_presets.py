@@ -1,0 +1,173 @@
+"""Presets: the loader (server/presets.py), the files in configs/presets/ and the CLI's
+``--preset`` / ``flatflower presets``. Offline; only the digits preset is run (in-process)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from common.config import RunConfig
+from server.cli import build_parser, main, resolve_config
+from server.presets import PRESET_DIR, PresetError, available, load_preset
+
+PRESETS = available()
+PAPER_PRESETS = [name for name in PRESETS if name != "digits-quick"]
+REQUIRED = (
+    "digits-quick", "fedtoga-cifar10-lenet-dir0.1", "fedtoga-cifar10-resnet18-dir0.6",
+    "fedgmt-cifar10-cnn-dir0.1", "fedgmt-v2-cifar10-cnn-dir0.1", "fednsam-cifar100-resnet18-dir0.6",
+    "fedcm-cifar10-lenet-dir0.1", "feddyn-cifar10-lenet-dir0.1", "fedspeed-cifar10-lenet-dir0.1",
+)
+
+
+def write_preset(tmp_path: Path, text: str, name: str = "p.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+GOOD = """
+[preset]
+description = "test preset"
+source = "nowhere, Table 0"
+clients = 6
+
+[config]
+algorithm = "fedavg"
+dataset = "synthetic"
+lr = 0.05
+rho = 0.3
+num-server-rounds = 3
+"""
+
+
+# ------------------------------------------------------------------ the shipped presets
+def test_required_presets_exist():
+    assert set(REQUIRED) <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_parses_and_validates(name):
+    preset = load_preset(name)
+    cfg = RunConfig.from_mapping(preset.config)
+    assert preset.name == name and preset.path == PRESET_DIR / f"{name}.toml"
+    assert preset.clients is not None and preset.clients >= 1
+    assert preset.config["algorithm"] == cfg.algorithm  # every preset names its algorithm
+    assert cfg.fraction_train * preset.clients >= 1
+
+
+@pytest.mark.parametrize("name", PAPER_PRESETS)
+def test_every_paper_preset_cites_a_table(name):
+    preset = load_preset(name)
+    assert preset.description.strip()
+    assert re.search(r"\bTable \d", preset.source), preset.source
+    assert re.search(r"\d+\.\d\d", preset.source), "the source quotes the number it reproduces"
+    assert preset.config["algorithm"].lower() in name
+
+
+def test_load_by_path_equals_load_by_name():
+    by_name = load_preset("fedtoga-cifar10-lenet-dir0.1")
+    by_path = load_preset(str(PRESET_DIR / "fedtoga-cifar10-lenet-dir0.1.toml"))
+    assert by_name == by_path
+    assert by_name.clients == 100 and by_name.config["fedtoga-beta"] == 0.9
+
+
+# ------------------------------------------------------------------ precedence and --clients
+def resolved(argv: list[str]) -> tuple[RunConfig, int]:
+    args = build_parser().parse_args(["simulate", "--engine", "inprocess", *argv])
+    return resolve_config(args), args.clients
+
+
+def test_precedence_preset_then_set_then_flags(tmp_path):
+    path = write_preset(tmp_path, GOOD)
+    run_dir = ["--run-dir", str(tmp_path / "run")]
+    cfg, _ = resolved(["--preset", str(path), *run_dir])
+    assert (cfg.algorithm, cfg.lr, cfg.rho, cfg.num_server_rounds) == ("fedavg", 0.05, 0.3, 3)
+    cfg, _ = resolved(["--preset", str(path), "--set", "lr=0.2", "--set", "num-server-rounds=5",
+                       *run_dir])
+    assert (cfg.lr, cfg.rho, cfg.num_server_rounds) == (0.2, 0.3, 5)  # --set beats the preset
+    cfg, _ = resolved(["--preset", str(path), "--set", "num-server-rounds=5", "--rounds", "7",
+                       "--algorithm", "fedsam", *run_dir])
+    assert (cfg.num_server_rounds, cfg.algorithm, cfg.rho) == (7, "fedsam", 0.3)  # flags beat both
+
+
+def test_clients_default_from_preset(tmp_path):
+    path = write_preset(tmp_path, GOOD)
+    run_dir = ["--run-dir", str(tmp_path / "run")]
+    assert resolved(["--preset", str(path), *run_dir])[1] == 6
+    assert resolved(["--preset", str(path), "--clients", "3", *run_dir])[1] == 3
+    assert resolved(run_dir)[1] == 4  # no preset: the old default
+    no_clients = write_preset(tmp_path, GOOD.replace("clients = 6\n", ""), "q.toml")
+    assert resolved(["--preset", str(no_clients), *run_dir])[1] == 4
+
+
+def test_digits_preset_runs_inprocess(tmp_path, capsys):
+    run = tmp_path / "run"
+    code = main(["simulate", "--engine", "inprocess", "--preset", "digits-quick", "--run-dir", str(run)])
+    assert code == 0
+    preset = load_preset("digits-quick")
+    config = json.loads((run / "config.json").read_text())["config"]
+    assert all(config[k] == v for k, v in preset.config.items())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == preset.config["num-server-rounds"] + 1
+    assert rows[-1]["clients_sampled"] == 10  # 20 clients from the preset, fraction 0.5
+    assert "preset digits-quick" in capsys.readouterr().out
+
+
+def test_presets_subcommand_lists_every_preset(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    for name in PRESETS:
+        preset = load_preset(name)
+        assert name in out and preset.description in out and preset.source in out
+
+
+# ------------------------------------------------------------------ errors: exit 2, one line
+@pytest.mark.parametrize("text, message", [
+    ("[preset\ndescription = 'x'\n", "invalid TOML"),
+    ("[config]\nalgorithm = 'fedsam'\n", "missing [preset] table"),
+    ("[preset]\ndescription = 'x'\n", "missing [config] table"),
+    (GOOD.replace("clients = 6", "clients = 6\nauthor = 'me'"),
+     "unknown key(s) in [preset]: author"),
+    (GOOD.replace("clients = 6", "clients = 0"), "clients must be a positive integer"),
+    (GOOD.replace("clients = 6", "clients = 2.5"), "clients must be a positive integer"),
+    (GOOD.replace("clients = 6", "clients = true"), "clients must be a positive integer"),
+    (GOOD.replace('description = "test preset"', ""), "needs a description"),
+    ("config = 3\n" + GOOD.replace("[config]", "[other]"), "unknown table(s) other"),
+    ("config = 3\n[preset]\ndescription = 'x'\n", "config must be a table"),
+    (GOOD + "[extra]\n", "unknown table(s) extra"),
+    (GOOD + "nonsense = 1\n", "unknown run-config key(s): nonsense"),
+    (GOOD.replace("lr = 0.05", "lr = -1.0"), "lr must be > 0"),
+    (GOOD.replace("lr = 0.05", "lr = 'fast'"), "lr='fast' is not a valid float"),
+])
+def test_bad_preset_file_is_one_line_exit_2(tmp_path, capsys, text, message):
+    path = write_preset(tmp_path, text)
+    code = main(["simulate", "--engine", "inprocess", "--preset", str(path),
+                 "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert message in err and str(path) in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_toml_error_names_line_and_column(tmp_path):
+    path = write_preset(tmp_path, "[preset]\ndescription = \n")
+    with pytest.raises(PresetError, match=r"line 2, column"):
+        load_preset(path)
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("{tmp}/missing.toml", "preset file {tmp}/missing.toml not found"),
+    ("no-such-preset", "unknown preset 'no-such-preset'; available presets: digits-quick, "),
+])
+def test_missing_preset_is_one_line_exit_2(tmp_path, capsys, arg, message):
+    arg, message = (s.replace("{tmp}", str(tmp_path)) for s in (arg, message))
+    code = main(["local", "--preset", arg, "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    assert message in err
+    if "available" in message:
+        assert all(name in err for name in PRESETS)
