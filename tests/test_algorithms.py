@@ -24,18 +24,30 @@ K = 3  # local steps
 LR = 0.1
 
 
-def run(tmp_path, name, **overrides) -> dict:
+def run(tmp_path, name, num_clients=3, **overrides) -> dict:
+    """Run the real ServerApp + ClientApps in-process; ``overrides`` are run-config keys.
+
+    Returns the initial and final global models, the partitions, the run config, the
+    training rows of metrics.jsonl (round >= 1, each with ``sampled_partitions``), the run
+    directory and the in-process grid (whose node contexts hold the clients' state).
+    """
     cfg = {
         "dataset": "synthetic", "model": "logreg", "partition": "iid", "seed": 3,
         "local-steps": K, "batch-size": 100_000, "lr": LR, "num-server-rounds": 2,
         "run-dir": str(tmp_path / name), **overrides,
     }
-    run_dir, _ = run_inprocess(cfg, num_clients=3)
+    run_dir, grid = run_inprocess(cfg, num_clients=num_clients)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
     return {
         "init": torch.load(run_dir / "model_init.pt"),
         "final": torch.load(run_dir / "model_final.pt"),
         "parts": json.loads((run_dir / "partition.json").read_text())["partitions"],
         "cfg": {**cfg},
+        "rows": [row for row in rows if row["round"] >= 1],
+        "run_dir": run_dir,
+        "grid": grid,
+        "num_clients": num_clients,
     }
 
 
@@ -65,11 +77,11 @@ def reference(result, algorithm, rounds=2, rho=0.0, beta=1.0, server_lr=1.0,
     data = load_dataset("synthetic").train
     x_all, y_all = data.x.double().numpy(), data.y.numpy()
     clients = [(x_all[idx], y_all[idx]) for idx in
-               (np.array(result["parts"][str(i)]) for i in range(3))]
+               (np.array(result["parts"][str(i)]) for i in range(len(result["parts"])))]
     w = [v.double().numpy() for v in result["init"].values()]
     delta_global = [np.zeros_like(v) for v in w]  # MoFedSAM Delta^0 = 0
     sizes = np.array([len(c[1]) for c in clients], dtype=float)
-    p = sizes / sizes.sum() if weighting == "weighted" else np.full(3, 1 / 3)
+    p = sizes / sizes.sum() if weighting == "weighted" else np.full(len(sizes), 1 / len(sizes))
     for _ in range(rounds):
         deltas = []
         for x, y in clients:
