@@ -14,6 +14,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from client.node import NodeSettings
+from client.state import StateMirror
 from client.train import local_train, round_generator
 from common import protocol as P
 from common import registry
@@ -51,6 +52,13 @@ def _initial_weights(cfg: RunConfig, node: NodeSettings):
     return build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed).state_dict()
 
 
+def _mirror(cfg: RunConfig, node: NodeSettings) -> StateMirror | None:
+    """The on-disk copy of this client's state: node-config ``state-dir``, else the run
+    config's ``client-state-dir``; None when neither is set (state lives in context.state)."""
+    root = node.state_dir or cfg.client_state_dir
+    return StateMirror(root, node.partition_id, cfg.checkpoint_every) if root else None
+
+
 def _read_state(context: Context) -> dict:
     return {name: P.from_record(rec) for name, rec in context.state.array_records.items()}
 
@@ -64,7 +72,9 @@ def train(msg: Message, context: Context) -> Message:
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
     model = _model(cfg, node, msg.content[P.MODEL], device)
     broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
-    rule = spec.client_class()(cfg, model, broadcast, _read_state(context),
+    mirror = _mirror(cfg, node)
+    state = mirror.load_before(server_round) if mirror else _read_state(context)
+    rule = spec.client_class()(cfg, model, broadcast, state,
                                initial_weights=lambda: _initial_weights(cfg, node))
     result = local_train(
         model, data, rule, cfg, cfg.round_lr(server_round),
@@ -86,7 +96,10 @@ def train(msg: Message, context: Context) -> Message:
     for name, tensors in rule.uploads(model).items():
         content[name] = P.to_record(tensors)
     # Commit client state last: only a successful call changes it.
-    for name, tensors in rule.new_state(model).items():
+    new_state = rule.new_state(model)
+    if mirror and new_state:
+        mirror.save(server_round, {**state, **new_state})
+    for name, tensors in new_state.items():
         context.state[name] = P.to_record(tensors)
     meta = context.state.metric_records.get(META, MetricRecord({"rounds-trained": 0}))
     context.state[META] = MetricRecord(

@@ -2,8 +2,11 @@
 
 Keys: ``partition-id`` and ``num-partitions`` (required; the simulation engine injects
 them), ``device`` (``auto`` = CUDA when present, else CPU; or ``cpu``, ``cuda``, ``cuda:1``),
-``data-dir`` (where this node keeps its datasets; overrides the run config's) and
-``threads`` (CPU threads for torch, default 1 so runs are reproducible across runtimes).
+``data-dir`` (where this node keeps its datasets; overrides the run config's),
+``state-dir`` (a node-local directory where the client mirrors its state, so a restarted
+SuperNode or a resumed run continues from it; overrides the run config's
+``client-state-dir``) and ``threads`` (CPU threads for torch, default 1 so runs are
+reproducible across runtimes).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import torch
 
-NODE_KEYS = ("partition-id", "num-partitions", "device", "data-dir", "threads")
+NODE_KEYS = ("partition-id", "num-partitions", "device", "data-dir", "state-dir", "threads")
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class NodeSettings:
     num_partitions: int
     device: str = "auto"
     data_dir: str = ""
+    state_dir: str = ""
     threads: int = 1
 
     @classmethod
@@ -43,6 +47,7 @@ class NodeSettings:
                 num_partitions=int(node_config["num-partitions"]),
                 device=str(node_config.get("device", "auto")),
                 data_dir=str(node_config.get("data-dir", "")),
+                state_dir=str(node_config.get("state-dir", "")),
                 threads=int(node_config.get("threads", 1)),
             )
         except (TypeError, ValueError) as err:

@@ -43,6 +43,14 @@ class RunConfig:
     round_timeout: float = 600.0
     aggregation: str = "weighted"
     server_lr: float = 1.0
+    # reliability: failed clients, bad updates, checkpoints
+    min_replies: int = 1
+    too_few_replies: str = "skip"
+    max_retries: int = 1
+    outlier_norm_factor: float = 0.0
+    checkpoint_every: int = 1
+    client_state_dir: str = ""
+    resume: bool = False
     # local training
     lr: float = 0.1
     lr_decay: float = 1.0
@@ -127,6 +135,7 @@ class RunConfig:
         choice("partition", partition.PARTITIONS)
         choice("sampling", ("fixed", "bernoulli"))
         choice("aggregation", ("weighted", "uniform"))
+        choice("too_few_replies", ("skip", "retry"))
         choice("fedcm_server_step", ("delta", "literal"))
         choice("fedgmt_v2_init", ("initial", "global"))
         choice("fedtoga_prox_scale", ("multiplier", "literal"))
@@ -162,6 +171,12 @@ class RunConfig:
         check(_pos(self.dirichlet_alpha), "dirichlet-alpha must be > 0")
         check(self.classes_per_client >= 1, "classes-per-client must be >= 1")
         check(self.min_available_nodes >= 1, "min-available-nodes must be >= 1")
+        check(self.min_replies >= 1, "min-replies must be >= 1")
+        check(self.max_retries >= 0, "max-retries must be >= 0")
+        check(_nonneg(self.outlier_norm_factor) and (self.outlier_norm_factor == 0
+                                                    or self.outlier_norm_factor > 1),
+              "outlier-norm-factor must be 0 (off) or > 1 (a multiple of the round's median update norm)")
+        check(self.checkpoint_every >= 0, "checkpoint-every must be >= 0 (0 = no checkpoints)")
         check(_pos(self.node_wait_timeout), "node-wait-timeout must be > 0 seconds")
         check(_pos(self.round_timeout), "round-timeout must be > 0 seconds")
         check(self.local_epochs >= 1, "local-epochs must be >= 1")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -22,37 +23,48 @@ from common.data import dataset_for, partitions_for
 from common.evaluate import evaluate
 from common.models import build_model
 from common.registry import get as get_spec
-from server.rundir import RunDir, default_run_dir
+from server.rundir import RunDir, check_resumable, default_run_dir, load_checkpoint
+from strategies.base import RoundStats
 
 log = logging.getLogger("flwr.flatflower.server")
 
 
 def run_server(grid: Grid, cfg: RunConfig) -> Path:
-    """Run ``cfg`` to completion over ``grid``; returns the run directory."""
+    """Run ``cfg`` to completion over ``grid`` (from its checkpoint when ``resume``);
+    returns the run directory."""
     t_start = time.monotonic()
-    run_dir = RunDir(cfg.run_dir or default_run_dir(cfg))
+    run_dir = RunDir(cfg.run_dir or default_run_dir(cfg), resume=cfg.resume)
     log.info("flatflower: %s on %s, run directory %s", cfg.algorithm, cfg.dataset, run_dir.path)
     data = dataset_for(cfg)
     model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)
     torch.set_num_threads(1)
-    run_dir.write_config(cfg, model=cfg.resolved_model())
-    run_dir.save_model("model_init.pt", model.state_dict())
     strategy = get_spec(cfg.algorithm).strategy_class()(cfg, model.state_dict())
+    first = 1
+    if cfg.resume:
+        ckpt = load_checkpoint(run_dir.path)
+        check_resumable(cfg, ckpt)
+        strategy.load_state_dict(ckpt["strategy"])
+        strategy.num_partitions = ckpt["num_partitions"]
+        first = ckpt["round"] + 1
+        run_dir.truncate_metrics(ckpt["round"])
+        log.info("resuming from the checkpoint of round %d", ckpt["round"])
+    else:
+        run_dir.save_model("model_init.pt", model.state_dict())
+    run_dir.write_config(cfg, model=cfg.resolved_model())
 
     def central_eval() -> tuple[float, float]:
         model.load_state_dict(strategy.model)
         return evaluate(model, data.test, cfg.eval_batch_size)
 
     loss, acc = central_eval()
-    run_dir.append_metrics({"round": 0, "test_accuracy": acc, "test_loss": loss})
-    log.info("round 0: test accuracy %.4f, loss %.4f", acc, loss)
-    for rnd in range(1, cfg.num_server_rounds + 1):
+    if not cfg.resume:
+        run_dir.append_metrics({"round": 0, "test_accuracy": acc, "test_loss": loss})
+        log.info("round 0: test accuracy %.4f, loss %.4f", acc, loss)
+    for rnd in range(first, cfg.num_server_rounds + 1):
         t_round = time.monotonic()
-        messages = strategy.configure_train(rnd, P.to_record(strategy.model), ConfigRecord(), grid)
-        if rnd == 1:
+        stats = strategy.train_round(rnd, grid)
+        if not (run_dir.path / "partition.json").exists():
             run_dir.write_partition(cfg, partitions_for(cfg, strategy.num_partitions))
-        replies = grid.send_and_receive(messages, timeout=cfg.round_timeout)
-        _, train_metrics = strategy.aggregate_train(rnd, replies)
         row = {"round": rnd}
         eval_messages = strategy.configure_evaluate(rnd, P.to_record(strategy.model), ConfigRecord(), grid)
         if eval_messages:
@@ -60,16 +72,11 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
                 rnd, grid.send_and_receive(eval_messages, timeout=cfg.round_timeout))
             row.update({k.replace("-", "_"): v for k, v in (client_eval or {}).items()})
         loss, acc = central_eval()
-        stats = dict(train_metrics)
-        row.update({
-            "test_accuracy": acc, "test_loss": loss,
-            "train_loss": stats.get("train_loss"),
-            **{k: int(stats[k]) for k in ("clients_sampled", "clients_replied", "clients_rejected",
-                                           "clients_failed", "bytes_down", "bytes_up")},
-            "sampled_partitions": [int(p) for p in stats.get("sampled_partitions", [])],
-            "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4),
-        })
-        run_dir.append_metrics(row)
+        row.update({"test_accuracy": acc, "test_loss": loss, **round_fields(stats),
+                    "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})
+        run_dir.append_metrics(row)  # before the checkpoint: a resume redoes rows past it
+        if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.num_server_rounds):
+            run_dir.save_checkpoint(cfg, rnd, strategy.state_dict(), strategy.num_partitions)
         log.info("round %d: test accuracy %.4f, loss %.4f, clients %d/%d ok, %.1fs", rnd, acc, loss,
                  row["clients_replied"] - row["clients_rejected"], row["clients_sampled"], row["seconds"])
         if not math.isfinite(loss):
@@ -84,3 +91,10 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
                            "records_up": list(strategy.spec.up)})
     log.info("flatflower: finished, final test accuracy %.4f, run directory %s", acc, run_dir.path)
     return run_dir.path
+
+
+def round_fields(stats: RoundStats) -> dict:
+    """The metrics.jsonl fields of a training round."""
+    row = asdict(stats)
+    row["train_loss"] = row["train_loss"] if math.isfinite(row["train_loss"]) else None
+    return row

@@ -57,6 +57,10 @@ class RoundStats:
     bytes_up: int = 0
     train_loss: float = float("nan")
     sampled_partitions: list[int] = field(default_factory=list)
+    failed_partitions: list[int] = field(default_factory=list)
+    rejected_partitions: list[int] = field(default_factory=list)
+    retries: int = 0
+    skipped: int = 0  # 1 when the round left the model unchanged (too few accepted replies)
 
 
 class FlatStrategy(FlowerFedAvg):
@@ -214,39 +218,106 @@ class FlatStrategy(FlowerFedAvg):
         return reply.metadata.src_node_id
 
     def collect(self, server_round: int, replies: Iterable[Message]) -> list[ClientUpdate]:
-        """Parse and validate the replies; log and count failures and rejections."""
-        updates = []
+        """Parse and validate the replies to ``self._messages``; log and count failures
+        (error replies, and messages with no reply within ``round-timeout``) and rejections."""
+        updates, answered = [], set()
         for reply in replies:
             node = self._node_of(reply)
+            answered.add(reply.metadata.reply_to_message_id)
             pid = self.partition_of.get(node, -1)
             if reply.has_error():
-                self.stats.clients_failed += 1
-                log.warning("round %d: client %d (node %d) failed: %s", server_round, pid, node,
-                            reply.error.reason)
+                self._failed(server_round, pid, node, f"error {reply.error.code}: {reply.error.reason}")
                 continue
             self.stats.bytes_up += P.payload_bytes(reply.content)
             try:
                 updates.append(parse_train_reply(reply, node, pid, self.layout, self.spec.up))
             except RejectedReply as why:
-                self.stats.clients_rejected += 1
-                log.warning("round %d: rejected reply of client %d (node %d): %s",
-                            server_round, pid, node, why)
-        self.stats.clients_replied = len(updates) + self.stats.clients_rejected
+                self._rejected(server_round, pid, node, str(why))
+        for msg in self._messages:
+            if msg.metadata.message_id not in answered:
+                node = msg.metadata.dst_node_id
+                self._failed(server_round, self.partition_of.get(node, -1), node,
+                             f"no reply within round-timeout={self.cfg.round_timeout:g}s (client lost)")
         return sorted(updates, key=lambda u: u.partition_id)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, weight, and apply the algorithm's server update."""
-        updates = self.collect(server_round, replies)
-        if updates:
+    def _failed(self, server_round: int, pid: int, node: int, why: str) -> None:
+        self.stats.clients_failed += 1
+        self.stats.failed_partitions.append(pid)
+        log.warning("round %d: client %d (node %d) failed: %s", server_round, pid, node, why)
+
+    def _rejected(self, server_round: int, pid: int, node: int, why: str) -> None:
+        self.stats.clients_rejected += 1
+        self.stats.rejected_partitions.append(pid)
+        log.warning("round %d: rejected reply of client %d (node %d): %s", server_round, pid, node, why)
+
+    def reject_outliers(self, server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        """``outlier-norm-factor`` f > 0: reject updates with ||w_i - w|| > f * median of the
+        round's update norms (with at least 3 updates; the median itself is never rejected)."""
+        factor = self.cfg.outlier_norm_factor
+        if factor <= 0 or len(updates) < 3:
+            return updates
+        norms = [math.sqrt(sum(float(((u.model[k] - v).double() ** 2).sum())
+                               for k, v in self.model.items() if v.is_floating_point()))
+                 for u in updates]
+        limit = factor * float(np.median(norms))
+        kept = []
+        for u, norm in zip(updates, norms):
+            if norm > limit:
+                self._rejected(server_round, u.partition_id, u.node_id,
+                               f"update norm {norm:.4g} > {factor:g} x round median {limit / factor:.4g}")
+            else:
+                kept.append(u)
+        return kept
+
+    def train_round(self, server_round: int, grid: Grid) -> RoundStats:
+        """One training round: sample, send, collect; re-send to the sampled clients that gave
+        no accepted reply (``too-few-replies = retry``, at most ``max-retries`` times) while
+        fewer than ``min-replies`` updates are accepted; then update the model, or leave it
+        unchanged (the round is skipped) if there are still too few."""
+        msgs = list(self.configure_train(server_round, P.to_record(self.model), ConfigRecord(), grid))
+        updates = self.collect(server_round, grid.send_and_receive(msgs, timeout=self.cfg.round_timeout))
+        while (len(updates) < self.cfg.min_replies and self.cfg.too_few_replies == "retry"
+               and self.stats.retries < self.cfg.max_retries):
+            self.stats.retries += 1
+            done = {u.partition_id for u in updates}
+            available = self.available_partitions(grid)
+            again = [p for p in self.stats.sampled_partitions if p not in done and p in available]
+            log.warning("round %d: %d accepted replies < min-replies=%d; retry %d/%d with clients %s",
+                        server_round, len(updates), self.cfg.min_replies, self.stats.retries,
+                        self.cfg.max_retries, again)
+            if not again:
+                break
+            content = msgs[0].content
+            self._messages = [Message(content, dst_node_id=available[p], message_type=MessageType.TRAIN,
+                                      group_id=str(server_round)) for p in again]
+            self.stats.bytes_down += P.payload_bytes(content) * len(again)
+            replies = grid.send_and_receive(self._messages, timeout=self.cfg.round_timeout)
+            updates = sorted(updates + self.collect(server_round, replies), key=lambda u: u.partition_id)
+        self.stats.clients_replied = len(updates) + self.stats.clients_rejected
+        self.finish_round(server_round, updates)
+        return self.stats
+
+    def finish_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """Apply the algorithm's server update to the accepted updates (if enough)."""
+        updates = self.reject_outliers(server_round, updates)
+        if len(updates) >= self.cfg.min_replies:
             weights = client_weights([u.num_examples for u in updates], self.cfg.aggregation)
             self.stats.train_loss = float(sum(w * u.train_loss for w, u in zip(weights, updates)))
             self.update(server_round, updates, weights)
         else:
-            log.warning("round %d: no valid client update; the global model is unchanged",
-                        server_round)
+            self.stats.skipped = 1
+            log.warning("round %d skipped: %d accepted client updates < min-replies=%d; the global "
+                        "model and server state are unchanged", server_round, len(updates),
+                        self.cfg.min_replies)
         self.round = server_round
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Flower's hook (for ``strategy.start``): validate, weight, apply the server update."""
+        updates = self.collect(server_round, replies)
+        self.stats.clients_replied = len(updates) + self.stats.clients_rejected
+        self.finish_round(server_round, updates)
         metrics = MetricRecord({k: v for k, v in asdict(self.stats).items()
                                 if v == v and v != []})  # drop NaN / empty
         return P.to_record(self.model), metrics
