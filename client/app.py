@@ -13,6 +13,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client.faults import Fault
 from client.node import NodeSettings
 from client.state import StateMirror
 from client.train import local_train, round_generator
@@ -69,6 +70,9 @@ def train(msg: Message, context: Context) -> Message:
     cfg, node, device = _setup(context)
     spec = registry.get(cfg.algorithm)
     server_round = int(msg.content[P.CONFIG]["server-round"])
+    fault = Fault.parse(node.inject_fault)
+    if fault:
+        fault.before_training(server_round)
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
     model = _model(cfg, node, msg.content[P.MODEL], device)
     broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
@@ -82,7 +86,8 @@ def train(msg: Message, context: Context) -> Message:
     )
     content = RecordDict(
         {
-            P.MODEL: P.to_record(model.state_dict()),
+            P.MODEL: P.to_record(fault.corrupt(server_round, P.from_record(msg.content[P.MODEL]),
+                                               model.state_dict()) if fault else model.state_dict()),
             P.METRICS: MetricRecord(
                 {
                     "num-examples": result.num_examples,

@@ -6,18 +6,23 @@ them), ``device`` (``auto`` = CUDA when present, else CPU; or ``cpu``, ``cuda``,
 ``state-dir`` (a node-local directory where the client mirrors its state, so a restarted
 SuperNode or a resumed run continues from it; overrides the run config's
 ``client-state-dir``) and ``threads`` (CPU threads for torch, default 1 so runs are
-reproducible across runtimes).
+reproducible across runtimes). ``inject-fault`` makes the client misbehave, for tests
+(client/faults.py).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-NODE_KEYS = ("partition-id", "num-partitions", "device", "data-dir", "state-dir", "threads")
+from client.faults import Fault
+
+NODE_KEYS = ("partition-id", "num-partitions", "device", "data-dir", "state-dir", "threads",
+             "inject-fault")
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class NodeSettings:
     data_dir: str = ""
     state_dir: str = ""
     threads: int = 1
+    inject_fault: str = ""  # testing only: client/faults.py
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeSettings:
@@ -39,8 +45,12 @@ class NodeSettings:
                 )
         for key in ("partition-id", "num-partitions", "threads"):
             value = node_config.get(key, 1)
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            if (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())
+                    or (isinstance(value, str) and not value.strip().lstrip("-").isdigit())):
                 raise ValueError(f"node config '{key}' must be a whole number (got {value!r})")
+        device = str(node_config.get("device", "auto"))
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            raise ValueError(f"node config device={device!r} is not one of: auto, cpu, cuda, cuda:<i>")
         try:
             settings = cls(
                 partition_id=int(node_config["partition-id"]),
@@ -49,7 +59,9 @@ class NodeSettings:
                 data_dir=str(node_config.get("data-dir", "")),
                 state_dir=str(node_config.get("state-dir", "")),
                 threads=int(node_config.get("threads", 1)),
+                inject_fault=str(node_config.get("inject-fault", "")),
             )
+            Fault.parse(settings.inject_fault)
         except (TypeError, ValueError) as err:
             raise ValueError(f"invalid node config {dict(node_config)}: {err}") from None
         if settings.num_partitions < 1:

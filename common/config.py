@@ -144,22 +144,22 @@ class RunConfig:
         choice("fedtoga_delta_scale", ("literal", "per-lr"))
         check(self.num_server_rounds >= 1, "num-server-rounds must be >= 1")
         check(self.seed >= 0, "seed must be >= 0")
-        check(_pos(self.lr), f"lr must be > 0 (got {self.lr})")
+        check(_pos(self.lr), f"lr must be a finite number > 0 (got {self.lr})")
         check(_pos(self.lr_decay) and self.lr_decay <= 1.0, "lr-decay must be in (0, 1]")
-        check(_nonneg(self.rho), f"rho must be >= 0 (got {self.rho})")
+        check(_nonneg(self.rho), f"rho must be a finite number >= 0 (got {self.rho})")
         check(0.0 <= self.mofedsam_beta <= 1.0, "mofedsam-beta must be in [0, 1]")
         check(0.0 <= self.fedcm_alpha <= 1.0, "fedcm-alpha must be in [0, 1]")
-        check(_pos(self.feddyn_alpha), f"feddyn-alpha must be > 0 (got {self.feddyn_alpha})")
+        check(_pos(self.feddyn_alpha), f"feddyn-alpha must be a finite number > 0 (got {self.feddyn_alpha})")
         for name in ("fedgmt_alpha", "fedgmt_v2_alpha"):
             check(0.0 <= getattr(self, name) < 1.0, f"{_key(name)} must be in [0, 1)")
-        check(_pos(self.fedgmt_beta), f"fedgmt-beta must be > 0 (got {self.fedgmt_beta})")
-        check(_nonneg(self.fedgmt_gamma), f"fedgmt-gamma must be >= 0 (got {self.fedgmt_gamma})")
-        check(_pos(self.fedgmt_tau), f"fedgmt-tau must be > 0 (got {self.fedgmt_tau})")
+        check(_pos(self.fedgmt_beta), f"fedgmt-beta must be a finite number > 0 (got {self.fedgmt_beta})")
+        check(_nonneg(self.fedgmt_gamma), f"fedgmt-gamma must be a finite number >= 0 (got {self.fedgmt_gamma})")
+        check(_pos(self.fedgmt_tau), f"fedgmt-tau must be a finite number > 0 (got {self.fedgmt_tau})")
         check(0.0 <= self.fednsam_lambda < 1.0, "fednsam-lambda must be in [0, 1)")
-        check(_pos(self.fedtoga_alpha), f"fedtoga-alpha must be > 0 (got {self.fedtoga_alpha})")
-        check(_nonneg(self.fedtoga_kappa), f"fedtoga-kappa must be >= 0 (got {self.fedtoga_kappa})")
-        check(_nonneg(self.fedtoga_beta), f"fedtoga-beta must be >= 0 (got {self.fedtoga_beta})")
-        check(_pos(self.server_lr), f"server-lr must be > 0 (got {self.server_lr})")
+        check(_pos(self.fedtoga_alpha), f"fedtoga-alpha must be a finite number > 0 (got {self.fedtoga_alpha})")
+        check(_nonneg(self.fedtoga_kappa), f"fedtoga-kappa must be a finite number >= 0 (got {self.fedtoga_kappa})")
+        check(_nonneg(self.fedtoga_beta), f"fedtoga-beta must be a finite number >= 0 (got {self.fedtoga_beta})")
+        check(_pos(self.server_lr), f"server-lr must be a finite number > 0 (got {self.server_lr})")
         check(
             0.0 < self.fraction_train <= 1.0,
             f"fraction-train must be in (0, 1] (got {self.fraction_train})",
@@ -168,7 +168,7 @@ class RunConfig:
             0.0 <= self.fraction_evaluate <= 1.0,
             f"fraction-evaluate must be in [0, 1] (got {self.fraction_evaluate})",
         )
-        check(_pos(self.dirichlet_alpha), "dirichlet-alpha must be > 0")
+        check(_pos(self.dirichlet_alpha), "dirichlet-alpha must be a finite number > 0")
         check(self.classes_per_client >= 1, "classes-per-client must be >= 1")
         check(self.min_available_nodes >= 1, "min-available-nodes must be >= 1")
         check(self.min_replies >= 1, "min-replies must be >= 1")
@@ -177,15 +177,15 @@ class RunConfig:
                                                     or self.outlier_norm_factor > 1),
               "outlier-norm-factor must be 0 (off) or > 1 (a multiple of the round's median update norm)")
         check(self.checkpoint_every >= 0, "checkpoint-every must be >= 0 (0 = no checkpoints)")
-        check(_pos(self.node_wait_timeout), "node-wait-timeout must be > 0 seconds")
-        check(_pos(self.round_timeout), "round-timeout must be > 0 seconds")
+        check(_pos(self.node_wait_timeout), "node-wait-timeout must be a finite number > 0 seconds")
+        check(_pos(self.round_timeout), "round-timeout must be a finite number > 0 seconds")
         check(self.local_epochs >= 1, "local-epochs must be >= 1")
         check(self.local_steps >= 0, "local-steps must be >= 0 (0 = use local-epochs)")
         check(self.batch_size >= 1, "batch-size must be >= 1")
         check(self.eval_batch_size >= 1, "eval-batch-size must be >= 1")
-        check(_nonneg(self.weight_decay), "weight-decay must be >= 0")
+        check(_nonneg(self.weight_decay), "weight-decay must be a finite number >= 0")
         check(0.0 <= self.momentum < 1.0, "momentum must be in [0, 1)")
-        check(_nonneg(self.clip_norm), "clip-norm must be >= 0 (0 = no clipping)")
+        check(_nonneg(self.clip_norm), "clip-norm must be a finite number >= 0 (0 = no clipping)")
         if problems:
             raise ConfigError("invalid run config: " + "; ".join(problems))
 
@@ -261,6 +261,8 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = (s.strip() for s in item.split("=", 1))
+        if not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:

@@ -7,6 +7,7 @@ step, and both must see the same function of the weights.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable
 
 import torch
@@ -114,6 +115,9 @@ MODELS: dict[str, Callable[[Shape, int], nn.Module]] = {
 }
 
 
+_SEEDED = threading.Lock()
+
+
 def build_model(
     name: str, input_shape: tuple[int, ...], num_classes: int, seed: int | None = None
 ) -> nn.Module:
@@ -128,7 +132,7 @@ def build_model(
     shape = tuple(int(d) for d in input_shape)
     if seed is None:
         return builder(shape, num_classes)
-    with torch.random.fork_rng(devices=[]):
+    with _SEEDED, torch.random.fork_rng(devices=[]):  # the lock: clients may build in threads
         torch.manual_seed(seed)
         return builder(shape, num_classes)
 

@@ -4,6 +4,7 @@
     flatflower simulate --algorithm A --clients N --rounds R [...]   Flower's Ray simulation engine
     flatflower report   RUN_DIR [RUN_DIR ...]                        table + accuracy plot
     flatflower presets                                               list configs/presets/
+    flatflower certs    OUT_DIR --nodes N [--host H ...]             TLS certificates + node keys
 
 ``--preset NAME_OR_FILE`` starts from a paper's setting (server/presets.py); ``--set`` values
 override it, and the named flags override both.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -53,6 +55,9 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any run-config key, e.g. --set rho=0.05 --set lr=0.05 (repeatable)")
     p.add_argument("--run-dir", help="where the run directory goes (default runs/<name>)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its last checkpoint (same config; "
+                        "--rounds may extend it)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
 
 
@@ -63,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     _run_arguments(local)
     local.add_argument("--device", default="auto", help="SuperNode device: auto | cpu | cuda[:i]")
     local.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
+    local.add_argument("--tls", action="store_true",
+                       help="TLS on the SuperLink's APIs and SuperNode authentication "
+                            "(certificates and node keys generated for the run)")
     sim = sub.add_parser("simulate", help="run on Flower's simulation engine (Ray)")
     _run_arguments(sim)
     sim.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
@@ -72,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
     sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)
     sub.add_parser("presets", help="list the presets in configs/presets/")
+    certs = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode keys")
+    certs.add_argument("out_dir", metavar="OUT_DIR", help="where the files go")
+    certs.add_argument("--nodes", type=int, required=True, help="number of SuperNode key pairs")
+    certs.add_argument("--host", dest="hosts", action="append", default=[], metavar="NAME_OR_IP",
+                       help="a name or IP address the SuperNodes use to reach the SuperLink "
+                            "(repeatable; localhost, 127.0.0.1 and ::1 are always included)")
+    certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    certs.add_argument("--force", action="store_true", help="replace existing files")
     return parser
 
 
@@ -82,6 +98,8 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
     if not hasattr(args, "preset_values"):
         preset = load_preset(args.preset) if args.preset else None
         args.preset_values = dict(preset.config) if preset else {}
+        if args.clients is None and args.resume:
+            args.clients = resume_clients(args.resume)
         if args.clients is None:
             args.clients = preset.clients if preset and preset.clients else DEFAULT_CLIENTS
         if preset:
@@ -91,6 +109,8 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> RunConfig:
     """Run config from the preset, then --set values, then explicit flags; validated."""
+    if args.resume:
+        return _resume_config(args, extra)
     values = dict(apply_preset(args))
     values.update(parse_assignments(args.sets))
     flags = {"algorithm": args.algorithm, "num-server-rounds": args.rounds, "dataset": args.dataset,
@@ -104,8 +124,93 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     cfg = RunConfig.from_mapping(values)
     run_dir = Path(args.run_dir or cfg.run_dir or _default_run_dir(cfg)).expanduser().resolve()
     if (run_dir / "metrics.jsonl").exists():
-        raise UsageError(f"{run_dir} already holds a run; choose another --run-dir")
-    return cfg.replace(run_dir=str(run_dir))
+        raise UsageError(f"{run_dir} already holds a run; choose another --run-dir "
+                         "(or continue it with --resume)")
+    _check_writable(run_dir)
+    # clients mirror their state into the run directory, so --resume is exact
+    state_dir = cfg.client_state_dir or str(run_dir / "client-state")
+    return cfg.replace(run_dir=str(run_dir), client_state_dir=state_dir)
+
+
+def _check_writable(run_dir: Path) -> None:
+    """UsageError now (before any process starts) if ``run_dir`` cannot be created or written."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"cannot create run directory {run_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot create run directory {run_dir}: {existing} is not writable")
+
+
+def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> RunConfig:
+    """The config of the run in ``--resume RUN_DIR``, checked against its checkpoint."""
+    from server.rundir import check_resumable, load_checkpoint
+
+    run_dir = Path(args.resume).expanduser().resolve()
+    given = [flag for flag, value in (
+        ("--preset", args.preset), ("--set", args.sets), ("--algorithm", args.algorithm),
+        ("--dataset", args.dataset), ("--model", args.model), ("--partition", args.partition),
+        ("--seed", args.seed), ("--fraction", args.fraction), ("--run-dir", args.run_dir)) if value]
+    if given:
+        raise UsageError(f"--resume continues a run as it was configured: {', '.join(given)} "
+                         "cannot be combined with it (only --rounds, --clients, --timeout)")
+    saved = _saved_config(run_dir)
+    values = {**saved, "resume": True, "run-dir": str(run_dir)}
+    if args.rounds is not None:
+        values["num-server-rounds"] = args.rounds
+    values.update(extra or {})
+    try:
+        cfg = RunConfig.from_mapping(values)
+    except ConfigError as err:
+        raise UsageError(f"{run_dir / 'config.json'}: {err}") from None
+    ckpt = load_checkpoint(run_dir)
+    check_resumable(cfg, ckpt)
+    if args.clients != ckpt["num_partitions"]:
+        raise UsageError(f"the run in {run_dir} has {ckpt['num_partitions']} clients, "
+                         f"not --clients {args.clients}")
+    print(f"resuming {run_dir} after round {ckpt['round']} of {cfg.num_server_rounds}", flush=True)
+    return cfg
+
+
+def _saved_config(run_dir: Path) -> dict[str, Any]:
+    """config.json's run config of a run directory (UsageError when there is none)."""
+    path = run_dir / "config.json"
+    if not run_dir.is_dir():
+        raise UsageError(f"run directory {run_dir} does not exist")
+    if not path.is_file():
+        raise UsageError(f"{run_dir} is not a flatflower run directory (no config.json)")
+    try:
+        saved = json.loads(path.read_text())["config"]
+        if not isinstance(saved, dict):
+            raise TypeError("'config' is not a table")
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UsageError(f"{path} is corrupt: {err}") from None
+    return saved
+
+
+def resume_clients(run_dir: str) -> int | None:
+    """Number of clients of the run in ``run_dir`` (partition.json, else its checkpoint)."""
+    from server.rundir import RunDirError, load_checkpoint
+
+    try:
+        return int(json.loads((Path(run_dir) / "partition.json").read_text())["num_partitions"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        return int(load_checkpoint(run_dir)["num_partitions"])
+    except (RunDirError, KeyError, TypeError, ValueError):
+        return None  # the resume itself reports what is wrong
+
+
+def log_dir(cfg: RunConfig) -> Path:
+    """Where the Flower logs of this command go: <run dir>/logs, or a new subdirectory of it
+    when resuming (the first attempt's logs are kept)."""
+    logs = Path(cfg.run_dir) / "logs"
+    if cfg.resume:
+        logs = logs / time.strftime("resume-%Y%m%d-%H%M%S")
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs
 
 
 def _default_run_dir(cfg: RunConfig) -> Path:
@@ -118,10 +223,24 @@ def preflight(cfg: RunConfig, num_clients: int) -> None:
     """Load the data and build the partition here, so bad input fails before any process starts."""
     from common.data import partitions_for
 
+    from common.data import dataset_for
+    from common.models import build_model
+
     parts = partitions_for(cfg, num_clients)
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
         raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
+    data = dataset_for(cfg)
+    try:
+        build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
+    except ValueError as err:
+        raise UsageError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
+    per_round = num_clients if cfg.sampling == "bernoulli" else max(
+        1, min(num_clients, math.floor(cfg.fraction_train * num_clients + 0.5)))
+    if cfg.min_replies > per_round:
+        raise UsageError(f"min-replies={cfg.min_replies} exceeds the {per_round} clients sampled per "
+                         f"round ({num_clients} clients, fraction-train={cfg.fraction_train:g}): "
+                         "every round would be skipped")
 
 
 def app_dir(given: str | None) -> Path:
@@ -179,19 +298,21 @@ def cmd_local(args: argparse.Namespace) -> int:
     app = app_dir(args.app_dir)
     preflight(cfg, args.clients)
     run_dir = Path(cfg.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs = log_dir(cfg)
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     progress = Progress(run_dir, cfg.num_server_rounds)
     t0 = time.monotonic()
     try:
-        print(f"starting a SuperLink and {args.clients} SuperNodes on 127.0.0.1 "
+        security = " over TLS with SuperNode authentication" if args.tls else ""
+        print(f"starting a SuperLink and {args.clients} SuperNodes on 127.0.0.1{security} "
               f"({cfg.algorithm}, {cfg.dataset}, {cfg.num_server_rounds} rounds)", flush=True)
         node_config = {"device": args.device} if args.device != "auto" else {}
-        with LocalFederation(args.clients, work, run_dir / "logs", node_config=node_config) as fed:
+        with LocalFederation(args.clients, work, logs, node_config=node_config,
+                             tls=args.tls) as fed:
             run_id = fed.submit(app, cfg.to_dict())
             print(f"submitted run {run_id}; waiting for rounds (Flower polls every ~3 s)", flush=True)
             row = fed.wait(run_id, args.timeout, on_poll=progress)
-            fed.save_log(run_id, run_dir / "logs" / "run.log")
+            fed.save_log(run_id, logs / "run.log")
         print(f"flower: {row.get('status')} in {time.monotonic() - t0:.1f}s "
               f"(run elapsed {row.get('elapsed', '?')})", flush=True)
         return _finish(cfg, row.get("status") == COMPLETED, progress, row.get("status-details", ""))
@@ -210,10 +331,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     app = app_dir(args.app_dir)
     run_dir = Path(cfg.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs = log_dir(cfg)
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     try:
-        fed = LocalFederation(0, work, run_dir / "logs", simulation=True)
+        fed = LocalFederation(0, work, logs, simulation=True)
         fed.env["RAY_TMPDIR"] = str(work / "ray")
         print(f"Ray simulation: {args.clients} virtual clients, {cfg.algorithm}", flush=True)
         with fed:
@@ -222,7 +343,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "client-resources-num-gpus": args.gpus_per_client,
                 "init-args-num-cpus": os.cpu_count() or 1})
             row = fed.wait(run_id, args.timeout, on_poll=progress)
-            fed.save_log(run_id, run_dir / "logs" / "run.log")
+            fed.save_log(run_id, logs / "run.log")
         return _finish(cfg, row.get("status") == COMPLETED, progress, row.get("status-details", ""))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -274,6 +395,36 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return EXIT_USAGE if failed else EXIT_OK
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    """Write a CA, the SuperLink's certificate and --nodes SuperNode key pairs to OUT_DIR."""
+    from server.certs import CertError, generate_certs, summary
+
+    try:
+        files = generate_certs(Path(args.out_dir), args.nodes, args.hosts, days=args.days,
+                               force=args.force)
+    except CertError as err:
+        raise UsageError(str(err)) from None
+    print(summary(files))
+    return EXIT_OK
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT (also when started in the background, where the shell ignores
+    SIGINT) stop the command through KeyboardInterrupt, so every Flower process it started is
+    stopped too."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "report":
@@ -281,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return report_main(argv[1:])
     args = build_parser().parse_args(argv)
+    _stop_on_signals()
     from common.datasets import DatasetUnavailableError
     from common.partition import PartitionError
     from server.federation import FederationError
@@ -289,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "presets":
             return cmd_presets(args)
+        if args.command == "certs":
+            return cmd_certs(args)
         apply_preset(args)
         return {"local": cmd_local, "simulate": cmd_simulate}[args.command](args)
     except (UsageError, ConfigError, PresetError, DatasetUnavailableError, PartitionError,

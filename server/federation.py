@@ -7,15 +7,26 @@ with a private ``FLWR_HOME``. With ``simulation=True`` it starts a simulation Su
 instead (no SuperNodes; Flower's Ray engine runs the clients). Runs are submitted with
 ``flwr run`` and judged by ``flwr ls`` (``flwr run --stream`` exits 0 even on failure).
 Every process it started, and their children, are stopped by PID on exit.
+
+With ``tls=True`` the federation runs as a real one should: certificates and node keys are
+generated into the work directory (server/certs.py), the SuperLink serves both APIs over TLS
+with ``--enable-supernode-auth``, every node's public key is registered with
+``flwr supernode register`` before the SuperNodes start, and each SuperNode authenticates with
+its own private key. ``start_supernode`` starts an extra SuperNode with any key (e.g. an
+unregistered one, which Flower 1.39 refuses: "Exit Code: 305" in its log, process status 1;
+see ``flower_exit_code``). Binding anything other than loopback is refused without TLS.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -28,6 +39,9 @@ import tomli_w
 
 FINISHED = "finished"
 COMPLETED = "finished:completed"
+# Flower 1.39's exit code for "Failed to activate SuperNode" (e.g. an unregistered key). Flower
+# only logs it ("Exit Code: 305"); the process itself exits with status 1, as for every error.
+EXIT_SUPERNODE_REFUSED = 305
 
 
 class FederationError(RuntimeError):
@@ -66,6 +80,21 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _detached_children(pid: int) -> list[int]:
+    """Processes Flower started in a new session for ``pid`` (its SuperExec, given
+    ``--parent-pid <pid>``) and their descendants: still found once ``pid`` has exited (e.g. a
+    refused SuperNode), when they are orphans that wait to notice it."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a == b"--parent-pid" and b == str(pid).encode() for a, b in zip(args, args[1:])):
+            out += [int(entry.name), *_children(int(entry.name))]
+    return out
+
+
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -85,6 +114,17 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback IP address."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _tail(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -93,13 +133,31 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 
 class LocalFederation:
-    """A SuperLink and ``num_nodes`` SuperNodes (or a simulation SuperLink) on loopback."""
+    """A SuperLink and ``num_nodes`` SuperNodes (or a simulation SuperLink) on loopback.
+
+    ``tls=True``: TLS on both SuperLink APIs and SuperNode authentication (see the module
+    docstring). ``host``: the address the SuperLink binds and the SuperNodes dial; anything but
+    loopback requires ``tls=True`` (0.0.0.0 / :: are dialled as loopback, as Flower does)."""
 
     def __init__(self, num_nodes: int, work_dir: Path, log_dir: Path, *, simulation: bool = False,
-                 node_config: Mapping[str, Any] | None = None):
+                 node_config: Mapping[str, Any] | None = None, tls: bool = False,
+                 host: str = "127.0.0.1", node_configs: Mapping[int, Mapping[str, Any]] | None = None):
+        if not is_loopback(host) and not tls:
+            raise FederationError(f"refusing to bind {host} without TLS: everything, models "
+                                  "included, would cross the network in clear text; use tls=True")
+        if tls and simulation:
+            raise FederationError("tls=True is for deployed SuperNodes, not the simulation engine")
         self.num_nodes = num_nodes
         self.simulation = simulation
-        self.node_config = dict(node_config or {})
+        self.tls = tls
+        self.host = host.strip("[]")
+        dial = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        self.dial_host = f"[{dial}]" if ":" in dial else dial
+        self.bind_host = f"[{self.host}]" if ":" in self.host else self.host
+        self.certs = None  # server.certs.CertFiles once started with tls
+        self.node_ids: dict[str, int] = {}  # registered node name -> node id (tls)
+        self.node_config = dict(node_config or {})  # every SuperNode's extra --node-config
+        self.node_configs = {int(i): dict(c) for i, c in (node_configs or {}).items()}  # per partition
         self.work_dir = Path(work_dir).resolve()
         self.log_dir = Path(log_dir).resolve()
         self.flwr_home = self.work_dir / "flwr_home"
@@ -133,44 +191,126 @@ class LocalFederation:
     def start(self, timeout: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        cmd = [flower_command("flower-superlink"), "--insecure", "--isolation", "subprocess",
-               "--disable-runtime-dependency-installation",
+        cmd = [flower_command("flower-superlink"), *self._superlink_security(),
+               "--isolation", "subprocess", "--disable-runtime-dependency-installation",
                "--database", str(self.work_dir / "superlink.db"),
-               "--host", "127.0.0.1", "--port", str(self.http_port)]
+               "--host", self.host, "--port", str(self.http_port)]
         cmd += ["--simulation"] if self.simulation else [
-            "--fleet-api-address", f"127.0.0.1:{self.fleet_port}"]
+            "--fleet-api-address", f"{self.bind_host}:{self.fleet_port}"]
         self._spawn("superlink", cmd)
         self._wait_health(timeout)
-        for i in range(0 if self.simulation else self.num_nodes):
-            config = {"partition-id": i, "num-partitions": self.num_nodes, **self.node_config}
-            self._spawn(f"supernode-{i}", [
-                flower_command("flower-supernode"), "--insecure", "--grpc-rere",
-                "--superlink", f"127.0.0.1:{self.fleet_port}", "--port", str(free_port()),
-                "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())])
         self._write_connection()
+        nodes = 0 if self.simulation else self.num_nodes
+        if self.tls:  # a node must be registered before it connects, or it is refused
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=4) as pool:  # each `flwr` call costs ~2.5 s
+                list(pool.map(lambda i: self.register(self.certs.node_keys[i], f"node-{i}"),
+                              range(nodes)))
+        for i in range(nodes):
+            self.start_node(i)
+
+    def start_node(self, i: int, name: str | None = None) -> subprocess.Popen:
+        """Start (or restart) the SuperNode of partition ``i`` with its key and node config."""
+        return self.start_supernode(name or f"supernode-{i}", i,
+                                    private_key=self.certs.node_keys[i] if self.tls else None,
+                                    node_config=self.node_configs.get(i))
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process started here (e.g. a SuperNode) and all its children."""
+        for entry in list(self.procs):
+            if entry[0] == name:
+                proc = entry[1]
+                family = [proc.pid, *_children(proc.pid), *_detached_children(proc.pid)]
+                _signal(family, signal.SIGKILL)
+                proc.wait(timeout=30)
+                self.procs.remove(entry)
+
+    def _superlink_security(self) -> list[str]:
+        if not self.tls:
+            return ["--insecure"]
+        from server.certs import generate_certs
+
+        hosts = [] if is_loopback(self.host) or self.host in ("0.0.0.0", "::") else [self.host]
+        self.certs = generate_certs(self.work_dir / "certs", max(self.num_nodes, 1), hosts,
+                                    days=2, force=True)
+        return ["--ssl-ca-certfile", str(self.certs.ca_cert),
+                "--ssl-certfile", str(self.certs.server_cert),
+                "--ssl-keyfile", str(self.certs.server_key), "--enable-supernode-auth"]
+
+    def register(self, public_or_private_key: Path, name: str) -> int:
+        """``flwr supernode register`` a node's public key (tls only); returns its node id."""
+        key = Path(public_or_private_key)
+        pub = key if key.suffix == ".pub" else key.with_name(key.name + ".pub")
+        out = self.flwr("supernode", "register", str(pub), self.connection, "--name", name,
+                        "--format", "json")
+        found = (re.search(r'"node-id"\s*:\s*"?(\d+)', out)
+                 or re.search(r"SuperNode (\d+) registered", out))
+        if not found:
+            raise FederationError(f"'flwr supernode register' printed no node id:\n{out}")
+        self.node_ids[name] = int(found.group(1))
+        return self.node_ids[name]
+
+    def start_supernode(self, name: str, partition_id: int, *, private_key: Path | None = None,
+                        node_config: Mapping[str, Any] | None = None) -> subprocess.Popen:
+        """Start one SuperNode (log: ``<log_dir>/<name>.log``); stopped with the federation.
+
+        With tls, it authenticates with ``private_key`` (OpenSSH format): one that was not
+        registered makes Flower 1.39 exit with ``EXIT_SUPERNODE_REFUSED``."""
+        config = {"partition-id": partition_id, "num-partitions": self.num_nodes,
+                  **self.node_config, **(node_config or {})}
+        if self.tls:
+            if private_key is None:
+                raise FederationError("a SuperNode needs a private key when tls=True")
+            security = ["--root-certificates", str(self.certs.ca_cert),
+                        "--auth-supernode-private-key", str(private_key)]
+        else:
+            security = ["--insecure"]
+        return self._spawn(name, [
+            flower_command("flower-supernode"), *security, "--grpc-rere",
+            "--superlink", f"{self.dial_host}:{self.fleet_port}", "--port", str(free_port()),
+            "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())])
+
+    def flower_exit_code(self, name: str) -> int | None:
+        """The ``Exit Code: N`` a Flower process logged in ``<log_dir>/<name>.log`` (None if none).
+
+        Flower logs its own exit codes (305: SuperNode refused) but exits with status 1."""
+        found = re.findall(r"Exit Code: (\d+)", _tail(self.log_dir / f"{name}.log", lines=200))
+        return int(found[-1]) if found else None
 
     def _wait_health(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        url = f"http://127.0.0.1:{self.http_port}/health"
+        scheme = "https" if self.tls else "http"
+        url = f"{scheme}://{self.dial_host}:{self.http_port}/health"
+        context = ssl.create_default_context(cafile=str(self.certs.ca_cert)) if self.tls else None
         while time.monotonic() < deadline:
             self._check_alive()
             try:
-                with urllib.request.urlopen(url, timeout=1) as resp:
+                with urllib.request.urlopen(url, timeout=1, context=context) as resp:
                     if resp.status == 200:
                         return
-            except OSError:
+            except OSError as err:
+                if isinstance(getattr(err, "reason", err), ssl.SSLCertVerificationError):
+                    raise FederationError(f"TLS verification of {url} failed: {err}") from None
                 time.sleep(0.2)
-        raise FederationError(f"SuperLink not healthy after {timeout:.0f}s; see {self.log_dir}")
+        raise FederationError(f"SuperLink not healthy at {url} after {timeout:.0f}s; "
+                              f"see {self.log_dir}")
 
     def _write_connection(self) -> None:
-        config = {"superlink": {self.connection: {
-            "address": f"127.0.0.1:{self.http_port}", "insecure": True}}}
+        connection: dict[str, Any] = {"address": f"{self.dial_host}:{self.http_port}"}
+        if self.tls:
+            connection["root-certificates"] = str(self.certs.ca_cert)
+        else:
+            connection["insecure"] = True
+        config = {"superlink": {self.connection: connection}}
         (self.flwr_home / "config.toml").write_text(tomli_w.dumps(config))
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop every process started here and all their children (SIGTERM, then SIGKILL)."""
         for name, proc in reversed(self.procs):
-            family = [proc.pid, *_children(proc.pid)]
+            # an exited process's id may be reused: only its detached Flower children remain ours
+            family = [] if proc.poll() is not None else [proc.pid, *_children(proc.pid)]
+            family += _detached_children(proc.pid)
             _signal(family, signal.SIGTERM)
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and any(_alive(p) for p in family):

@@ -2,13 +2,17 @@
 
 Each virtual node keeps its own Context (so ``context.state`` persists across rounds as on
 a SuperNode); every message is deep-copied on the way out and back, like the wire; a
-ClientApp exception becomes an error reply (code 2), as in Flower's runtimes. Used by the
-tests and by ``flatflower simulate --engine inprocess``.
+ClientApp exception becomes an error reply (code 2), as in Flower's runtimes. Each message is
+handled in its own thread, as nodes work in parallel; ``send_and_receive(timeout=...)`` returns the
+replies that arrived in time and drops the rest, as Flower's grid does (a hung client keeps
+its thread). Used by the tests and by ``flatflower simulate --engine inprocess``.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
+import time
 import traceback
 import uuid
 from collections.abc import Iterable, Mapping
@@ -38,6 +42,7 @@ class InProcessGrid(Grid):
         self.offline: set[int] = set()  # node ids that get_node_ids() hides (failure tests)
         self._run = None
         self._pending: dict[str, Message] = {}
+        self._workers: list[threading.Thread] = []
 
     # -- Grid API
     def set_run(self, run) -> None:
@@ -54,7 +59,6 @@ class InProcessGrid(Grid):
         return [n for n in self.contexts if n not in self.offline]
 
     def _deliver(self, msg: Message) -> Message:
-        msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         incoming = copy.deepcopy(msg)
         try:
             reply = self.client_app(incoming, self.contexts[msg.metadata.dst_node_id])
@@ -66,10 +70,18 @@ class InProcessGrid(Grid):
         return reply
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Deliver each message in its own thread, as nodes work in parallel (replies land
+        in _pending)."""
         ids = []
         for msg in messages:
-            reply = self._deliver(msg)
-            self._pending[msg.metadata.message_id] = reply
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+
+            def work(msg=msg) -> None:
+                self._pending[msg.metadata.message_id] = self._deliver(msg)
+
+            worker = threading.Thread(target=work, daemon=True)
+            worker.start()
+            self._workers.append(worker)
             ids.append(msg.metadata.message_id)
         return ids
 
@@ -77,7 +89,12 @@ class InProcessGrid(Grid):
         return [self._pending.pop(i) for i in message_ids if i in self._pending]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None):
-        return list(self.pull_messages(self.push_messages(messages)))
+        ids = list(self.push_messages(messages))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for worker in self._workers:
+            worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._workers = [w for w in self._workers if w.is_alive()]  # hung clients
+        return list(self.pull_messages(ids))
 
 
 def run_inprocess(run_config: Mapping[str, Any], num_clients: int,

@@ -119,12 +119,14 @@ class FlatStrategy(FlowerFedAvg):
 
     # ------------------------------------------------------------------ nodes and sampling
     def wait_for_nodes(self, grid: Grid) -> list[int]:
-        """Connected node ids once ``min-available-nodes`` are up, or whatever is up at the
-        deadline (``node-wait-timeout``); NoNodesError if none."""
+        """Connected node ids. Before the first round: once ``min-available-nodes`` are up, or
+        whatever is up at the deadline (``node-wait-timeout``); later rounds go on with the
+        nodes that are up (waiting only while none is). NoNodesError if none."""
         deadline = time.monotonic() + self.cfg.node_wait_timeout
+        wanted = self.min_available_nodes if not self.partition_of else 1
         while True:
             nodes = sorted(grid.get_node_ids())
-            if len(nodes) >= self.min_available_nodes:
+            if len(nodes) >= wanted:
                 return nodes
             if time.monotonic() >= deadline:
                 if nodes:
@@ -172,6 +174,16 @@ class FlatStrategy(FlowerFedAvg):
         nodes = self.wait_for_nodes(grid)
         self.handshake(grid, nodes)
         return {self.partition_of[n]: n for n in nodes if n in self.partition_of}
+
+    def wait_for_partitions(self, grid: Grid, wanted: list[int], timeout: float) -> dict[int, int]:
+        """partition id -> node id, once every ``wanted`` partition has a connected node (e.g. a
+        restarted SuperNode) or after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            available = self.available_partitions(grid)
+            if all(p in available for p in wanted) or time.monotonic() >= deadline:
+                return available
+            time.sleep(1.0)
 
     def sample(self, server_round: int, partitions: list[int], fraction: float) -> list[int]:
         """Partition ids for this round: ``fixed`` = fraction * N rounded half up, without replacement,
@@ -280,13 +292,14 @@ class FlatStrategy(FlowerFedAvg):
                and self.stats.retries < self.cfg.max_retries):
             self.stats.retries += 1
             done = {u.partition_id for u in updates}
-            available = self.available_partitions(grid)
-            again = [p for p in self.stats.sampled_partitions if p not in done and p in available]
-            log.warning("round %d: %d accepted replies < min-replies=%d; retry %d/%d with clients %s",
-                        server_round, len(updates), self.cfg.min_replies, self.stats.retries,
-                        self.cfg.max_retries, again)
+            missing = [p for p in self.stats.sampled_partitions if p not in done]
+            log.warning("round %d: %d accepted replies < min-replies=%d; retry %d/%d: waiting for "
+                        "clients %s", server_round, len(updates), self.cfg.min_replies,
+                        self.stats.retries, self.cfg.max_retries, missing)
+            available = self.wait_for_partitions(grid, missing, self.cfg.round_timeout)
+            again = [p for p in missing if p in available]
             if not again:
-                break
+                continue
             content = msgs[0].content
             self._messages = [Message(content, dst_node_id=available[p], message_type=MessageType.TRAIN,
                                       group_id=str(server_round)) for p in again]

@@ -1,0 +1,63 @@
+"""Fault injection for testing a federation (node-config ``inject-fault``; never set it in a
+real run). ``KIND`` or ``KIND@R`` (from round R on):
+
+    raise      the ClientApp raises before training (an error reply; state untouched)
+    exit       the ClientApp process dies (os._exit): a crashed client
+    hang       the ClientApp sleeps far past any round deadline: a hung client
+    nan        the reply's model is all NaN (after training)
+    scale:F    the reply's update w_i - w is multiplied by F (an outlier), e.g. scale:100
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+KINDS = ("raise", "exit", "hang", "nan", "scale")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    from_round: int = 1
+    factor: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> Fault | None:
+        """``""`` -> None; otherwise a Fault or ValueError naming the valid forms."""
+        if not text:
+            return None
+        spec, _, rnd = text.partition("@")
+        kind, _, arg = spec.partition(":")
+        try:
+            fault = cls(kind, int(rnd) if rnd else 1, float(arg) if arg else 1.0)
+        except ValueError:
+            fault = None
+        if fault is None or kind not in KINDS or (kind == "scale") != bool(arg) or fault.from_round < 1:
+            raise ValueError(f"inject-fault={text!r} is not one of: raise, exit, hang, nan, "
+                             "scale:F, each optionally @ROUND")
+        return fault
+
+    def active(self, server_round: int) -> bool:
+        return server_round >= self.from_round
+
+    def before_training(self, server_round: int) -> None:
+        if not self.active(server_round):
+            return
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault: raise (round {server_round})")
+        if self.kind == "exit":
+            os._exit(17)
+        if self.kind == "hang":
+            time.sleep(24 * 3600)
+
+    def corrupt(self, server_round: int, start: OrderedDict, local: OrderedDict) -> OrderedDict:
+        """The model the client reports instead of ``local``."""
+        if not self.active(server_round) or self.kind not in ("nan", "scale"):
+            return local
+        local = OrderedDict((k, v.detach().cpu()) for k, v in local.items())
+        if self.kind == "nan":
+            return OrderedDict((k, v * float("nan")) for k, v in local.items())
+        return OrderedDict((k, start[k] + self.factor * (v - start[k])) for k, v in local.items())

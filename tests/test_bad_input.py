@@ -1,0 +1,390 @@
+"""Bad input, table-driven: every case names the input, the exit code and a distinctive
+substring of the message a user must see.
+
+For each CLI case the contract is: exactly one line ``error: ...`` on stderr, exit code 2
+(a usage error; argparse's own errors print usage and also exit 2), never a traceback, and
+nothing that was on disk before (a run directory, a checkpoint, a preset file) is changed,
+removed or added to. Three groups:
+
+1. run-config values through ``flatflower simulate --engine inprocess``,
+2. files: presets, ``--resume`` of damaged run directories, existing/unwritable ``--run-dir``,
+3. node config (``NodeSettings.from_node_config`` -> ValueError) and argparse errors.
+
+No Flower process is started: only the in-process engine, and (except for the two cases
+marked xfail that document a defect) validation fails before any round runs. Cases marked
+``xfail(strict=True)`` are real defects: the reason says what happens and what should.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+# imported here, not first inside a test: flwr's log handler keeps the sys.stderr of its import,
+# and a test's capture stream is closed after it ("--- Logging error ---" tracebacks later on)
+import server.inprocess  # noqa: F401
+from client.node import NodeSettings
+from server.cli import main
+
+USAGE = 2
+SIM = ["simulate", "--engine", "inprocess"]
+# a valid, tiny run; each config case appends the one thing it gets wrong (later flags win)
+QUICK = [*SIM, "--clients", "3", "--dataset", "synthetic", "--model", "logreg", "--partition", "iid",
+         "--rounds", "1", "--set", "local-steps=1", "--run-dir", "{tmp}/run"]
+
+
+def defect(reason: str, raises: type[BaseException] = AssertionError):
+    """A case that fails today because of a bug in the code under test (not in the test)."""
+    return pytest.mark.xfail(strict=True, raises=raises, reason=reason)
+
+
+# ------------------------------------------------------------------------------ helpers
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every file (bytes, mtime) and directory under ``root``."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root) + "/"] = ("dir",)
+        for f in filenames:
+            path = os.path.join(dirpath, f)
+            st = os.lstat(path)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, root)] = (fh.read(), st.st_mtime_ns)
+    return out
+
+
+def assert_untouched(before: dict[str, tuple], after: dict[str, tuple]) -> None:
+    removed = sorted(set(before) - set(after))
+    added = sorted(set(after) - set(before))
+    changed = sorted(k for k in set(before) & set(after) if before[k] != after[k])
+    assert not (removed or added or changed), (
+        f"files on disk changed: removed {removed}, added {added}, modified {changed}")
+
+
+def run_cli(argv: list[str], tmp: Path, capfd) -> tuple[int, str, str]:
+    """main(argv with {tmp} filled in) -> (exit code, stdout, stderr); SystemExit is an exit.
+
+    capfd rather than capsys: it also sees what is written to the file descriptors directly."""
+    argv = [a.format(tmp=tmp) for a in argv]
+    capfd.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def check_cli(argv: list[str], tmp: Path, capfd, caplog, code: int, message: str) -> None:
+    before = snapshot(tmp)
+    got, out, err = run_cli(argv, tmp, capfd)
+    assert "Traceback" not in out + err + caplog.text  # caplog: tracebacks logged by Flower
+    assert got == code, f"exit code {got}, expected {code}; stderr: {err!r}"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"not one 'error: ...' line: {err!r}"
+    assert message in lines[0], f"{message!r} not in {lines[0]!r}"
+    assert_untouched(before, snapshot(tmp))
+
+
+# ----------------------------------------------------------- 1. run-config values (CLI)
+CONFIG_CASES = [
+    # names
+    pytest.param(["--algorithm", "fedfoo"], "algorithm='fedfoo' is not one of:", id="algorithm-unknown"),
+    pytest.param(["--set", "learning-rate=0.1"], "unknown run-config key(s): learning-rate", id="key-unknown"),
+    pytest.param(["--set", "=1"], "--set expects key=value, got '=1'", id="key-empty"),
+    pytest.param(["--set", "lr"], "--set expects key=value, got 'lr'", id="set-without-equals"),
+    pytest.param(["--dataset", "imagenet"], "dataset='imagenet' is not one of:", id="dataset-unknown"),
+    pytest.param(["--model", "vgg16"], "model='vgg16' is not one of:", id="model-unknown"),
+    pytest.param(["--partition", "random"], "partition='random' is not one of:", id="partition-unknown"),
+    pytest.param(["--set", "sampling=random"], "sampling='random' is not one of: bernoulli, fixed",
+                 id="sampling-unknown"),
+    pytest.param(["--set", "aggregation=median"], "aggregation='median' is not one of: uniform, weighted",
+                 id="aggregation-unknown"),
+    pytest.param(["--set", "too-few-replies=abort"], "too-few-replies='abort' is not one of: retry, skip",
+                 id="too-few-replies-unknown"),
+    pytest.param(["--set", "fedtoga-perturbation=X"], "fedtoga-perturbation='X' is not one of: G, N, fusion",
+                 id="fedtoga-perturbation-unknown"),
+    pytest.param(["--set", "fedtoga-dual-divisor=K"], "fedtoga-dual-divisor='K' is not one of: M, N",
+                 id="fedtoga-dual-divisor-unknown"),
+    # types
+    pytest.param(["--set", "lr=abc"], "lr='abc' is not a valid float", id="lr-not-a-number"),
+    pytest.param(["--set", "lr="], "lr='' is not a valid float", id="lr-empty"),
+    pytest.param(["--set", "lr=[1, 2]"], "lr=[1, 2] is not a valid float", id="lr-list"),
+    pytest.param(["--set", "local-epochs=1.5"], "local-epochs=1.5 is not a valid int", id="local-epochs-fraction"),
+    pytest.param(["--set", "batch-size=true"], "batch-size=True is not a valid int", id="batch-size-bool"),
+    pytest.param(["--set", "download=maybe"], "download='maybe' is not a valid bool", id="download-not-bool"),
+    # ranges
+    pytest.param(["--set", "lr=0"], "lr must be a finite number > 0 (got 0.0)", id="lr-zero"),
+    pytest.param(["--set", "lr=-0.1"], "lr must be a finite number > 0 (got -0.1)", id="lr-negative"),
+    pytest.param(["--set", "lr=nan"], "lr must be a finite number > 0 (got nan)", id="lr-nan"),
+    pytest.param(["--set", "lr=inf"], "finite", id="lr-inf"),
+    pytest.param(["--set", "lr-decay=0"], "lr-decay must be in (0, 1]", id="lr-decay-zero"),
+    pytest.param(["--set", "lr-decay=1.5"], "lr-decay must be in (0, 1]", id="lr-decay-above-1"),
+    pytest.param(["--set", "rho=-0.05"], "rho must be a finite number >= 0 (got -0.05)", id="rho-negative"),
+    pytest.param(["--set", "fraction-train=0"], "fraction-train must be in (0, 1] (got 0.0)",
+                 id="fraction-train-zero"),
+    pytest.param(["--fraction", "1.5"], "fraction-train must be in (0, 1] (got 1.5)", id="fraction-flag-above-1"),
+    pytest.param(["--set", "fraction-evaluate=-0.1"], "fraction-evaluate must be in [0, 1] (got -0.1)",
+                 id="fraction-evaluate-negative"),
+    pytest.param(["--set", "fraction-evaluate=1.1"], "fraction-evaluate must be in [0, 1] (got 1.1)",
+                 id="fraction-evaluate-above-1"),
+    pytest.param(["--set", "dirichlet-alpha=0"], "dirichlet-alpha must be a finite number > 0", id="dirichlet-alpha-zero"),
+    pytest.param(["--set", "local-epochs=0"], "local-epochs must be >= 1", id="local-epochs-zero"),
+    pytest.param(["--set", "batch-size=0"], "batch-size must be >= 1", id="batch-size-zero"),
+    pytest.param(["--set", "momentum=1"], "momentum must be in [0, 1)", id="momentum-one"),
+    pytest.param(["--set", "momentum=-0.5"], "momentum must be in [0, 1)", id="momentum-negative"),
+    pytest.param(["--set", "min-replies=0"], "min-replies must be >= 1", id="min-replies-zero"),
+    pytest.param(["--set", "max-retries=-1"], "max-retries must be >= 0", id="max-retries-negative"),
+    pytest.param(["--set", "outlier-norm-factor=0.5"], "outlier-norm-factor must be 0 (off) or > 1",
+                 id="outlier-norm-factor-half"),
+    pytest.param(["--set", "outlier-norm-factor=1"], "outlier-norm-factor must be 0 (off) or > 1",
+                 id="outlier-norm-factor-one"),
+    pytest.param(["--set", "outlier-norm-factor=-2"], "outlier-norm-factor must be 0 (off) or > 1",
+                 id="outlier-norm-factor-negative"),
+    pytest.param(["--set", "checkpoint-every=-1"], "checkpoint-every must be >= 0",
+                 id="checkpoint-every-negative"),
+    pytest.param(["--set", "fedgmt-alpha=1"], "fedgmt-alpha must be in [0, 1)", id="fedgmt-alpha-one"),
+    pytest.param(["--set", "fedgmt-beta=0"], "fedgmt-beta must be a finite number > 0 (got 0.0)", id="fedgmt-beta-zero"),
+    pytest.param(["--set", "fednsam-lambda=1"], "fednsam-lambda must be in [0, 1)", id="fednsam-lambda-one"),
+    pytest.param(["--set", "fednsam-lambda=-0.1"], "fednsam-lambda must be in [0, 1)",
+                 id="fednsam-lambda-negative"),
+    pytest.param(["--set", "feddyn-alpha=0"], "feddyn-alpha must be a finite number > 0 (got 0.0)", id="feddyn-alpha-zero"),
+    pytest.param(["--set", "feddyn-alpha=-1"], "feddyn-alpha must be a finite number > 0 (got -1.0)", id="feddyn-alpha-negative"),
+    pytest.param(["--rounds", "0"], "num-server-rounds must be >= 1", id="rounds-zero"),
+    pytest.param(["--seed", "-1"], "seed must be >= 0", id="seed-negative"),
+    pytest.param(["--set", "lr=0", "--set", "rho=-1"], "lr must be a finite number > 0 (got 0.0); rho must be a finite number >= 0",
+                 id="two-errors-both-listed"),
+    # clients, partitions, data
+    pytest.param(["--clients", "0"], "--clients must be >= 1", id="clients-zero"),
+    pytest.param(["--clients", "-3"], "--clients must be >= 1", id="clients-negative"),
+    pytest.param(["--clients", "2", "--partition", "pathological", "--set", "classes-per-client=1"],
+                 "2 clients x 1 classes each cannot cover all 10 classes", id="pathological-too-few-clients"),
+    pytest.param(["--partition", "pathological", "--set", "classes-per-client=11"],
+                 "classes_per_client=11 exceeds the 10 classes", id="pathological-too-many-classes"),
+    pytest.param(["--clients", "3000"], "num_partitions must be between 1 and the number of samples (2000)",
+                 id="more-clients-than-samples"),
+    pytest.param(["--clients", "150", "--partition", "dirichlet", "--set", "dirichlet-alpha=0.001"],
+                 "use a larger alpha or fewer partitions", id="dirichlet-cannot-draw"),
+    pytest.param(["--dataset", "cifar10", "--model", "auto", "--set", "download=false",
+                  "--set", "data-dir={tmp}/data"],
+                 "dataset 'cifar10' is not available", id="cifar10-offline-without-files"),
+    pytest.param(["--model", "lenet"], "model 'lenet' does not fit dataset 'synthetic'", id="model-does-not-fit-dataset"),
+    pytest.param(["--set", "min-replies=10"], "min-replies=10 exceeds the 3 clients sampled per round", id="min-replies-above-clients"),
+]
+
+
+@pytest.mark.parametrize("args, message", CONFIG_CASES)
+def test_bad_run_config(tmp_path, capfd, caplog, args, message):
+    (tmp_path / "data").mkdir()  # an empty data directory (the offline cifar10 case)
+    check_cli([*QUICK, *args], tmp_path, capfd, caplog, USAGE, message)
+    assert not (tmp_path / "run").exists(), "the run directory was created for a run that never started"
+
+
+# ----------------------------------------------------------------------------- 2. files
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A real, resumable run directory: feddyn, 3 clients, 2 rounds (read-only: copy it)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    code = main([*SIM, "--algorithm", "feddyn", "--clients", "3", "--rounds", "2", "--dataset",
+                 "synthetic", "--model", "logreg", "--partition", "iid", "--set", "local-steps=1",
+                 "--run-dir", str(run_dir)])
+    assert code == 0 and (run_dir / "checkpoint.pt").is_file()
+    return run_dir
+
+
+def preset(text: str):
+    def setup(tmp: Path) -> None:
+        (tmp / "p.toml").write_bytes(text.encode() if isinstance(text, str) else text)
+    return setup
+
+
+def edit_config(**changes):
+    """Change run-config keys in the run's config.json (not in its checkpoint)."""
+    def setup(tmp: Path) -> None:
+        path = tmp / "run" / "config.json"
+        data = json.loads(path.read_text())
+        data["config"].update(changes)
+        path.write_text(json.dumps(data, indent=1))
+    return setup
+
+
+def write(name: str, content: bytes | str):
+    def setup(tmp: Path) -> None:
+        path = tmp / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return setup
+
+
+def remove(name: str):
+    return lambda tmp: (tmp / name).unlink()
+
+
+def truncate_checkpoint(tmp: Path) -> None:
+    path = tmp / "run" / "checkpoint.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def not_a_flatflower_checkpoint(tmp: Path) -> None:
+    torch.save({"weights": torch.zeros(3)}, tmp / "run" / "checkpoint.pt")
+
+
+GOOD_PRESET = '[preset]\ndescription = "d"\n\n[config]\ndataset = "synthetic"\nmodel = "logreg"\n'
+NEW = ["--run-dir", "{tmp}/new"]
+RESUME = [*SIM, "--resume", "{tmp}/run"]
+FILE_CASES = [
+    # presets
+    pytest.param(None, [*SIM, "--preset", "{tmp}/missing.toml", *NEW], "preset file {tmp}/missing.toml not found",
+                 id="preset-file-missing"),
+    pytest.param(None, [*SIM, "--preset", "no-such-preset", *NEW],
+                 "unknown preset 'no-such-preset'; available presets: digits-quick", id="preset-name-unknown"),
+    pytest.param(preset('[preset\ndescription = "d"\n'), [*SIM, "--preset", "{tmp}/p.toml", *NEW],
+                 "p.toml: invalid TOML", id="preset-toml-does-not-parse"),
+    pytest.param(preset(b"\xff\xfe[preset]\n"), [*SIM, "--preset", "{tmp}/p.toml", *NEW],
+                 "p.toml: cannot read preset", id="preset-not-utf8"),
+    pytest.param(preset(GOOD_PRESET + "learning-rate = 0.1\n"), [*SIM, "--preset", "{tmp}/p.toml", *NEW],
+                 "p.toml: [config]: unknown run-config key(s): learning-rate", id="preset-config-key-unknown"),
+    pytest.param(preset(GOOD_PRESET.replace("[preset]\n", "[preset]\nauthor = 'x'\n")),
+                 [*SIM, "--preset", "{tmp}/p.toml", *NEW],
+                 "p.toml: unknown key(s) in [preset]: author", id="preset-meta-key-unknown"),
+    pytest.param(preset(GOOD_PRESET + "[extra]\nx = 1\n"), [*SIM, "--preset", "{tmp}/p.toml", *NEW],
+                 "p.toml: unknown table(s) extra", id="preset-table-unknown"),
+    pytest.param(preset(GOOD_PRESET + "lr = -1\n"), [*SIM, "--preset", "{tmp}/p.toml", *NEW],
+                 "p.toml: [config]: invalid run config: lr must be a finite number > 0", id="preset-config-value-invalid"),
+    pytest.param(preset(GOOD_PRESET.replace('"d"', '"d"\nclients = 0')), [*SIM, "--preset", "{tmp}/p.toml", *NEW],
+                 "[preset] clients must be a positive integer, got 0", id="preset-clients-zero"),
+    pytest.param(preset(GOOD_PRESET.replace('"d"', '""')), [*SIM, "--preset", "{tmp}/p.toml", *NEW],
+                 "[preset] needs a description", id="preset-description-empty"),
+    # --resume of a damaged or missing run directory
+    pytest.param(None, [*SIM, "--resume", "{tmp}/nowhere"], "run directory {tmp}/nowhere does not exist",
+                 id="resume-dir-missing"),
+    pytest.param(lambda tmp: (tmp / "empty").mkdir(), [*SIM, "--resume", "{tmp}/empty"],
+                 "{tmp}/empty is not a flatflower run directory (no config.json)", id="resume-no-config-json"),
+    pytest.param(write("run/config.json", '{"config": {"lr": 0.1'), RESUME, "config.json is corrupt",
+                 id="resume-config-json-corrupt"),
+    pytest.param(write("run/config.json", '{"config": [1, 2]}'), RESUME,
+                 "config.json is corrupt: 'config' is not a table", id="resume-config-json-not-a-table"),
+    pytest.param(write("run/config.json", "[]"), RESUME, "config.json is corrupt", id="resume-config-json-a-list"),
+    pytest.param(edit_config(lr=-1), RESUME, "config.json", id="resume-config-json-invalid-value"),
+    pytest.param(edit_config(**{"no-such-key": 1}), RESUME, "config.json", id="resume-config-json-unknown-key"),
+    pytest.param(remove("run/checkpoint.pt"), RESUME, "no checkpoint in {tmp}/run", id="resume-no-checkpoint"),
+    pytest.param(write("run/checkpoint.pt", random.Random(0).randbytes(4096)), RESUME,
+                 "checkpoint.pt is corrupt or unreadable", id="resume-checkpoint-random-bytes"),
+    pytest.param(write("run/checkpoint.pt", b""), RESUME, "checkpoint.pt is corrupt or unreadable",
+                 id="resume-checkpoint-empty"),
+    pytest.param(truncate_checkpoint, RESUME, "checkpoint.pt is corrupt or unreadable",
+                 id="resume-checkpoint-truncated"),
+    pytest.param(not_a_flatflower_checkpoint, RESUME, "is not a flatflower checkpoint",
+                 id="resume-checkpoint-foreign"),
+    pytest.param(edit_config(lr=0.2), RESUME, "cannot resume with a different configuration: lr: 0.1 -> 0.2",
+                 id="resume-config-differs-from-checkpoint"),
+    # --resume refuses options that would change the run
+    pytest.param(None, [*RESUME, "--set", "lr=0.2"], "--set cannot be combined with it", id="resume-with-set"),
+    pytest.param(None, [*RESUME, "--algorithm", "fedavg"], "--algorithm cannot be combined with it",
+                 id="resume-with-algorithm"),
+    pytest.param(None, [*RESUME, "--preset", "digits-quick"], "--preset cannot be combined with it",
+                 id="resume-with-preset"),
+    pytest.param(None, [*RESUME, "--run-dir", "{tmp}/other"], "--run-dir cannot be combined with it",
+                 id="resume-with-run-dir"),
+    pytest.param(None, [*RESUME, "--clients", "5"], "the run in {tmp}/run has 3 clients, not --clients 5",
+                 id="resume-different-clients"),
+    pytest.param(None, [*RESUME, "--rounds", "1"], "num-server-rounds=1 is below the checkpoint's round 2",
+                 id="resume-rounds-below-checkpoint"),
+    pytest.param(None, [*RESUME, "--rounds", "0"], "num-server-rounds must be >= 1", id="resume-rounds-zero"),
+    # --run-dir
+    pytest.param(None, [*QUICK[:-1], "{tmp}/run"], "{tmp}/run already holds a run; choose another --run-dir",
+                 id="run-dir-holds-a-run"),
+    pytest.param(None, [*QUICK[:-2], "--set", "run-dir={tmp}/run"], "{tmp}/run already holds a run",
+                 id="run-dir-via-set-holds-a-run"),
+    pytest.param(write("afile", "precious"), [*QUICK[:-1], "{tmp}/afile/run"],
+                 "cannot create run directory {tmp}/afile/run", id="run-dir-under-a-regular-file"),
+    pytest.param(write("afile", "precious"), [*QUICK[:-1], "{tmp}/afile"],
+                 "cannot create run directory {tmp}/afile", id="run-dir-is-a-regular-file"),
+]
+
+
+@pytest.mark.parametrize("setup, argv, message", FILE_CASES)
+def test_bad_files(tmp_path, capfd, caplog, finished_run, setup, argv, message):
+    shutil.copytree(finished_run, tmp_path / "run")
+    if setup:
+        setup(tmp_path)
+    check_cli(argv, tmp_path, capfd, caplog, USAGE, message.format(tmp=tmp_path))
+
+
+# ------------------------------------------------------- 3. node config, CLI arguments
+def node(**config):
+    """from_node_config(config) and then torch_device(), as the ClientApp does."""
+    config = {k.replace("_", "-"): v for k, v in config.items()}
+    return lambda: NodeSettings.from_node_config(config).torch_device()
+
+
+NODE_CASES = [
+    pytest.param(node(num_partitions=3), "node config lacks 'partition-id'", id="partition-id-missing"),
+    pytest.param(node(partition_id=0), "node config lacks 'num-partitions'", id="num-partitions-missing"),
+    pytest.param(node(partition_id=3, num_partitions=3), "partition-id 3 is out of range [0, 2]",
+                 id="partition-id-too-large"),
+    pytest.param(node(partition_id=-1, num_partitions=3), "partition-id -1 is out of range [0, 2]",
+                 id="partition-id-negative"),
+    pytest.param(node(partition_id=1.5, num_partitions=3), "'partition-id' must be a whole number (got 1.5)",
+                 id="partition-id-fraction"),
+    pytest.param(node(partition_id=True, num_partitions=3), "'partition-id' must be a whole number (got True)",
+                 id="partition-id-bool"),
+    pytest.param(node(partition_id="one", num_partitions=3), "'partition-id' must be a whole number",
+                 id="partition-id-text"),
+    pytest.param(node(partition_id=0, num_partitions=0), "num-partitions must be >= 1 (got 0)",
+                 id="num-partitions-zero"),
+    pytest.param(node(partition_id=0, num_partitions=3, threads=-2), "threads must be >= 1 (got -2)",
+                 id="threads-negative"),
+    pytest.param(node(partition_id=0, num_partitions=3, threads=0), "threads must be >= 1 (got 0)",
+                 id="threads-zero"),
+    pytest.param(node(partition_id=0, num_partitions=3, device="gpu"), "device='gpu'", id="device-gpu"),
+    pytest.param(node(partition_id=0, num_partitions=3, device="cuda"),
+                 "device='cuda' requested but CUDA is not available", id="device-cuda-without-cuda"),
+    pytest.param(node(partition_id=0, num_partitions=3, device="cuda:1"),
+                 "device='cuda:1' requested but CUDA is not available", id="device-cuda-1-without-cuda"),
+    pytest.param(node(partition_id=0, num_partitions=3, inject_fault="boom"),
+                 "inject-fault='boom' is not one of: raise, exit, hang, nan, scale:F", id="inject-fault-unknown"),
+    pytest.param(node(partition_id=0, num_partitions=3, inject_fault="scale"),
+                 "inject-fault='scale' is not one of", id="inject-fault-scale-without-factor"),
+    pytest.param(node(partition_id=0, num_partitions=3, inject_fault="raise@0"),
+                 "inject-fault='raise@0' is not one of", id="inject-fault-round-zero"),
+    pytest.param(node(partition_id=0, num_partitions=3, inject_fault="nan@x"),
+                 "inject-fault='nan@x' is not one of", id="inject-fault-round-not-a-number"),
+]
+
+
+@pytest.mark.parametrize("call, message", NODE_CASES)
+def test_bad_node_config(monkeypatch, call, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "a machine without CUDA"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
+ARGPARSE_CASES = [
+    pytest.param(["frobnicate"], "invalid choice: 'frobnicate'", id="subcommand-unknown"),
+    pytest.param([], "the following arguments are required: command", id="subcommand-missing"),
+    pytest.param(["simulate", "--clients", "abc"], "argument --clients/-n: invalid int value: 'abc'",
+                 id="clients-not-a-number"),
+    pytest.param(["simulate", "--rounds", "2.5"], "argument --rounds/-r: invalid int value: '2.5'",
+                 id="rounds-not-an-int"),
+    pytest.param(["simulate", "--engine", "threads"], "argument --engine: invalid choice: 'threads'",
+                 id="engine-unknown"),
+    pytest.param(["simulate", "--no-such-flag"], "unrecognized arguments: --no-such-flag", id="flag-unknown"),
+    pytest.param(["simulate", "--set"], "argument --set: expected one argument", id="set-without-value"),
+]
+
+
+@pytest.mark.parametrize("argv, message", ARGPARSE_CASES)
+def test_bad_arguments(tmp_path, capfd, argv, message):
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(argv, tmp_path, capfd)
+    assert "Traceback" not in out + err
+    assert code == USAGE
+    assert message in err and "usage: flatflower" in err
+    assert_untouched(before, snapshot(tmp_path))

@@ -1,0 +1,317 @@
+"""Client failures, bad updates, checkpoints and exact resume.
+
+In-process runs use the real ServerApp and ClientApp; faults come from the ClientApp's
+``inject-fault`` node setting (client/faults.py) or a wrapper around the real ClientApp.
+The process-level tests kill real Flower processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.app import app as client_app
+from client.faults import Fault
+from client.state import StateMirror
+from common.config import RunConfig
+from server.cli import main as cli
+from server.inprocess import InProcessGrid
+from server.rundir import RunDirError, load_checkpoint
+from server.run import run_server
+from tests.conftest import fast_config
+from tests.test_integration import flower_pids, metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(tmp_path, name, faults=None, client=None, clients=3, **overrides):
+    """An in-process run; ``faults`` maps partition id -> inject-fault value."""
+    overrides = {"algorithm": "feddyn", **overrides}
+    cfg = RunConfig.from_mapping(fast_config(run_dir=str(tmp_path / name), **overrides))
+    grid = InProcessGrid(client or client_app, clients, cfg.to_dict())
+    for pid, fault in (faults or {}).items():
+        grid.contexts[1000 + pid].node_config["inject-fault"] = fault
+    run_server(grid, cfg)
+    rows = metrics(Path(cfg.run_dir))
+    final = torch.load(Path(cfg.run_dir) / "model_final.pt")
+    return rows, final
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- client failures
+def test_a_hung_client_is_lost_at_the_round_deadline_and_the_round_goes_on(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="flwr.flatflower.server")
+    rows, hung = run(tmp_path, "hung", {1: "hang"}, round_timeout=3.0)
+    _, crashed = run(tmp_path, "crashed", {1: "raise"})
+    for row in rows[1:]:
+        assert row["clients_failed"] == 1 and row["failed_partitions"] == [1]
+        assert row["seconds"] < 20
+    assert "client 1 (node 1001) failed: no reply within round-timeout=3s (client lost)" in caplog.text
+    assert same(hung, crashed), "the lost client must simply be left out of the round"
+
+
+def test_too_few_replies_skips_the_round_and_keeps_the_model(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="flwr.flatflower.server")
+    rows, final = run(tmp_path, "r", {1: "raise", 2: "raise"}, min_replies=2)
+    init = torch.load(tmp_path / "r" / "model_init.pt")
+    assert same(final, init)
+    assert all(r["skipped"] == 1 and r["clients_failed"] == 2 for r in rows[1:])
+    assert "round 1 skipped: 1 accepted client updates < min-replies=2" in caplog.text
+
+
+def flaky_client(fail_once: dict):
+    """The real ClientApp, except that partition p fails the first time it gets round r."""
+    def app(msg, context):
+        rnd = msg.content["config"].get("server-round", 0)  # 0: the handshake
+        key = (context.node_config["partition-id"], int(rnd))
+        if fail_once.pop(key, False):
+            raise ConnectionError(f"transient failure of client {key[0]} in round {key[1]}")
+        return client_app(msg, context)
+    return app
+
+
+def test_retry_resends_to_the_clients_that_failed_and_gives_the_clean_result(tmp_path):
+    _, clean = run(tmp_path, "clean")
+    rows, retried = run(tmp_path, "retried", client=flaky_client({(1, 1): True, (2, 2): True}),
+                        min_replies=3, too_few_replies="retry")
+    assert [r["retries"] for r in rows[1:]] == [1, 1]
+    assert [r["failed_partitions"] for r in rows[1:]] == [[1], [2]]
+    assert same(clean, retried), "a retried round must equal a round without the failure"
+    rows, skipped = run(tmp_path, "skipped", client=flaky_client({(1, 1): True}), min_replies=3)
+    assert [r["skipped"] for r in rows[1:]] == [1, 0]
+
+
+def test_failed_client_keeps_its_state_uncorrupted(tmp_path):
+    """A client that raises after round 1 keeps the dual of its last successful round."""
+    cfg = RunConfig.from_mapping(fast_config(algorithm="feddyn", run_dir=str(tmp_path / "r"),
+                                             num_server_rounds=3))
+    grid = InProcessGrid(client_app, 2, cfg.to_dict())
+    grid.contexts[1001].node_config["inject-fault"] = "raise@2"
+    run_server(grid, cfg)
+    meta = grid.contexts[1001].state.metric_records["client-meta"]
+    assert (int(meta["rounds-trained"]), int(meta["last-round"])) == (1, 1)
+
+
+# ---------------------------------------------------------------- bad updates
+@pytest.mark.parametrize("fault", ["nan", "scale:50"])
+def test_bad_update_is_rejected_and_the_model_is_that_of_a_run_without_it(tmp_path, fault, caplog):
+    caplog.set_level(logging.WARNING, logger="flwr.flatflower.server")
+    kw = {"outlier_norm_factor": 5.0} if fault.startswith("scale") else {}
+    rows, bad = run(tmp_path, "bad", {0: fault}, clients=4, **kw)
+    _, without = run(tmp_path, "without", {0: "raise"}, clients=4, **kw)
+    assert all(r["clients_rejected"] == 1 and r["rejected_partitions"] == [0] for r in rows[1:])
+    assert all(torch.isfinite(v).all() for v in bad.values())
+    assert same(bad, without)
+    assert "rejected reply of client 0 (node 1000)" in caplog.text
+
+
+def test_outlier_check_keeps_ordinary_updates(tmp_path):
+    rows, _ = run(tmp_path, "r", clients=4, outlier_norm_factor=5.0)
+    assert all(r["clients_rejected"] == 0 for r in rows[1:])
+
+
+def test_fault_specs_are_validated():
+    assert Fault.parse("scale:100@3") == Fault("scale", 3, 100.0)
+    assert Fault.parse("") is None
+    for bad in ("explode", "scale", "nan:2", "raise@0", "scale:x"):
+        with pytest.raises(ValueError, match="inject-fault"):
+            Fault.parse(bad)
+
+
+# ---------------------------------------------------------------- checkpoints and resume
+def test_checkpoint_holds_every_piece_of_server_state(tmp_path):
+    run(tmp_path, "r", algorithm="fedtoga", num_server_rounds=3, checkpoint_every=2)
+    ckpt = load_checkpoint(tmp_path / "r")
+    assert ckpt["round"] == 3  # the last round is always checkpointed
+    assert set(ckpt["strategy"]["records"]) == {"dual", "global_update"}
+    final = torch.load(tmp_path / "r" / "model_final.pt")
+    assert same(ckpt["strategy"]["model"], final)
+
+
+def test_missing_or_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(RunDirError, match="no checkpoint"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RunDirError, match="corrupt or unreadable"):
+        load_checkpoint(tmp_path)
+
+
+def test_state_mirror_reads_the_state_before_the_round_and_prunes(tmp_path):
+    mirror = StateMirror(tmp_path, 3, checkpoint_every=1)
+    for rnd in (1, 4, 5, 6, 9):
+        mirror.save(rnd, {"dual": {"w": torch.full((2,), float(rnd))}})
+    assert mirror.rounds() == [6, 9]  # newer than 9 - 2, plus the newest before
+    assert float(mirror.load_before(9)["dual"]["w"][0]) == 6.0
+    assert float(mirror.load_before(10)["dual"]["w"][0]) == 9.0
+    assert mirror.load_before(6) == {}
+
+
+SIM = ["--algorithm", "fedtoga", "--clients", "6", "--rounds", "12", "--fraction", "0.5",
+       "--dataset", "digits", "--set", "local-epochs=3"]
+
+
+def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SIGKILL) -> None:
+    deadline = time.monotonic() + 300
+    path = run_dir / "metrics.jsonl"
+    while f'"round": {round_}' not in (path.read_text() if path.exists() else ""):
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    proc.wait(120)
+
+
+def _cli_process(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "server.cli", *args], cwd=ROOT,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
+
+
+def test_killed_inprocess_run_resumes_to_the_uninterrupted_model(tmp_path):
+    assert cli(["simulate", "--engine", "inprocess", *SIM, "--run-dir", str(tmp_path / "full")]) == 0
+    cut = tmp_path / "cut"
+    proc = _cli_process(["simulate", "--engine", "inprocess", *SIM, "--run-dir", str(cut)],
+                        tmp_path / "cut.log")
+    _kill_when(proc, cut, 4)
+    assert not (cut / "model_final.pt").exists()
+    assert cli(["simulate", "--engine", "inprocess", "--resume", str(cut)]) == 0
+    full, resumed = (torch.load(d / "model_final.pt") for d in (tmp_path / "full", cut))
+    assert same(full, resumed)
+    assert [r["round"] for r in metrics(cut)] == list(range(13))
+    assert [r["test_loss"] for r in metrics(cut)] == [r["test_loss"] for r in metrics(tmp_path / "full")]
+
+
+@pytest.mark.integration
+def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_path):
+    args = ["--algorithm", "fedgmt-v2", "--clients", "4", "--rounds", "5", "--fraction", "0.5",
+            "--dataset", "digits", "--set", "local-epochs=1"]
+    before = flower_pids()
+    cut = tmp_path / "cut"
+    proc = _cli_process(["simulate", *args, "--run-dir", str(cut)], tmp_path / "cut.log")
+    _kill_when(proc, cut, 2, signal.SIGTERM)
+    assert flower_pids() - before == set(), "a stopped run left Flower processes behind"
+    assert not (cut / "model_final.pt").exists()
+    assert cli(["simulate", "--resume", str(cut)]) == 0
+    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "full")]) == 0
+    full, resumed = (torch.load(d / "model_final.pt") for d in (tmp_path / "full", cut))
+    assert same(full, resumed)
+    assert flower_pids() - before == set()
+
+
+# ---------------------------------------------------------------- real processes on loopback
+def _deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = None,
+              kill: str = "", restart: int | None = None, tls: bool = False, node_configs=None):
+    """Run ``config`` on a real SuperLink + ``nodes`` SuperNodes; after row ``kill_after`` of
+    metrics.jsonl, SIGKILL process ``kill`` (and restart SuperNode ``restart``)."""
+    from server.federation import COMPLETED, LocalFederation
+
+    run_dir = tmp_path / name
+    (run_dir / "logs").mkdir(parents=True)
+    cfg = RunConfig.from_mapping({**config, "run-dir": str(run_dir), "min-available-nodes": nodes,
+                                  "client-state-dir": str(run_dir / "client-state")})
+    done, restarts = [], []
+
+    def on_poll():
+        path = run_dir / "metrics.jsonl"
+        if kill_after and not done and path.exists() and f'"round": {kill_after}' in path.read_text():
+            fed.kill(kill)
+            done.append(time.monotonic())
+        # Flower refuses a node id that is still online: a SuperNode restarted with the same
+        # key gets in once the SuperLink has marked the killed one offline (2 missed 30 s
+        # heartbeats), so restart it as a supervisor would until it stays up.
+        if done and restart is not None and (not restarts or restarts[-1].poll() is not None):
+            if not restarts or time.monotonic() - done[-1] > 5:
+                restarts.append(fed.start_node(restart, name=f"supernode-{restart}-restart{len(restarts)}"))
+                done.append(time.monotonic())
+
+    with LocalFederation(nodes, tmp_path / f"{name}-work", run_dir / "logs", tls=tls,
+                         node_configs=node_configs) as fed:
+        run_id = fed.submit(ROOT, cfg.to_dict())
+        row = fed.wait(run_id, 500, poll=0.5, on_poll=on_poll)
+        fed.save_log(run_id, run_dir / "logs" / "run.log")
+    assert row["status"] == COMPLETED, row
+    assert done or not kill_after, "the run ended before the kill"
+    return cfg, run_dir
+
+
+DEPLOYED = {"dataset": "digits", "model": "mlp", "partition": "dirichlet", "local-epochs": 1,
+            "local-steps": 0, "batch-size": 32, "num-server-rounds": 3, "round-timeout": 30.0}
+
+
+@pytest.mark.integration
+def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path):
+    """3 SuperNodes: client 1 returns NaN every round, SuperNode 2 is killed after round 1.
+    The run completes; the log names both; the model is that of an in-process run in which
+    those clients fail (NaN rejected, the lost client left out)."""
+    before = flower_pids()
+    cfg, run_dir = _deployed(tmp_path, "dep", {**DEPLOYED, "algorithm": "fedsam"}, 3,
+                             kill_after=1, kill="supernode-2", node_configs={1: {"inject-fault": "nan"}})
+    assert flower_pids() - before == set(), "Flower processes left behind"
+    rows = metrics(run_dir)
+    assert all(r["rejected_partitions"] == [1] for r in rows[1:])
+    assert rows[2]["failed_partitions"] == [2]  # round 2: lost at the deadline
+    assert 2 not in [p for r in rows[2:] for p in r["sampled_partitions"] if p not in r["failed_partitions"]]
+    log = (run_dir / "logs" / "run.log").read_text()
+    assert "round 2: client 2 (node" in log and "(client lost)" in log
+    assert "rejected reply of client 1" in log and "NaN" in log
+    _, inproc = run(tmp_path, "inp", {1: "nan", 2: "raise@2"}, **{k.replace("-", "_"): v for k, v in {
+        **DEPLOYED, "algorithm": "fedsam"}.items()})
+    assert same(torch.load(run_dir / "model_final.pt"), inproc)
+    assert rows[-1]["test_accuracy"] > 0.5
+
+
+@pytest.mark.integration
+def test_restarted_supernode_keeps_its_identity_and_client_state(tmp_path):
+    """TLS + node auth. SuperNode 0 is killed after round 2 and restarted with the same key:
+    it gets the same node id, reloads its dual from its state mirror, and the run ends with
+    the model of an uninterrupted run (a round message the dead process took is re-sent)."""
+    config = {**DEPLOYED, "algorithm": "feddyn", "num-server-rounds": 4, "min-replies": 2,
+              "too-few-replies": "retry", "max-retries": 8}
+    cfg, run_dir = _deployed(tmp_path, "tls", config, 2, kill_after=2, kill="supernode-0",
+                             restart=0, tls=True)
+    restarted = "".join(p.read_text() for p in (run_dir / "logs").glob("supernode-0-restart*.log"))
+    assert "client state of round" in restarted and "restored" in restarted
+    assert all(r["skipped"] == 0 for r in metrics(run_dir)[1:])
+    _, inproc = run(tmp_path, "inp", clients=2, **{k.replace("-", "_"): v for k, v in config.items()})
+    assert same(torch.load(run_dir / "model_final.pt"), inproc)
+
+
+@pytest.mark.integration
+def test_killed_server_of_a_tls_deployment_resumes_to_the_uninterrupted_model(tmp_path):
+    """`flatflower local --tls`: the ServerApp process is killed after round 2 (the run fails,
+    the command exits 1 and stops everything); `--resume` finishes it with the same model as an
+    uninterrupted run."""
+    from server.federation import _children
+
+    args = ["--algorithm", "fedtoga", "--clients", "2", "--rounds", "4", "--dataset", "digits",
+            "--set", "local-epochs=1", "--tls"]
+    before = flower_pids()
+    cut = tmp_path / "cut"
+    proc = _cli_process(["local", *args, "--run-dir", str(cut)], tmp_path / "cut.log")
+    deadline = time.monotonic() + 300
+    while '"round": 2' not in ((cut / "metrics.jsonl").read_text() if (cut / "metrics.jsonl").exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "cut.log").read_text()
+        time.sleep(0.2)
+    server = [p for p in _children(proc.pid)
+              if b"flwr-serverapp" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert server, "no ServerApp process found"
+    os.kill(server[0], signal.SIGKILL)
+    assert proc.wait(300) == 1
+    assert "run failed" in (tmp_path / "cut.log").read_text()
+    assert flower_pids() - before == set()
+    assert cli(["local", "--resume", str(cut), "--tls"]) == 0
+    assert cli(["simulate", "--engine", "inprocess", *args[:-1], "--run-dir", str(tmp_path / "full")]) == 0
+    full, resumed = (torch.load(d / "model_final.pt") for d in (tmp_path / "full", cut))
+    assert same(full, resumed)
+    assert [r["round"] for r in metrics(cut)] == list(range(5))
+    assert flower_pids() - before == set()
