@@ -116,7 +116,7 @@ def test_node_settings_rejects_bad_values() -> None:
         NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 1, "threads": 0})
     with pytest.raises(ValueError, match="num-partitions must be >= 1"):
         NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 0})
-    with pytest.raises(ValueError, match="invalid node config"):
+    with pytest.raises(ValueError, match="must be a whole number"):
         NodeSettings.from_node_config({"partition-id": "first", "num-partitions": 2})
 
 

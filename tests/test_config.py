@@ -42,11 +42,11 @@ def test_pyproject_config_is_a_valid_run_config() -> None:
 # ----------------------------------------------------------------------------- validation
 INVALID = [
     ({"algorithm": "fedprox"}, "algorithm='fedprox' is not one of: fedavg, fedcm, feddyn"),
-    ({"lr": 0.0}, "lr must be > 0"),
-    ({"lr": -0.1}, "lr must be > 0"),
-    ({"lr": float("nan")}, "lr must be > 0 (got nan)"),
-    ({"lr": "nan"}, "lr must be > 0 (got nan)"),
-    ({"rho": -0.01}, "rho must be >= 0"),
+    ({"lr": 0.0}, "lr must be a finite number > 0"),
+    ({"lr": -0.1}, "lr must be a finite number > 0"),
+    ({"lr": float("nan")}, "lr must be a finite number > 0 (got nan)"),
+    ({"lr": "nan"}, "lr must be a finite number > 0 (got nan)"),
+    ({"rho": -0.01}, "rho must be a finite number >= 0"),
     ({"fraction-train": 0.0}, "fraction-train must be in (0, 1]"),
     ({"fraction-train": 1.5}, "fraction-train must be in (0, 1]"),
     ({"fraction-evaluate": -0.1}, "fraction-evaluate must be in [0, 1]"),
@@ -87,14 +87,14 @@ def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(ConfigError) as err:
         RunConfig.from_mapping({"lr": 0.0, "rho": -1.0, "batch-size": 0})
     message = str(err.value)
-    assert "lr must be > 0" in message and "rho must be >= 0" in message
+    assert "lr must be a finite number > 0" in message and "rho must be a finite number >= 0" in message
     assert "batch-size must be >= 1" in message
 
 
 def test_replace_validates() -> None:
     cfg = RunConfig()
     assert cfg.replace(lr=0.5).lr == 0.5
-    with pytest.raises(ConfigError, match="lr must be > 0"):
+    with pytest.raises(ConfigError, match="lr must be a finite number > 0"):
         cfg.replace(lr=-1.0)
 
 
@@ -103,7 +103,7 @@ def test_invalid_config_fails_before_training(tmp_path: Path) -> None:
     from server.inprocess import run_inprocess
 
     run_dir = tmp_path / "run"
-    with pytest.raises(ConfigError, match="lr must be > 0"):
+    with pytest.raises(ConfigError, match="lr must be a finite number > 0"):
         run_inprocess(fast_config(lr=0.0, run_dir=str(run_dir)), num_clients=2)
     assert not run_dir.exists()
 

@@ -108,8 +108,8 @@ def test_real_superlink_and_two_supernodes(tmp_path, capsys):
 # ---------------------------------------------------------------- CLI bad input (no processes)
 @pytest.mark.parametrize("argv, message", [
     (["--algorithm", "fedbogus"], "fedavg, fedcm, feddyn, fedgmt, fedgmt-v2, fednsam, fedsam, fedspeed, fedtoga, mofedsam"),
-    (["--set", "lr=-1"], "lr must be > 0"),
-    (["--set", "rho=-0.1"], "rho must be >= 0"),
+    (["--set", "lr=-1"], "lr must be a finite number > 0"),
+    (["--set", "rho=-0.1"], "rho must be a finite number >= 0"),
     (["--fraction", "0"], "fraction-train must be in (0, 1]"),
     (["--dataset", "imagenet"], "is not one of"),
     (["--set", "nonsense=1"], "unknown run-config key"),

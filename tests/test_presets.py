@@ -139,7 +139,7 @@ def test_presets_subcommand_lists_every_preset(capsys):
     ("config = 3\n[preset]\ndescription = 'x'\n", "config must be a table"),
     (GOOD + "[extra]\n", "unknown table(s) extra"),
     (GOOD + "nonsense = 1\n", "unknown run-config key(s): nonsense"),
-    (GOOD.replace("lr = 0.05", "lr = -1.0"), "lr must be > 0"),
+    (GOOD.replace("lr = 0.05", "lr = -1.0"), "lr must be a finite number > 0"),
     (GOOD.replace("lr = 0.05", "lr = 'fast'"), "lr='fast' is not a valid float"),
 ])
 def test_bad_preset_file_is_one_line_exit_2(tmp_path, capsys, text, message):
