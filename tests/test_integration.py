@@ -70,39 +70,8 @@ def test_inprocess_real_apps_learn_and_fill_run_dir(tmp_path):
     assert rows[1]["bytes_down"] == pytest.approx(2 * rows[1]["bytes_up"], rel=0.01)
 
 
-@pytest.mark.integration
-def test_ray_simulation_gives_the_inprocess_model(tmp_path):
-    args = ["--algorithm", "mofedsam", "--clients", "4", "--rounds", "3", "--fraction", "0.5",
-            "--set", "dataset=digits", "--set", "local-epochs=1", "--set", "partition=dirichlet"]
-    before = flower_pids()
-    assert cli(["simulate", "--engine", "ray", *args, "--run-dir", str(tmp_path / "ray")]) == 0
-    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
-    assert flower_pids() - before == set(), "simulation left Flower processes behind"
-    ray_rows = check_run_dir(tmp_path / "ray", rounds=3, clients=4, num_train=1437)
-    assert all(r["clients_sampled"] == 2 for r in ray_rows[1:])  # partial participation
-    a = torch.load(tmp_path / "ray" / "model_final.pt")
-    b = torch.load(tmp_path / "inp" / "model_final.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a), "same seed, different final model"
-    inp_rows = metrics(tmp_path / "inp")
-    assert [r["test_loss"] for r in ray_rows] == [r["test_loss"] for r in inp_rows]
-
-
-@pytest.mark.integration
-def test_real_superlink_and_two_supernodes(tmp_path, capsys):
-    before = flower_pids()
-    code = cli(["local", "--algorithm", "fedsam", "--clients", "2", "--rounds", "2",
-                "--dataset", "digits", "--set", "local-epochs=3", "--run-dir", str(tmp_path / "run"),
-                "--timeout", "400"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "finished:completed" in out and "final test accuracy" in out
-    rows = check_run_dir(tmp_path / "run", rounds=2, clients=2, num_train=1437)
-    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.3
-    assert all(r["clients_replied"] == 2 and r["clients_rejected"] == 0 for r in rows[1:])
-    logs = tmp_path / "run" / "logs"
-    assert (logs / "superlink.log").is_file() and (logs / "supernode-1.log").is_file()
-    assert "round 2" in (logs / "run.log").read_text()
-    assert flower_pids() - before == set(), "Flower processes left behind"
+# The Ray simulation and the real SuperLink/SuperNode deployment are exercised, with the
+# stateful seed algorithms, in tests/test_seed_integration.py and tests/test_reliability.py.
 
 
 # ---------------------------------------------------------------- CLI bad input (no processes)

@@ -6,7 +6,6 @@ The process-level tests kill real Flower processes on 127.0.0.1."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -250,22 +249,21 @@ DEPLOYED = {"dataset": "digits", "model": "mlp", "partition": "dirichlet", "loca
 
 @pytest.mark.integration
 def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path):
-    """3 SuperNodes: client 1 returns NaN every round, SuperNode 2 is killed after round 1.
+    """3 SuperNodes: client 1 returns NaN in both rounds, SuperNode 2 is killed after round 1.
     The run completes; the log names both; the model is that of an in-process run in which
     those clients fail (NaN rejected, the lost client left out)."""
     before = flower_pids()
-    cfg, run_dir = _deployed(tmp_path, "dep", {**DEPLOYED, "algorithm": "fedsam"}, 3,
+    cfg, run_dir = _deployed(tmp_path, "dep", {**DEPLOYED, "algorithm": "fedsam", "num-server-rounds": 2}, 3,
                              kill_after=1, kill="supernode-2", node_configs={1: {"inject-fault": "nan"}})
     assert flower_pids() - before == set(), "Flower processes left behind"
     rows = metrics(run_dir)
     assert all(r["rejected_partitions"] == [1] for r in rows[1:])
     assert rows[2]["failed_partitions"] == [2]  # round 2: lost at the deadline
-    assert 2 not in [p for r in rows[2:] for p in r["sampled_partitions"] if p not in r["failed_partitions"]]
     log = (run_dir / "logs" / "run.log").read_text()
     assert "round 2: client 2 (node" in log and "(client lost)" in log
     assert "rejected reply of client 1" in log and "NaN" in log
     _, inproc = run(tmp_path, "inp", {1: "nan", 2: "raise@2"}, **{k.replace("-", "_"): v for k, v in {
-        **DEPLOYED, "algorithm": "fedsam"}.items()})
+        **DEPLOYED, "algorithm": "fedsam", "num-server-rounds": 2}.items()})
     assert same(torch.load(run_dir / "model_final.pt"), inproc)
     assert rows[-1]["test_accuracy"] > 0.5
 
@@ -307,7 +305,13 @@ def test_killed_server_of_a_tls_deployment_resumes_to_the_uninterrupted_model(tm
     assert server, "no ServerApp process found"
     os.kill(server[0], signal.SIGKILL)
     assert proc.wait(300) == 1
-    assert "run failed" in (tmp_path / "cut.log").read_text()
+    out = (tmp_path / "cut.log").read_text()
+    assert "over TLS with SuperNode authentication" in out and "run failed" in out
+    superlink = (cut / "logs" / "superlink.log").read_text()
+    assert "Uvicorn running on https://127.0.0.1:" in superlink  # Control/Runtime API over TLS
+    assert "insecure" not in superlink.lower()  # Flower warns loudly when --insecure is set
+    assert superlink.count("[ControlServicer.RegisterNode] Created node_id=") == 2
+    assert superlink.count("[Fleet.ActivateNode] Activated node_id=") == 2
     assert flower_pids() - before == set()
     assert cli(["local", "--resume", str(cut), "--tls"]) == 0
     assert cli(["simulate", "--engine", "inprocess", *args[:-1], "--run-dir", str(tmp_path / "full")]) == 0

@@ -23,7 +23,7 @@ from server.certs import CertError, generate_certs, parse_host, write_node_key
 from server.cli import main as cli
 from server.federation import (EXIT_SUPERNODE_REFUSED, FederationError, LocalFederation,
                                is_loopback)
-from tests.test_integration import check_run_dir, flower_pids
+from tests.test_integration import flower_pids
 
 
 def _mode(path: Path) -> int:
@@ -183,26 +183,8 @@ def test_federation_refuses_non_loopback_without_tls(tmp_path):
 
 
 # ---------------------------------------------------------------- real processes over TLS
-@pytest.mark.integration
-def test_local_tls_federation_completes(tmp_path, capsys):
-    before = flower_pids()
-    code = cli(["local", "--tls", "--algorithm", "fedavg", "--clients", "2", "--rounds", "2",
-                "--dataset", "digits", "--set", "local-epochs=1", "--run-dir", str(tmp_path / "run"),
-                "--timeout", "240"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "over TLS with SuperNode authentication" in out and "finished:completed" in out
-    check_run_dir(tmp_path / "run", rounds=2, clients=2, num_train=1437)
-    logs = tmp_path / "run" / "logs"
-    superlink = (logs / "superlink.log").read_text()
-    assert "Uvicorn running on https://127.0.0.1:" in superlink  # Control/Runtime API over TLS
-    assert "insecure" not in superlink.lower()  # Flower warns loudly when --insecure is set
-    assert superlink.count("[ControlServicer.RegisterNode] Created node_id=") == 2
-    assert superlink.count("[Fleet.ActivateNode] Activated node_id=") == 2
-    for i in range(2):
-        assert "SuperNode ID: " in (logs / f"supernode-{i}.log").read_text()
-    assert "round 2" in (logs / "run.log").read_text()
-    assert flower_pids() - before == set(), "Flower processes left behind"
+# A complete `flatflower local --tls` run (killed, then resumed over TLS) is in
+# tests/test_reliability.py::test_killed_server_of_a_tls_deployment_resumes_to_the_uninterrupted_model.
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:

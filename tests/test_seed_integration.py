@@ -193,8 +193,14 @@ def test_real_deployment_runs_fedtoga_and_matches_inprocess(tmp_path, capsys):
     code = cli(["local", *args, "--run-dir", str(tmp_path / "dep"), "--timeout", "400"])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert "finished:completed" in out and "final test accuracy" in out
     assert flower_pids() - before == set(), "Flower processes left behind"
     rows = check_run_dir(tmp_path / "dep", rounds=2, clients=2, num_train=1437)
+    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.3
+    assert all(r["clients_replied"] == 2 and r["clients_rejected"] == 0 for r in rows[1:])
+    logs = tmp_path / "dep" / "logs"
+    assert (logs / "superlink.log").is_file() and (logs / "supernode-1.log").is_file()
+    assert "round 2" in (logs / "run.log").read_text()
     model_bytes = json.loads((tmp_path / "dep" / "summary.json").read_text())["model_bytes"]
     assert all(r["bytes_down"] == 2 * 2 * model_bytes for r in rows[1:])
     assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
