@@ -264,8 +264,8 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
     assert "rejected reply of client 1" in log and "NaN" in log
     _, inproc = run(tmp_path, "inp", {1: "nan", 2: "raise@2"}, **{k.replace("-", "_"): v for k, v in {
         **DEPLOYED, "algorithm": "fedsam", "num-server-rounds": 2}.items()})
-    assert same(torch.load(run_dir / "model_final.pt"), inproc)
-    assert rows[-1]["test_accuracy"] > 0.5
+    assert same(torch.load(run_dir / "model_final.pt"), inproc)  # as if the NaN client were absent
+    assert all(r["test_accuracy"] > rows[0]["test_accuracy"] + 0.1 for r in rows[1:])  # it learns
 
 
 @pytest.mark.integration
