@@ -30,7 +30,7 @@ demo: $(STAMP)
 
 # Everything: unit, algorithm and integration tests (real processes on loopback, Ray).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=12 tests
 
 # Unit and algorithm tests only (no Flower processes, no Ray).
 test-fast: $(STAMP)
