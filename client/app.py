@@ -74,6 +74,8 @@ def train(msg: Message, context: Context) -> Message:
     if fault:
         fault.before_training(server_round)
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+    if device.type == "cuda":
+        data = data.to(device)  # the whole partition on the GPU (common.datasets.Split.to)
     model = _model(cfg, node, msg.content[P.MODEL], device)
     broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
     mirror = _mirror(cfg, node)

@@ -56,6 +56,13 @@ def batch_indices(
             done += 1
 
 
+def autocast(cfg: RunConfig, device: torch.device):
+    """``amp = "bf16"``: forward passes (all of a step's, e.g. both SAM passes) in bfloat16
+    autocast. Parameters, gradients, the perturbation and its restore, and the SGD step stay
+    float32, so SAM still restores the weights bit for bit."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16")
+
+
 def local_train(
     model: nn.Module,
     data: Split,
@@ -77,7 +84,8 @@ def local_train(
     for idx in batch_indices(len(data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, generator):
         x, y = data.get(idx)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss, direction = rule.direction(model, x, y)
+        with autocast(cfg, device):
+            loss, direction = rule.direction(model, x, y)
         if not math.isfinite(loss):
             raise FloatingPointError(f"local loss became {loss} at step {len(losses) + 1}")
         for p, d in zip(params, direction):

@@ -60,6 +60,7 @@ class RunConfig:
     weight_decay: float = 0.0
     momentum: float = 0.0
     clip_norm: float = 0.0
+    amp: str = "off"
     eval_batch_size: int = 512
     # SAM family (shared radius) and per-algorithm hyperparameters (docs/algorithms.md)
     rho: float = 0.1
@@ -136,6 +137,7 @@ class RunConfig:
         choice("sampling", ("fixed", "bernoulli"))
         choice("aggregation", ("weighted", "uniform"))
         choice("too_few_replies", ("skip", "retry"))
+        choice("amp", ("off", "bf16"))
         choice("fedcm_server_step", ("delta", "literal"))
         choice("fedgmt_v2_init", ("initial", "global"))
         choice("fedtoga_prox_scale", ("multiplier", "literal"))

@@ -56,10 +56,16 @@ class Split:
         x = self.x[index].float() / self.scale
         if self.mean is not None and self.std is not None:
             view = (1, -1) + (1,) * (x.dim() - 2)
-            mean = torch.tensor(self.mean, dtype=torch.float32).view(view)
-            std = torch.tensor(self.std, dtype=torch.float32).view(view)
+            mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device).view(view)
+            std = torch.tensor(self.std, dtype=torch.float32, device=x.device).view(view)
             x = (x - mean) / std
         return x, self.y[index].long()
+
+    def to(self, device: torch.device | str) -> Split:
+        """The split on ``device``. A client's partition is small (CIFAR-10, 100 clients: 1.5 MB
+        as uint8), so a GPU client keeps all of it on the GPU and builds every batch there: no
+        per-batch host-to-device copies, no pinned-memory staging and no loader workers."""
+        return replace(self, x=self.x.to(device), y=self.y.to(device))
 
     def subset(self, indices: Sequence[int] | np.ndarray) -> Split:
         """The rows ``indices``, with the same normalisation."""
