@@ -192,8 +192,9 @@ def test_killed_inprocess_run_resumes_to_the_uninterrupted_model(tmp_path):
 
 @pytest.mark.integration
 def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_path):
-    args = ["--algorithm", "fedgmt-v2", "--clients", "4", "--rounds", "5", "--fraction", "0.5",
-            "--dataset", "digits", "--set", "local-epochs=1"]
+    # Rounds long enough (and enough of them) that the stop lands well before the last one.
+    args = ["--algorithm", "fedgmt-v2", "--clients", "4", "--rounds", "20", "--fraction", "0.5",
+            "--dataset", "digits", "--set", "local-epochs=10"]
     before = flower_pids()
     cut = tmp_path / "cut"
     proc = _cli_process(["simulate", *args, "--run-dir", str(cut)], tmp_path / "cut.log")
