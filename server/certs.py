@@ -213,11 +213,16 @@ def generate_certs(out_dir: Path, nodes: int, hosts: Sequence[str] = (), *,
                      files.server_key, files.node_keys, tuple(_name_str(n) for n in sans))
 
 
+DOCKER_SUPERLINK = "superlink"  # docker/compose.yml
+
+
 def summary(files: CertFiles, fleet_port: int = 9092, http_port: int = 8000) -> str:
     """What was written and the next commands (for ``flatflower certs``)."""
     d = files.out_dir
     extra = [h for h in files.hosts if h not in LOOPBACK_HOSTS]
-    addr = extra[0] if extra else "127.0.0.1"
+    # "superlink" is the compose service name, which only containers on A resolve.
+    outside = [h for h in extra if h != DOCKER_SUPERLINK] or extra
+    addr = outside[0] if outside else "127.0.0.1"
     addr = f"[{addr}]" if ":" in addr else addr
     n = len(files.node_keys)
     lines = [
@@ -230,6 +235,7 @@ def summary(files: CertFiles, fleet_port: int = 9092, http_port: int = 8000) -> 
         f"  nodes/node-0.pub .. node-{n - 1}.pub  public keys (registered on the SuperLink)",
         "",
         "next, on the SuperLink machine:",
+        "  mkdir -p $HOME/flatflower-state   # the SuperLink does not create its database's directory",
         f"  flower-superlink --ssl-ca-certfile {d}/ca.crt --ssl-certfile {d}/server.pem "
         f"--ssl-keyfile {d}/server.key --enable-supernode-auth --isolation subprocess "
         "--disable-runtime-dependency-installation --database $HOME/flatflower-state/superlink.db "

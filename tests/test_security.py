@@ -158,6 +158,16 @@ def test_cli_refuses_to_overwrite_and_force_replaces(tmp_path, capsys):
     assert _mode(out / "nodes" / "node-1") == 0o600
 
 
+def test_printed_node_command_uses_an_address_reachable_from_other_machines(tmp_path, capsys):
+    # As docs/deployment.md runs it: "superlink" (the compose service) first.
+    assert cli(["certs", str(tmp_path / "c"), "--nodes", "1", "--host", "superlink",
+                "--host", "a.example.org"]) == 0
+    printed = capsys.readouterr().out
+    assert "--superlink a.example.org:9092" in printed and "superlink:9092" not in printed.replace(
+        "a.example.org:9092", "")
+    assert "mkdir -p $HOME/flatflower-state" in printed
+
+
 def test_cli_bad_certs_input_is_one_line(tmp_path, capsys):
     assert cli(["certs", str(tmp_path / "c"), "--nodes", "0"]) == 2
     assert cli(["certs", str(tmp_path / "c"), "--nodes", "1", "--host", "a.b:9092"]) == 2
