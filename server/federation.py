@@ -95,6 +95,13 @@ def _detached_children(pid: int) -> list[int]:
     return out
 
 
+def _family(proc: subprocess.Popen) -> list[int]:
+    """``proc`` and its children, and its detached Flower children. An exited process's id may
+    be reused: then only its detached children remain ours."""
+    family = [] if proc.poll() is not None else [proc.pid, *_children(proc.pid)]
+    return family + _detached_children(proc.pid)
+
+
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -308,9 +315,7 @@ class LocalFederation:
     def stop(self, grace: float = 10.0) -> None:
         """Stop every process started here and all their children (SIGTERM, then SIGKILL)."""
         for name, proc in reversed(self.procs):
-            # an exited process's id may be reused: only its detached Flower children remain ours
-            family = [] if proc.poll() is not None else [proc.pid, *_children(proc.pid)]
-            family += _detached_children(proc.pid)
+            family = _family(proc)
             _signal(family, signal.SIGTERM)
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and any(_alive(p) for p in family):
@@ -319,6 +324,10 @@ class LocalFederation:
             _signal([p for p in family if _alive(p)], signal.SIGKILL)
             proc.wait(timeout=grace)
         self.procs.clear()
+
+    def pids(self) -> set[int]:
+        """Every live process started here, with all their children."""
+        return {pid for _, proc in self.procs for pid in _family(proc)}
 
     def __enter__(self) -> LocalFederation:
         try:

@@ -127,11 +127,13 @@ def test_device_cpu_is_honoured() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_a_clear_error() -> None:
-    node = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 1, "device": "cuda"})
-    with pytest.raises(ValueError, match="device='cuda' requested but CUDA is not available"):
-        node.torch_device()
-    auto = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 1})
-    assert auto.torch_device() == torch.device("cpu")
+    for device in ("cuda", "cuda:0"):
+        node = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 1, "device": device})
+        with pytest.raises(ValueError, match=f"device='{device}' requested but CUDA is not available"):
+            node.torch_device()
+    for auto in ({}, {"device": "auto"}):  # the default, and said explicitly
+        node = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 1, **auto})
+        assert node.torch_device() == torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------- ClientApp

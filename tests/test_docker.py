@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from client.node import NodeSettings
@@ -852,27 +851,3 @@ def test_docs_name_existing_files_and_services():
         if index and int(index.group(1)) >= n:
             continue  # "More clients" shows how to add them
         assert name in config["services"], f"docs mention service {name}, which compose.yml lacks"
-
-
-# ------------------------------------------------------------ node config `device` on CPU
-def test_node_device_cpu():
-    settings = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 1,
-                                              "device": "cpu"})
-    assert settings.torch_device().type == "cpu"
-
-
-def test_node_device_auto_is_cpu_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is present: auto picks it")
-    settings = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 1,
-                                              "device": "auto"})
-    assert settings.torch_device().type == "cpu"
-
-
-def test_node_device_cuda_without_cuda_is_a_clear_error():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is present")
-    settings = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 1,
-                                              "device": "cuda:0"})
-    with pytest.raises(ValueError, match=r"cuda:0.*CUDA is not available"):
-        settings.torch_device()

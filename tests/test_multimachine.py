@@ -33,8 +33,7 @@ import pytest
 import tomli_w
 
 from server.certs import planned_files
-from server.federation import (COMPLETED, LocalFederation, _children, _detached_children, free_port,
-                               is_loopback)
+from server.federation import COMPLETED, LocalFederation, free_port, is_loopback
 from tests.test_integration import flower_pids, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -336,11 +335,6 @@ def _listening(pids: set[int]) -> dict[int, list[tuple[str, int]]]:
     return out
 
 
-def _family(fed: LocalFederation) -> set[int]:
-    return {p for _, proc in fed.procs
-            for p in (proc.pid, *_children(proc.pid), *_detached_children(proc.pid))}
-
-
 def _ours(pid: int, marker: str) -> bool:
     """A process started under this test's homes (its FLWR_HOME or command line says so)."""
     try:
@@ -438,16 +432,16 @@ def test_documented_server_on_a_clients_on_b_and_c_by_hand(tmp_path):
             fed._check_alive()  # SuperLink and both SuperNodes stay up
             if not checked and all("SuperNode ID" in (logs / f"supernode-{m}.log").read_text()
                                    for m in NODE_OF):
-                seen.update(_family(fed))
+                seen.update(fed.pids())
                 checked.append(_listening(seen))
 
         row = fed.wait(run_id, 150, poll=1.0, on_poll=on_poll)
         timeline.append(f"{time.monotonic() - t0:5.1f} s  A: run {row['status']}")
-        seen.update(_family(fed))
+        seen.update(fed.pids())
         listening = _listening(seen)
         fed.save_log(run_id, logs / "run.log")
     finally:
-        seen.update(_family(fed))
+        seen.update(fed.pids())
         fed.stop()
         print("\n".join(timeline))
     elapsed = time.monotonic() - t0
