@@ -80,10 +80,11 @@ def train(msg: Message, context: Context) -> Message:
     broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
     mirror = _mirror(cfg, node)
     state = mirror.load_before(server_round) if mirror else _read_state(context)
-    rule = spec.client_class()(cfg, model, broadcast, state,
+    lr = cfg.round_lr(server_round)
+    rule = spec.client_class()(cfg, model, broadcast, state, lr=lr,
                                initial_weights=lambda: _initial_weights(cfg, node))
     result = local_train(
-        model, data, rule, cfg, cfg.round_lr(server_round),
+        model, data, rule, cfg, lr,
         round_generator(cfg.seed, server_round, node.partition_id),
     )
     content = RecordDict(

@@ -82,6 +82,14 @@ class RunConfig:
     fedtoga_perturbation: str = "G"
     fedtoga_dual_divisor: str = "M"
     fedtoga_delta_scale: str = "literal"
+    fedprox_mu: float = 0.01
+    fedlesam_first: str = "none"
+    fedacg_lambda: float = 0.85
+    fedacg_beta: float = 0.01
+    fedopt_eta: float = 0.01
+    fedopt_beta1: float = 0.9
+    fedopt_beta2: float = 0.99
+    fedopt_tau: float = 0.001
     # output
     run_dir: str = ""
 
@@ -144,6 +152,7 @@ class RunConfig:
         choice("fedtoga_perturbation", ("G", "N", "fusion"))
         choice("fedtoga_dual_divisor", ("M", "N"))
         choice("fedtoga_delta_scale", ("literal", "per-lr"))
+        choice("fedlesam_first", ("none", "initial"))
         check(self.num_server_rounds >= 1, "num-server-rounds must be >= 1")
         check(self.seed >= 0, "seed must be >= 0")
         check(_pos(self.lr), f"lr must be a finite number > 0 (got {self.lr})")
@@ -161,7 +170,17 @@ class RunConfig:
         check(_pos(self.fedtoga_alpha), f"fedtoga-alpha must be a finite number > 0 (got {self.fedtoga_alpha})")
         check(_nonneg(self.fedtoga_kappa), f"fedtoga-kappa must be a finite number >= 0 (got {self.fedtoga_kappa})")
         check(_nonneg(self.fedtoga_beta), f"fedtoga-beta must be a finite number >= 0 (got {self.fedtoga_beta})")
+        check(_nonneg(self.fedprox_mu), f"fedprox-mu must be a finite number >= 0 (got {self.fedprox_mu})")
+        check(0.0 <= self.fedacg_lambda < 1.0, "fedacg-lambda must be in [0, 1)")
+        check(_nonneg(self.fedacg_beta), f"fedacg-beta must be a finite number >= 0 (got {self.fedacg_beta})")
+        check(_pos(self.fedopt_eta), f"fedopt-eta must be a finite number > 0 (got {self.fedopt_eta})")
+        for name in ("fedopt_beta1", "fedopt_beta2"):
+            check(0.0 <= getattr(self, name) < 1.0, f"{_key(name)} must be in [0, 1)")
+        check(_pos(self.fedopt_tau), f"fedopt-tau must be a finite number > 0 (got {self.fedopt_tau})")
         check(_pos(self.server_lr), f"server-lr must be a finite number > 0 (got {self.server_lr})")
+        check(self.algorithm not in ("fedadam", "fedyogi") or self.server_lr == 1.0,
+              f"server-lr={self.server_lr} has no effect on {self.algorithm}: its server step size "
+              "is fedopt-eta")
         check(
             0.0 < self.fraction_train <= 1.0,
             f"fraction-train must be in (0, 1] (got {self.fraction_train})",

@@ -22,10 +22,21 @@ METRICS = "metrics"
 GLOBAL_UPDATE = "global_update"  # FedCM / MoFedSAM / FedTOGA: the server's global update Delta
 EMA_MODEL = "ema_model"  # FedGMT: the server's EMA ("trajectory") model e
 MOMENTUM = "server_momentum"  # FedNSAM: the server's Nesterov momentum m
+CONTROL = "control_variate"  # SCAFFOLD family: the server control variate c
+GLOBAL_PERTURBATION = "global_perturbation"  # FedSMOO: the server's global perturbation s
+
+# Uploads besides the local model.
+CONTROL_DELTA = "control_delta"  # SCAFFOLD family: c_i^+ - c_i
+PERTURBATION_CORRECTION = "perturbation_correction"  # FedSMOO: s~_i = mu_i - s^_{i,K}
 
 # Server-side state (never sent) and client-side state (``context.state``) record names.
 DUAL = "dual"  # FedDyn family: server dual h / client dual h_i (FedGMT: u, u_m)
 CLIENT_EMA = "ema"  # FedGMT-v2: the client's own EMA model e_m
+CLIENT_CONTROL = "control"  # SCAFFOLD family: the client control variate c_i
+PERTURBATION_DUAL = "perturbation_dual"  # FedSMOO: the client's perturbation dual mu_i
+PREVIOUS_GLOBAL = "previous_global"  # FedLESAM: the global model of the client's last round
+ADAPTIVE_M = "adaptive_m"  # FedAdam / FedYogi: server first moment
+ADAPTIVE_V = "adaptive_v"  # FedAdam / FedYogi: server second moment
 
 Tensors = "OrderedDict[str, torch.Tensor]"
 

@@ -44,3 +44,8 @@ def scale(a: OrderedDict, s: float) -> OrderedDict:
 
 def zeros_like(a: OrderedDict) -> OrderedDict:
     return OrderedDict((k, torch.zeros_like(v)) for k, v in a.items())
+
+
+def global_norm(a: OrderedDict) -> float:
+    """L2 norm of all floating-point tensors of ``a`` taken as one flat vector."""
+    return float(torch.sqrt(sum((v.double() ** 2).sum() for v in a.values() if v.is_floating_point())))

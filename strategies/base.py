@@ -91,6 +91,11 @@ class FlatStrategy(FlowerFedAvg):
     def init_records(self) -> None:
         """Allocate the algorithm's server state in ``self.records`` (default: none)."""
 
+    def start_point(self) -> OrderedDict:
+        """The model the clients start from and send back (default: the global model;
+        FedACG: its look-ahead). Client updates are measured from it."""
+        return self.model
+
     def broadcast(self, server_round: int) -> dict[str, OrderedDict]:
         """Extra records sent with the model: the spec's ``down`` names, from ``records``."""
         return {name: self.records[name] for name in self.spec.down}
@@ -210,7 +215,9 @@ class FlatStrategy(FlowerFedAvg):
         available = self.available_partitions(grid)
         chosen = self.sample(server_round, list(available), self.fraction_train)
         config = ConfigRecord({**dict(config), "server-round": server_round})
-        content = RecordDict({P.MODEL: arrays, P.CONFIG: config})
+        start = self.start_point()
+        content = RecordDict({P.MODEL: arrays if start is self.model else P.to_record(start),
+                              P.CONFIG: config})
         for name, tensors in self.broadcast(server_round).items():
             content[name] = P.to_record(tensors)
         msgs = [Message(content, dst_node_id=available[p], message_type=MessageType.TRAIN,
@@ -268,8 +275,9 @@ class FlatStrategy(FlowerFedAvg):
         factor = self.cfg.outlier_norm_factor
         if factor <= 0 or len(updates) < 3:
             return updates
+        start = self.start_point()
         norms = [math.sqrt(sum(float(((u.model[k] - v).double() ** 2).sum())
-                               for k, v in self.model.items() if v.is_floating_point()))
+                               for k, v in start.items() if v.is_floating_point()))
                  for u in updates]
         limit = factor * float(np.median(norms))
         kept = []

@@ -12,8 +12,9 @@ from strategies.base import FlatStrategy
 
 class FedAvg(FlatStrategy):
     def mean_delta(self, updates, weights):
-        """sum_i p_i (w_i - w^r): the aggregated client update."""
-        return weighted_sum([sub(u.model, self.model) for u in updates], weights)
+        """sum_i p_i (w_i - w^r): the aggregated client update (from the start point)."""
+        start = self.start_point()
+        return weighted_sum([sub(u.model, start) for u in updates], weights)
 
     def update(self, server_round, updates, weights):
         self.model = add_scaled(self.model, self.cfg.server_lr, self.mean_delta(updates, weights))

@@ -18,8 +18,11 @@ class FedNSAM(FedAvg):
     def init_records(self):
         self.records[MOMENTUM] = zeros_like(self.model)
 
+    def momentum_coefficient(self) -> float:
+        return self.cfg.fednsam_lambda
+
     def update(self, server_round, updates, weights):
-        lam = self.cfg.fednsam_lambda
+        lam = self.momentum_coefficient()
         m = add_scaled(scale(self.records[MOMENTUM], lam), 1.0, self.mean_delta(updates, weights))
         self.records[MOMENTUM] = m
         self.model = add_scaled(self.model, self.cfg.server_lr, m)

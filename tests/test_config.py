@@ -41,7 +41,7 @@ def test_pyproject_config_is_a_valid_run_config() -> None:
 
 # ----------------------------------------------------------------------------- validation
 INVALID = [
-    ({"algorithm": "fedprox"}, "algorithm='fedprox' is not one of: fedavg, fedcm, feddyn"),
+    ({"algorithm": "fedprox2"}, "algorithm='fedprox2' is not one of: fedacg, fedadam, fedavg"),
     ({"lr": 0.0}, "lr must be a finite number > 0"),
     ({"lr": -0.1}, "lr must be a finite number > 0"),
     ({"lr": float("nan")}, "lr must be a finite number > 0 (got nan)"),
@@ -64,7 +64,7 @@ INVALID = [
     ({"lr": "abc"}, "lr='abc' is not a valid float"),
     ({"num-server-rounds": 1.5}, "num-server-rounds=1.5 is not a valid int"),
     ({"download": "maybe"}, "download='maybe' is not a valid bool"),
-    ({"algorithm": 3}, "algorithm='3' is not one of: fedavg, fedcm, feddyn"),
+    ({"algorithm": 3}, "algorithm='3' is not one of: fedacg, fedadam, fedavg"),
 ]
 
 

@@ -12,8 +12,6 @@ the prox weight (FedGMT: none) and add constant corrections (FedTOGA: + beta Del
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from client.algorithms.base import ClientAlgorithm
@@ -26,12 +24,8 @@ class DualClient(ClientAlgorithm):
 
     def __init__(self, cfg, model, broadcast, state, **kwargs):
         super().__init__(cfg, model, broadcast, state, **kwargs)
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.start = [p.detach().clone() for p in trainable(model)]  # theta^t
-        device = self.start[0].device
-        dual = state.get(DUAL)
-        self.dual = ([dual[n].to(device) for n in self.names] if dual is not None
-                     else [torch.zeros_like(p) for p in self.start])
+        self.dual = self.stored(DUAL) or [torch.zeros_like(p) for p in self.start]
 
     # -- hooks
     def dual_coefficient(self) -> float:
@@ -64,9 +58,8 @@ class DualClient(ClientAlgorithm):
 
     def new_state(self, model):
         a = self.dual_coefficient()
-        dual = [(hi - a * (p.detach() - p0)).cpu()
-                for hi, p, p0 in zip(self.dual, trainable(model), self.start)]
-        return {DUAL: OrderedDict(zip(self.names, dual))}
+        return {DUAL: self.named([hi - a * (p.detach() - p0)
+                                  for hi, p, p0 in zip(self.dual, trainable(model), self.start)])}
 
 
 class FedDynClient(DualClient):

@@ -1,0 +1,26 @@
+"""FedACG server (Kim et al., CVPR 2024, Alg. 1; geehokim/FedACG ServerM): server momentum
+whose look-ahead is what the clients receive and start from.
+
+    broadcast   x^t = theta^t + lambda m^t                       (m^0 = 0)
+    Delta^t     = sum_i p_i (theta_i - x^t)                      (measured from the look-ahead)
+    m^{t+1}     = lambda m^t + Delta^t
+    theta^{t+1} = theta^t + eta_g m^{t+1}     (eta_g = 1: the mean of the clients' models)
+
+The momentum is the one FedNSAM's server keeps; FedACG sends the look-ahead model instead of
+m (1 model down). The clients add the prox term (beta/2)||theta - x^t||^2 (client.algorithms.
+fedprox.FedACGClient). lambda = beta = 0 is FedAvg.
+"""
+
+from __future__ import annotations
+
+from common.protocol import MOMENTUM
+from strategies.aggregate import add_scaled
+from strategies.fednsam import FedNSAM
+
+
+class FedACG(FedNSAM):
+    def momentum_coefficient(self) -> float:
+        return self.cfg.fedacg_lambda
+
+    def start_point(self):
+        return add_scaled(self.model, self.momentum_coefficient(), self.records[MOMENTUM])

@@ -1,0 +1,26 @@
+"""FedSMOO server (Sun et al. 2023; FedTOGA paper Alg. 2): FedDyn's ADMM server (a =
+``feddyn-alpha``, dual over all N clients) plus the global perturbation s, broadcast next
+round (s^0 = 0):
+
+    S = sum_i p_i s~_i          (uniform p_i: the paper's (1/M) sum_{i in S} s~_i)
+    s = rho S / ||S||           (global L2 norm over the whole model)
+"""
+
+from __future__ import annotations
+
+from common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION
+from strategies.aggregate import global_norm, scale, weighted_sum, zeros_like
+from strategies.feddyn import FedDyn
+
+EPS = 1e-12  # as client.sam.EPS: s = 0 when S = 0
+
+
+class FedSMOO(FedDyn):
+    def init_records(self):
+        super().init_records()
+        self.records[GLOBAL_PERTURBATION] = zeros_like(self.model)
+
+    def update(self, server_round, updates, weights):
+        super().update(server_round, updates, weights)
+        mean = weighted_sum([u.records[PERTURBATION_CORRECTION] for u in updates], weights)
+        self.records[GLOBAL_PERTURBATION] = scale(mean, self.cfg.rho / (global_norm(mean) + EPS))
