@@ -65,6 +65,15 @@ INVALID = [
     ({"num-server-rounds": 1.5}, "num-server-rounds=1.5 is not a valid int"),
     ({"download": "maybe"}, "download='maybe' is not a valid bool"),
     ({"algorithm": 3}, "algorithm='3' is not one of: fedacg, fedadam, fedavg"),
+    ({"fedprox-mu": -0.1}, "fedprox-mu must be a finite number >= 0"),
+    ({"fedlesam-first": "global"}, "fedlesam-first='global' is not one of: initial, none"),
+    ({"fedacg-lambda": 1.0}, "fedacg-lambda must be in [0, 1)"),
+    ({"fedacg-beta": float("inf")}, "fedacg-beta must be a finite number >= 0 (got inf)"),
+    ({"fedopt-eta": 0.0}, "fedopt-eta must be a finite number > 0"),
+    ({"fedopt-beta2": 1.0}, "fedopt-beta2 must be in [0, 1)"),
+    ({"fedopt-tau": 0.0}, "fedopt-tau must be a finite number > 0"),
+    ({"algorithm": "fedadam", "server-lr": 0.5},
+     "server-lr=0.5 has no effect on fedadam: its server step size is fedopt-eta"),
 ]
 
 

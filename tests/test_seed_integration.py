@@ -29,6 +29,11 @@ SEED_ALGORITHMS = ("fedcm", "feddyn", "fedspeed", "fedgmt", "fedgmt-v2", "fednsa
 PAPER_PATTERN = {
     "fedavg": (1, 1), "fedsam": (1, 1), "mofedsam": (2, 1), "fedcm": (2, 1), "feddyn": (1, 1),
     "fedspeed": (1, 1), "fedgmt": (2, 1), "fedgmt-v2": (1, 1), "fednsam": (2, 1), "fedtoga": (2, 1),
+    # the baselines (fedtoga notes §2.3 "extra communication": FedGAMMA 2x, FedSMOO 2x, FedLESAM
+    # 1x; SCAFFOLD sends c down and Delta c up; FedLESAM-S is SCAFFOLD's; FedACG sends only its
+    # look-ahead model; FedProx, FedAdam and FedYogi are FedAvg on the wire)
+    "fedprox": (1, 1), "scaffold": (2, 2), "fedgamma": (2, 2), "fedsmoo": (2, 2), "fedlesam": (1, 1),
+    "fedlesam-d": (1, 1), "fedlesam-s": (2, 2), "fedacg": (1, 1), "fedadam": (1, 1), "fedyogi": (1, 1),
 }
 
 
