@@ -18,7 +18,10 @@ class AlgorithmSpec:
     """One algorithm: where its two halves live and which records cross the wire.
 
     ``down``/``up`` list the records besides the model (``arrays``), the ``config``
-    and ``metrics`` records that every message carries.
+    and ``metrics`` records that every message carries; ``state`` the records a client keeps
+    between its rounds. ``passes`` is the number of gradient (forward + backward) passes per
+    local step with the default config, ``forwards`` the extra forward-only passes (FedGMT's
+    teacher): what ``flatflower bench`` measures against.
     """
 
     name: str
@@ -26,6 +29,9 @@ class AlgorithmSpec:
     client: str
     down: tuple[str, ...] = ()
     up: tuple[str, ...] = ()
+    state: tuple[str, ...] = ()
+    passes: int = 1
+    forwards: int = 0
     summary: str = ""
 
     def strategy_class(self) -> type:
@@ -46,48 +52,61 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec("fedavg", "strategies.fedavg:FedAvg", "client.algorithms.fedavg:FedAvgClient",
                       summary="FedAvg (McMahan et al. 2017) with a server learning rate"),
         AlgorithmSpec("fedsam", "strategies.fedsam:FedSAM", "client.algorithms.fedsam:FedSAMClient",
+                      passes=2,
                       summary="FedSAM (Qu et al. 2022, eq. 4): local SAM, FedAvg server"),
         AlgorithmSpec("mofedsam", "strategies.mofedsam:MoFedSAM",
                       "client.algorithms.mofedsam:MoFedSAMClient", down=(P.GLOBAL_UPDATE,),
+                      passes=2,
                       summary="MoFedSAM (Qu et al. 2022, eq. 6): local SAM mixed with the global update"),
         AlgorithmSpec("fedcm", "strategies.fedcm:FedCM", "client.algorithms.fedcm:FedCMClient",
                       down=(P.GLOBAL_UPDATE,),
                       summary="FedCM (Xu et al. 2021): local gradients mixed with the global update"),
         AlgorithmSpec("feddyn", "strategies.feddyn:FedDyn", "client.algorithms.feddyn:FedDynClient",
+                      state=(P.DUAL,),
                       summary="FedDyn (Acar et al. 2021): dynamic regulariser, client and server duals"),
         AlgorithmSpec("fedspeed", "strategies.fedspeed:FedSpeed",
                       "client.algorithms.fedspeed:FedSpeedClient",
+                      state=(P.DUAL,), passes=2,
                       summary="FedSpeed (Sun et al. 2023): FedDyn's prox-correction around local SAM"),
         AlgorithmSpec("fedgmt", "strategies.fedgmt:FedGMT", "client.algorithms.fedgmt:FedGMTClient",
                       down=(P.EMA_MODEL,),
+                      state=(P.DUAL,), forwards=1,
                       summary="FedGMT (Li et al. 2025): KL to the server's EMA model + ADMM duals"),
         AlgorithmSpec("fedgmt-v2", "strategies.fedgmt:FedGMTv2",
                       "client.algorithms.fedgmt:FedGMTv2Client",
+                      state=(P.DUAL, P.CLIENT_EMA), forwards=1,
                       summary="FedGMT-v2 (Li et al. 2025): FedGMT with a client-side EMA, 1x communication"),
         AlgorithmSpec("fednsam", "strategies.fednsam:FedNSAM", "client.algorithms.fednsam:FedNSAMClient",
                       down=(P.MOMENTUM,),
                       summary="FedNSAM (Liu et al. 2025): server Nesterov momentum as look-ahead and perturbation"),
         AlgorithmSpec("fedtoga", "strategies.fedtoga:FedTOGA", "client.algorithms.fedtoga:FedTOGAClient",
                       down=(P.GLOBAL_UPDATE,),
+                      state=(P.DUAL,), passes=2,
                       summary="FedTOGA (Li et al.): SAM perturbation corrected by the global update, dual correction"),
         # the baselines the papers compare against
         AlgorithmSpec("fedprox", "strategies.fedavg:FedAvg", "client.algorithms.fedprox:FedProxClient",
                       summary="FedProx (Li et al. 2020): proximal term (mu/2)||w - w^t||^2, FedAvg server"),
         AlgorithmSpec("scaffold", "strategies.scaffold:Scaffold", "client.algorithms.scaffold:ScaffoldClient",
                       down=(P.CONTROL,), up=(P.CONTROL_DELTA,),
+                      state=(P.CLIENT_CONTROL,),
                       summary="SCAFFOLD (Karimireddy et al. 2020): control variates, option II"),
         AlgorithmSpec("fedgamma", "strategies.scaffold:Scaffold", "client.algorithms.scaffold:FedGAMMAClient",
                       down=(P.CONTROL,), up=(P.CONTROL_DELTA,),
+                      state=(P.CLIENT_CONTROL,), passes=2,
                       summary="FedGAMMA (Dai et al. 2023): SCAFFOLD control variates around local SAM"),
         AlgorithmSpec("fedsmoo", "strategies.fedsmoo:FedSMOO", "client.algorithms.fedsmoo:FedSMOOClient",
                       down=(P.GLOBAL_PERTURBATION,), up=(P.PERTURBATION_CORRECTION,),
+                      state=(P.DUAL, P.PERTURBATION_DUAL), passes=2,
                       summary="FedSMOO (Sun et al. 2023): corrected SAM perturbation towards a global one, FedDyn duals"),
         AlgorithmSpec("fedlesam", "strategies.fedavg:FedAvg", "client.algorithms.fedlesam:FedLESAMClient",
+                      state=(P.PREVIOUS_GLOBAL,),
                       summary="FedLESAM (Fan et al. 2024): perturbation from the client's previous global model, 1 pass"),
         AlgorithmSpec("fedlesam-d", "strategies.feddyn:FedDyn", "client.algorithms.fedlesam:FedLESAMDClient",
+                      state=(P.DUAL, P.PREVIOUS_GLOBAL),
                       summary="FedLESAM-D (Fan et al. 2024): FedLESAM on FedDyn"),
         AlgorithmSpec("fedlesam-s", "strategies.scaffold:Scaffold", "client.algorithms.fedlesam:FedLESAMSClient",
                       down=(P.CONTROL,), up=(P.CONTROL_DELTA,),
+                      state=(P.CLIENT_CONTROL, P.PREVIOUS_GLOBAL),
                       summary="FedLESAM-S (Fan et al. 2024): FedLESAM on SCAFFOLD"),
         AlgorithmSpec("fedacg", "strategies.fedacg:FedACG", "client.algorithms.fedprox:FedACGClient",
                       summary="FedACG (Kim et al. 2024): look-ahead server momentum broadcast, prox to it"),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common import protocol as P
+from common.registry import ALGORITHMS
 from server.cli import main as cli
 from server.inprocess import run_inprocess
 from tests.test_integration import check_run_dir, flower_pids, metrics
@@ -18,11 +19,7 @@ from tests.test_seed_integration import SIM_ARGS, run_with_snapshots
 
 BASELINES = ("fedprox", "scaffold", "fedgamma", "fedsmoo", "fedlesam", "fedlesam-d", "fedlesam-s",
              "fedacg", "fedadam", "fedyogi")
-STATE = {  # the records each stateful client keeps in context.state
-    "scaffold": {P.CLIENT_CONTROL}, "fedgamma": {P.CLIENT_CONTROL},
-    "fedsmoo": {P.DUAL, P.PERTURBATION_DUAL}, "fedlesam": {P.PREVIOUS_GLOBAL},
-    "fedlesam-d": {P.DUAL, P.PREVIOUS_GLOBAL}, "fedlesam-s": {P.CLIENT_CONTROL, P.PREVIOUS_GLOBAL},
-}
+STATEFUL = sorted(name for name, spec in ALGORITHMS.items() if spec.state)
 
 
 def assert_states_equal(a: dict, b: dict):
@@ -31,10 +28,16 @@ def assert_states_equal(a: dict, b: dict):
         assert all(torch.equal(a[name][k], b[name][k]) for k in a[name])
 
 
-@pytest.mark.parametrize("algorithm", sorted(STATE))
+def test_stateless_algorithms_keep_nothing(tmp_path):
+    _, grid = run_with_snapshots(tmp_path, algorithm="fedacg")
+    assert all(not after[node] for _, after, _, _ in grid.rounds for node in after)
+
+
+@pytest.mark.parametrize("algorithm", STATEFUL)
 def test_only_sampled_clients_change_their_state_and_keep_what_the_algorithm_needs(tmp_path, algorithm):
-    """Every client that trained holds exactly its algorithm's records afterwards; clients
-    not sampled keep theirs bit for bit; and some client trains twice (state carried over)."""
+    """Every client that trained holds exactly the records its registry entry declares
+    (``state``, what the bench's memory table counts); clients not sampled keep theirs bit
+    for bit; and some client trains twice (state carried over)."""
     _, grid = run_with_snapshots(tmp_path, algorithm=algorithm)
     trained_twice = False
     for before, after, sent, _ in grid.rounds:
@@ -43,7 +46,7 @@ def test_only_sampled_clients_change_their_state_and_keep_what_the_algorithm_nee
                 assert_states_equal(before[node], after[node])
             else:
                 trained_twice |= bool(before[node])
-                assert set(after[node]) == STATE[algorithm]
+                assert set(after[node]) == set(ALGORITHMS[algorithm].state)
     assert trained_twice
 
 

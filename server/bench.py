@@ -1,0 +1,542 @@
+"""``flatflower bench``: what each algorithm costs, measured on this implementation.
+
+* **compute** — seconds per local step of each algorithm (our real local loop) divided by a
+  plain PyTorch SGD step on the same model, batch and device, measured interleaved in one
+  process; beside it the gradient passes per step counted while it ran and the count the
+  algorithm needs (``common.registry``: ``passes`` + ``forwards``/3, a forward being about a
+  third of a forward + backward).
+* **overhead** — one round of the same clients: the sum of their pure training time against
+  the round's wall time in-process, in Ray simulation and in a real loopback deployment
+  (the last two with ``--full``), and our FedAvg against a plain Flower FedAvg app (Flower's
+  own strategy and a minimal ClientApp, same model, data and local SGD) on the same grid.
+* **communication** — bytes down and up per client per round of every algorithm against
+  the theoretical count, model bytes x records (``down``/``up`` in the registry), and the
+  whole serialized Flower message (protobuf) against the same count.
+* **memory** — client-state bytes per client and server-state bytes per algorithm, for a
+  growing number of clients, against what the algorithm must keep (model bytes x records).
+
+Targets (docs/benchmarks.md) are reported, never asserted: timings belong here, not in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from common import protocol as P
+from common.config import RunConfig
+from common.datasets import Split, load_dataset
+from common.models import build_model
+from common.registry import ALGORITHMS
+from common.registry import get as get_spec
+
+# Variants measured besides each algorithm's defaults: (label, algorithm, run-config overrides).
+VARIANTS = [(name, name, {}) for name in ALGORITHMS] + [
+    ("fedtoga (N)", "fedtoga", {"fedtoga-perturbation": "N"}),
+]
+EXPECTED_OVERRIDES = {"fedtoga (N)": 1.0}  # passes of a variant whose config changes them
+MEMORY_CLIENTS_QUICK, MEMORY_CLIENTS_FULL = (2, 4), (4, 8, 16)
+_RUN_IDS = itertools.count()
+
+
+@dataclass
+class Settings:
+    quick: bool
+    model: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    batch_size: int
+    steps: int
+    repeats: int
+    device: str
+    full_overhead: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        shape = tuple(int(s) for s in args.input_shape.split(","))
+        return cls(quick=args.quick, model=args.model, input_shape=shape, num_classes=args.classes,
+                   batch_size=args.batch_size, steps=args.steps, repeats=args.repeats,
+                   device=args.device, full_overhead=args.full)
+
+
+# ---------------------------------------------------------------------------- compute
+class PassCounter:
+    """Counts torch.autograd.grad calls (every gradient pass of our client halves goes
+    through client.sam.loss_and_grad -> torch.autograd.grad) and forwards of one model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.grads, self.forwards = model, 0, 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        original = torch.autograd.grad
+
+        def grad(*args, **kwargs):
+            self.grads += 1
+            return original(*args, **kwargs)
+
+        def hook(module, inputs):
+            self.forwards += 1
+
+        handle = self.model.register_forward_pre_hook(hook)
+        torch.autograd.grad = grad
+        try:
+            yield self
+        finally:
+            torch.autograd.grad = original
+            handle.remove()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _plain_sgd_seconds(model, x, y, steps: int, lr: float, device) -> float:
+    """Seconds per step of the textbook loop: forward, cross-entropy, backward, SGD step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    _sync(device)
+    return (time.perf_counter() - t0) / steps
+
+
+def _noise_like(tensors: OrderedDict, scale: float = 1e-3) -> OrderedDict:
+    g = torch.Generator().manual_seed(0)
+    return OrderedDict((k, scale * torch.randn(v.shape, generator=g)) for k, v in tensors.items())
+
+
+def _algorithm_seconds(name: str, overrides: dict, settings: Settings, x, y, init: OrderedDict,
+                       device) -> tuple[float, int, int, int]:
+    """Seconds per step of ``name`` in our real local loop (client.train.local_train), after a
+    warm-up round that gives the client its state; and the passes counted in the timed round."""
+    from client.train import local_train
+
+    cfg = RunConfig.from_mapping({"algorithm": name, "local-steps": settings.steps,
+                                  "batch-size": settings.batch_size, "local-epochs": 1, **overrides})
+    spec = get_spec(name)
+    # non-zero broadcasts (as after round 1), so every perturbation/correction path runs
+    broadcast = {rec: _noise_like(init) for rec in spec.down}
+    data = Split(x, y)  # already on the device, as a GPU client's partition is
+    model = build_model(settings.model, settings.input_shape, settings.num_classes, seed=0).to(device)
+    state: dict = {}
+    for timed in (False, True):
+        model.load_state_dict(init)
+        rule = spec.client_class()(cfg, model, broadcast, state, lr=cfg.lr, initial_weights=lambda: init)
+        counter = PassCounter(model)
+        gen = torch.Generator().manual_seed(0)
+        _sync(device)
+        t0 = time.perf_counter()
+        with counter.counting():
+            result = local_train(model, data, rule, cfg, cfg.lr, gen)
+        _sync(device)
+        seconds = (time.perf_counter() - t0) / result.num_steps
+        rule.uploads(model)
+        state = {**state, **rule.new_state(model)}
+    return seconds, result.num_steps, counter.grads, counter.forwards
+
+
+def bench_compute(settings: Settings) -> list[dict[str, Any]]:
+    device = torch.device(settings.device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(settings.batch_size, *settings.input_shape, generator=g).to(device)
+    y = torch.randint(0, settings.num_classes, (settings.batch_size,), generator=g).to(device)
+    init = build_model(settings.model, settings.input_shape, settings.num_classes, seed=0).state_dict()
+    baseline = build_model(settings.model, settings.input_shape, settings.num_classes, seed=0).to(device)
+    _plain_sgd_seconds(baseline, x, y, 3, 0.01, device)  # warm-up (allocator, kernels)
+    rows = []
+    for label, name, overrides in VARIANTS:
+        spec = get_spec(name)
+        alg_times, sgd_times = [], []
+        for _ in range(settings.repeats):  # interleaved, so drift hits both alike
+            sgd_times.append(_plain_sgd_seconds(baseline, x, y, settings.steps, 0.01, device))
+            t_alg, steps, grads, forwards = _algorithm_seconds(name, overrides, settings, x, y, init, device)
+            alg_times.append(t_alg)
+        # the fastest repeat of each: other load on the machine only ever adds time
+        cost = min(alg_times) / min(sgd_times)
+        expected = EXPECTED_OVERRIDES.get(label, spec.passes + spec.forwards / 3)
+        rows.append({
+            "algorithm": label, "seconds_per_step": min(alg_times),
+            "sgd_seconds_per_step": min(sgd_times),
+            "cost_vs_sgd": cost,
+            "expected_cost": round(expected, 3),
+            "within_10pct": abs(cost / expected - 1) <= 0.10,
+            "gradient_passes_per_step": grads / steps, "forwards_per_step": forwards / steps,
+            "expected_gradient_passes": EXPECTED_OVERRIDES.get(label, spec.passes),
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------- overhead
+def _overhead_config(run_dir: Path, quick: bool) -> dict[str, Any]:
+    """FedAvg on digits, iid: 1 local epoch of the MLP (quick) or 5 of the CNN."""
+    return {"algorithm": "fedavg", "dataset": "digits", "partition": "iid",
+            "model": "mlp" if quick else "cnn", "local-epochs": 1 if quick else 5,
+            "num-server-rounds": 3, "checkpoint-every": 0, "run-dir": str(run_dir)}
+
+
+def _pure_training_seconds(cfg: RunConfig, clients: int) -> float:
+    """Sum over the clients of local_train alone (round 1's start model, their data)."""
+    from client.algorithms.fedavg import FedAvgClient
+    from client.train import local_train, round_generator
+    from common.data import client_split, dataset_for
+
+    data = dataset_for(cfg)
+    init = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed).state_dict()
+    total = 0.0
+    for pid in range(clients):
+        split = client_split(cfg, pid, clients)
+        model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
+        model.load_state_dict(init)
+        rule = FedAvgClient(cfg, model, {}, {})
+        t0 = time.perf_counter()
+        local_train(model, split, rule, cfg, cfg.lr, round_generator(cfg.seed, 1, pid))
+        total += time.perf_counter() - t0
+    return total
+
+
+def _round_seconds(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["seconds"] for r in rows if r["round"] >= 1]
+
+
+def _plain_flower_fedavg_seconds(cfg: RunConfig, clients: int) -> list[float]:
+    """Per-round wall time of Flower's own FedAvg strategy (``strategy.start``) driving a
+    minimal ClientApp (same data, model and local SGD), central evaluation each round, on
+    the same in-process grid as ours."""
+    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp.strategy import FedAvg
+
+    from client.algorithms.fedavg import FedAvgClient
+    from client.train import local_train, round_generator
+    from common.data import client_split, dataset_for
+    from common.evaluate import evaluate
+    from server.inprocess import InProcessGrid
+
+    data = dataset_for(cfg)
+    plain = ClientApp()
+
+    @plain.train()
+    def train(msg: Message, context: Context) -> Message:
+        pid = int(context.node_config["partition-id"])
+        split = client_split(cfg, pid, clients)
+        model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        rnd = int(msg.content["config"]["server-round"])
+        result = local_train(model, split, FedAvgClient(cfg, model, {}, {}), cfg, cfg.lr,
+                             round_generator(cfg.seed, rnd, pid))
+        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                                   "metrics": MetricRecord({"num-examples": result.num_examples})}),
+                       reply_to=msg)
+
+    model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)
+    stamps: list[float] = []
+
+    def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss, acc = evaluate(model, data.test, cfg.eval_batch_size)
+        stamps.append(time.perf_counter())
+        return MetricRecord({"accuracy": acc, "loss": loss})
+
+    grid = InProcessGrid(plain, clients, cfg.to_dict())
+    strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients,
+                      min_available_nodes=clients)
+    with contextlib.redirect_stdout(open(os.devnull, "w")):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
+                       num_rounds=cfg.num_server_rounds, evaluate_fn=central)
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path, timeout: float) -> dict:
+    """Run ``flatflower local|simulate`` for FedAvg in a subprocess; its round times and wall."""
+    run_dir = workdir / command
+    args = [sys.executable, "-m", "server.cli", command, "--algorithm", "fedavg", "--clients", str(clients),
+            "--rounds", str(cfg_dict["num-server-rounds"]), "--dataset", "digits", "--partition", "iid",
+            "--model", cfg_dict["model"], "--set", f"local-epochs={cfg_dict['local-epochs']}",
+            "--set", "checkpoint-every=0", "--run-dir", str(run_dir),
+            "--timeout", str(int(timeout))]
+    t0 = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout + 60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"error": (proc.stdout + proc.stderr)[-400:], "wall_seconds": wall}
+    rounds = _round_seconds(run_dir)
+    return {"round_seconds": statistics.median(rounds), "wall_seconds": wall,
+            "startup_and_teardown_seconds": wall - sum(rounds)}
+
+
+def bench_overhead(settings: Settings, workdir: Path) -> dict[str, Any]:
+    from server.inprocess import run_inprocess
+
+    clients = 4
+    cfg_dict = _overhead_config(workdir / "ours", settings.quick)
+    cfg = RunConfig.from_mapping(cfg_dict)
+    pure = statistics.median(_pure_training_seconds(cfg, clients) for _ in range(3))
+    ours = []
+    for i in range(2 if settings.quick else 3):
+        run_dir, _ = run_inprocess({**cfg_dict, "run-dir": str(workdir / f"ours-{i}")}, clients)
+        ours += _round_seconds(run_dir)[1:]  # round 1 carries one-off warm-up
+    flower = []
+    for _ in range(2 if settings.quick else 3):
+        flower += _plain_flower_fedavg_seconds(cfg, clients)
+    out = {
+        "clients": clients, "dataset": "digits", "model": cfg.resolved_model(),
+        "local_epochs": cfg.local_epochs,
+        "pure_training_seconds": pure,
+        "inprocess_round_seconds": statistics.median(ours),
+        "plain_flower_fedavg_round_seconds": statistics.median(flower),
+    }
+    out["ours_vs_plain_flower"] = out["inprocess_round_seconds"] / out["plain_flower_fedavg_round_seconds"]
+    out["inprocess_vs_pure_training"] = out["inprocess_round_seconds"] / pure
+    if settings.full_overhead:
+        for engine, command in (("ray", "simulate"), ("deployment", "local")):
+            result = _cli_round_seconds(command, cfg_dict, clients, workdir, timeout=600)
+            out[engine] = result
+            if "round_seconds" in result:
+                out[f"{engine}_vs_pure_training"] = result["round_seconds"] / pure
+    else:
+        out["ray"] = out["deployment"] = {"skipped": "run with --full (starts Ray / Flower processes)"}
+    return out
+
+
+# ---------------------------------------------------------------------------- communication
+def _fast_run(workdir: Path, name: str, clients: int, **overrides) -> tuple[Path, Any]:
+    from server.inprocess import run_inprocess
+
+    cfg = {"algorithm": name, "dataset": "synthetic", "model": "mlp", "partition": "iid",
+           "local-steps": 2, "batch-size": 64, "num-server-rounds": 2,
+           "run-dir": str(workdir / f"{name}-{clients}-{next(_RUN_IDS)}"), **overrides}
+    return run_inprocess(cfg, clients)
+
+
+def _wire_bytes(message) -> int:
+    """Bytes of the whole Flower message as serialized for the wire (protobuf)."""
+    from flwr.common.serde import message_to_proto
+
+    return message_to_proto(message).ByteSize()
+
+
+class _WireGrid:
+    """Wraps an InProcessGrid to measure every train message and reply as serialized."""
+
+    def __init__(self, grid):
+        self.grid, self.down, self.up, self.count = grid, 0, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        if messages and messages[0].metadata.message_type == "train":
+            self.down += sum(_wire_bytes(m) for m in messages)
+            self.up += sum(_wire_bytes(r) for r in replies if not r.has_error())
+            self.count += len(messages)
+        return replies
+
+
+def bench_communication(workdir: Path) -> list[dict[str, Any]]:
+    from client.app import app as client_app
+    from server.inprocess import InProcessGrid
+    from server.run import run_server
+
+    rows = []
+    clients = 4
+    for name, spec in ALGORITHMS.items():
+        cfg = RunConfig.from_mapping({"algorithm": name, "dataset": "synthetic", "model": "mlp",
+                                      "partition": "iid", "local-steps": 2, "batch-size": 64,
+                                      "num-server-rounds": 2, "fraction-train": 0.5,
+                                      "run-dir": str(workdir / f"comm-{name}")})
+        grid = _WireGrid(InProcessGrid(client_app, clients, cfg.to_dict()))
+        with _quiet():
+            run_dir = run_server(grid, cfg)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        model_bytes = summary["model_bytes"]
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[1:]]
+        sent = sum(r["clients_sampled"] for r in metrics)
+        replied = sum(r["clients_replied"] for r in metrics)
+        down = sum(r["bytes_down"] for r in metrics) / sent
+        up = sum(r["bytes_up"] for r in metrics) / replied
+        theory_down, theory_up = model_bytes * (1 + len(spec.down)), model_bytes * (1 + len(spec.up))
+        rows.append({
+            "algorithm": name, "model_bytes": model_bytes,
+            "records_down": 1 + len(spec.down), "records_up": 1 + len(spec.up),
+            "bytes_down_per_client": down, "bytes_up_per_client": up,
+            "theoretical_down": theory_down, "theoretical_up": theory_up,
+            "wire_down_per_client": grid.down / grid.count, "wire_up_per_client": grid.up / grid.count,
+            "wire_vs_theory_down": grid.down / grid.count / theory_down,
+            "wire_vs_theory_up": grid.up / grid.count / theory_up,
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------- memory
+def _state_bytes(records) -> int:
+    """Tensor bytes of a client's ArrayRecords (names and metadata not counted)."""
+    return sum(arr.numpy().nbytes for rec in records.values() for arr in rec.values())
+
+
+def bench_memory(settings: Settings, workdir: Path) -> list[dict[str, Any]]:
+    rows = []
+    sizes = MEMORY_CLIENTS_QUICK if settings.quick else MEMORY_CLIENTS_FULL
+    for name, spec in ALGORITHMS.items():
+        for clients in sizes:
+            with _quiet():
+                run_dir, grid = _fast_run(workdir, name, clients, **{"checkpoint-every": 2})
+            per_client = [_state_bytes(ctx.state.array_records) for ctx in grid.contexts.values()]
+            ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+            server = sum(t.numel() * t.element_size() for rec in ckpt["strategy"]["records"].values()
+                         for t in rec.values())
+            init = torch.load(run_dir / "model_init.pt")
+            model_bytes = sum(t.numel() * t.element_size() for t in init.values())
+            rows.append({
+                "algorithm": name, "clients": clients,
+                "client_state_bytes_max": max(per_client),
+                "client_state_bytes_total": sum(per_client),
+                "expected_client_state_bytes": model_bytes * len(spec.state),
+                "server_state_bytes": server, "model_bytes": model_bytes,
+            })
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+@contextlib.contextmanager
+def _quiet():
+    """Silence Flower's INFO logging while the bench runs federations."""
+    import logging
+
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def machine() -> dict[str, Any]:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
+    try:
+        import flwr
+
+        info["flwr"] = flwr.__version__
+    except Exception:  # noqa: BLE001 - informative only
+        pass
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run_bench(settings: Settings, workdir: Path) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    report: dict[str, Any] = {"machine": machine(), "settings": asdict(settings)}
+    report["compute"] = bench_compute(settings)
+    with _quiet():
+        report["overhead"] = bench_overhead(settings, workdir)
+    report["communication"] = bench_communication(workdir)
+    report["memory"] = bench_memory(settings, workdir)
+    report["seconds"] = time.perf_counter() - t0
+    return report
+
+
+def print_tables(report: dict[str, Any]) -> str:
+    from server.report import render_table
+
+    out = []
+    comp = [{"algorithm": r["algorithm"], "s/step": f"{r['seconds_per_step'] * 1e3:.2f} ms",
+             "x SGD": f"{r['cost_vs_sgd']:.2f}", "expected": f"{r['expected_cost']:.2f}",
+             "grad passes": f"{r['gradient_passes_per_step']:.2f}",
+             "within 10%": "yes" if r["within_10pct"] else "no"} for r in report["compute"]]
+    out.append(render_table(comp, "compute: cost per local step vs a plain SGD step"))
+    o = report["overhead"]
+    over = [{"what": "pure training (sum over clients)", "seconds": f"{o['pure_training_seconds']:.3f}"},
+            {"what": "in-process round (ours)", "seconds": f"{o['inprocess_round_seconds']:.3f}"},
+            {"what": "plain Flower FedAvg round", "seconds": f"{o['plain_flower_fedavg_round_seconds']:.3f}"}]
+    for engine in ("ray", "deployment"):
+        if "round_seconds" in o[engine]:
+            over.append({"what": f"{engine} round", "seconds": f"{o[engine]['round_seconds']:.3f}"})
+    out.append(render_table(over, f"overhead: one FedAvg round, {o['clients']} clients "
+                                  f"(ours / plain Flower = {o['ours_vs_plain_flower']:.3f})"))
+    comm = [{"algorithm": r["algorithm"], "down": r["records_down"], "up": r["records_up"],
+             "payload down/up": f"{r['bytes_down_per_client']:.0f}/{r['bytes_up_per_client']:.0f}",
+             "theory down/up": f"{r['theoretical_down']}/{r['theoretical_up']}",
+             "wire/theory": f"{r['wire_vs_theory_down']:.3f}/{r['wire_vs_theory_up']:.3f}"}
+            for r in report["communication"]]
+    out.append(render_table(comm, "communication per client per round (bytes)"))
+    mem = [{"algorithm": r["algorithm"], "clients": r["clients"],
+            "client state (max)": r["client_state_bytes_max"],
+            "expected": r["expected_client_state_bytes"], "server state": r["server_state_bytes"]}
+           for r in report["memory"]]
+    out.append(render_table(mem, "memory: state bytes"))
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flatflower bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few minutes on a 2-core CPU: small model, fewer repeats")
+    p.add_argument("--full", action="store_true", help="also time one round in Ray simulation and a loopback deployment")
+    p.add_argument("--model", default=None, help="model of the compute table (default: cnn quick, lenet otherwise)")
+    p.add_argument("--input-shape", default=None, help="e.g. 3,32,32 (CIFAR-shaped; random tensors, no download)")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="local steps per timed round")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:i")
+    p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default bench.json)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    defaults = ({"model": "cnn", "input_shape": "1,8,8", "batch_size": 32, "steps": 8, "repeats": 3}
+                if args.quick else
+                {"model": "lenet", "input_shape": "3,32,32", "batch_size": 50, "steps": 20, "repeats": 5})
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        settings = Settings.from_args(args)
+        if settings.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {settings.device}: CUDA is not available on this machine")
+        build_model(settings.model, settings.input_shape, settings.num_classes, seed=0)
+        if min(settings.batch_size, settings.steps, settings.repeats) < 1:
+            raise ValueError("--batch-size, --steps and --repeats must be >= 1")
+    except (ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="flatflower-bench-") as tmp:
+        report = run_bench(settings, Path(tmp))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=float))
+    print(print_tables(report))
+    print(f"bench report written to {args.out} ({report['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
