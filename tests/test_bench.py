@@ -1,0 +1,83 @@
+"""``flatflower bench --quick`` (the smoke run of the benchmarks): the report's structure and
+the parts of it that are counts, not timings — gradient passes per step, bytes per record,
+state bytes — which must equal what each algorithm needs. Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.registry import ALGORITHMS
+from server.bench import main as bench
+from server.cli import main as cli
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    assert bench(["--quick", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_report_has_every_section_and_the_machine(report):
+    assert {"machine", "settings", "compute", "overhead", "communication", "memory", "seconds"} <= set(report)
+    assert report["machine"]["cpus"] >= 1 and report["machine"]["torch"]
+    assert report["settings"]["quick"] is True
+
+
+def test_compute_counts_the_gradient_passes_each_algorithm_needs(report):
+    rows = {r["algorithm"]: r for r in report["compute"]}
+    assert set(rows) == set(ALGORITHMS) | {"fedtoga (N)"}
+    steps = report["settings"]["steps"]
+    for name, spec in ALGORITHMS.items():
+        row = rows[name]
+        assert row["gradient_passes_per_step"] == spec.passes, name
+        assert row["seconds_per_step"] > 0 and row["sgd_seconds_per_step"] > 0
+        assert row["cost_vs_sgd"] > 0 and isinstance(row["within_10pct"], bool)
+    # FedTOGA-N: one pass per step, plus the fresh gradient of step 0 (fedtoga notes §1.4)
+    assert rows["fedtoga (N)"]["gradient_passes_per_step"] == pytest.approx((steps + 1) / steps)
+
+
+def test_overhead_compares_engines_and_plain_flower(report):
+    o = report["overhead"]
+    for key in ("pure_training_seconds", "inprocess_round_seconds", "plain_flower_fedavg_round_seconds",
+                "ours_vs_plain_flower", "inprocess_vs_pure_training"):
+        assert o[key] > 0, key
+    assert "skipped" in o["ray"] and "skipped" in o["deployment"]  # --quick starts no processes
+
+
+def test_communication_payload_is_model_bytes_times_records(report):
+    rows = {r["algorithm"]: r for r in report["communication"]}
+    assert set(rows) == set(ALGORITHMS)
+    for name, spec in ALGORITHMS.items():
+        r = rows[name]
+        assert r["bytes_down_per_client"] == r["theoretical_down"] == r["model_bytes"] * (1 + len(spec.down))
+        assert r["bytes_up_per_client"] == r["theoretical_up"] == r["model_bytes"] * (1 + len(spec.up))
+        assert 1.0 < r["wire_vs_theory_down"] < 1.1 and 1.0 < r["wire_vs_theory_up"] < 1.1
+
+
+def test_client_state_is_what_the_algorithm_must_keep_and_server_state_does_not_grow(report):
+    by_alg: dict[str, list] = {}
+    for r in report["memory"]:
+        by_alg.setdefault(r["algorithm"], []).append(r)
+        assert r["client_state_bytes_max"] == r["expected_client_state_bytes"], r
+        assert r["client_state_bytes_total"] == r["clients"] * r["expected_client_state_bytes"], r
+    assert set(by_alg) == set(ALGORITHMS)
+    for rows in by_alg.values():
+        assert len({r["server_state_bytes"] for r in rows}) == 1  # independent of the number of clients
+
+
+@pytest.mark.parametrize("args,message", [
+    pytest.param(["--device", "cuda:0"], "CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+    (["--model", "vgg"], "vgg"),
+    (["--steps", "0"], "must be >= 1"),
+])
+def test_bad_bench_arguments_give_a_clear_error(tmp_path, capsys, args, message):
+    out = tmp_path / "b.json"
+    assert cli(["bench", "--quick", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err
+    assert not out.exists()
