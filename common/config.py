@@ -34,6 +34,7 @@ class RunConfig:
     partition: str = "dirichlet"
     dirichlet_alpha: float = 0.5
     classes_per_client: int = 2
+    partition_seed: int = -1
     # participation and server
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
@@ -191,6 +192,7 @@ class RunConfig:
         )
         check(_pos(self.dirichlet_alpha), "dirichlet-alpha must be a finite number > 0")
         check(self.classes_per_client >= 1, "classes-per-client must be >= 1")
+        check(self.partition_seed >= -1, "partition-seed must be >= 0, or -1 (use seed)")
         check(self.min_available_nodes >= 1, "min-available-nodes must be >= 1")
         check(self.min_replies >= 1, "min-replies must be >= 1")
         check(self.max_retries >= 0, "max-retries must be >= 0")
@@ -214,6 +216,11 @@ class RunConfig:
     def round_lr(self, server_round: int) -> float:
         """Local learning rate of round ``server_round`` (1-based): lr * lr_decay^(r-1)."""
         return self.lr * self.lr_decay ** (server_round - 1)
+
+    def data_seed(self) -> int:
+        """The seed of the data partition: ``partition-seed``, or ``seed`` when it is -1. A
+        sweep fixes it so that every seed and algorithm trains on the same partition."""
+        return self.seed if self.partition_seed < 0 else self.partition_seed
 
     def fedtoga_coefficient(self) -> float:
         """FedTOGA's a, the prox weight and dual step: alpha ("multiplier", notes §6-A1) or

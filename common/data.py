@@ -30,7 +30,7 @@ def _partitions(dataset: str, data_dir: str, download: bool, scheme: str, n: int
 def partitions_for(cfg: RunConfig, num_partitions: int, data_dir: str = "") -> tuple[np.ndarray, ...]:
     """Indices into the training split, one array per partition id."""
     return _partitions(cfg.dataset, data_dir or cfg.data_dir, cfg.download, cfg.partition,
-                       num_partitions, cfg.seed, cfg.dirichlet_alpha, cfg.classes_per_client)
+                       num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client)
 
 
 def client_split(cfg: RunConfig, partition_id: int, num_partitions: int, data_dir: str = "") -> Split:

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)
     sub.add_parser("bench", help="cost per local step, framework overhead, bytes, memory (JSON + tables)",
                    add_help=False)
+    sub.add_parser("sweep", help="several algorithms x seeds on one partition, then one report",
+                   add_help=False)
     sub.add_parser("presets", help="list the presets in configs/presets/")
     certs = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode keys")
     certs.add_argument("out_dir", metavar="OUT_DIR", help="where the files go")
@@ -437,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "sweep":
+        from server.sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
     args = build_parser().parse_args(argv)
     _stop_on_signals()
     from common.datasets import DatasetUnavailableError

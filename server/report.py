@@ -39,6 +39,7 @@ class RunSummary:
     accuracy: list[float] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     bytes_total: int = 0
+    cumulative_bytes: list[int] = field(default_factory=list)  # bytes down + up up to each round
 
 
 # ---------------------------------------------------------------------------
@@ -104,6 +105,8 @@ def load_run(run_dir: str | Path) -> RunSummary:
         accuracy=[float(row["test_accuracy"]) for row in rows],
         loss=[float(row.get("test_loss", float("nan"))) for row in rows],
         bytes_total=sum(int(row.get("bytes_down", 0)) + int(row.get("bytes_up", 0)) for row in rows),
+        cumulative_bytes=list(np.cumsum([int(row.get("bytes_down", 0)) + int(row.get("bytes_up", 0))
+                                         for row in rows]).tolist()),
     )
 
 
@@ -169,8 +172,26 @@ def group_by_algorithm(summaries: Sequence[dict[str, Any]]) -> list[dict[str, An
 # ---------------------------------------------------------------------------
 
 
-def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path) -> Path:
-    """Test accuracy vs round, one labelled line per run, saved as a PNG."""
+def _curves(runs: Sequence[RunSummary], x_of) -> list[tuple[str, list[float], list[float]]]:
+    """(label, x, accuracy) per run; with several seeds of one algorithm, one mean curve per
+    algorithm (over the rounds all its runs have)."""
+    by_alg: dict[str, list[RunSummary]] = {}
+    for run in runs:
+        by_alg.setdefault(run.algorithm, []).append(run)
+    if all(len(group) == 1 for group in by_alg.values()):
+        return [(run.label, list(x_of(run)), run.accuracy) for run in runs]
+    curves = []
+    for alg, group in by_alg.items():
+        n = min(len(run.accuracy) for run in group)
+        x = np.mean([x_of(run)[:n] for run in group], axis=0)
+        acc = np.mean([run.accuracy[:n] for run in group], axis=0)
+        curves.append((f"{alg} (mean of {len(group)})", x.tolist(), acc.tolist()))
+    return curves
+
+
+def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "round") -> Path:
+    """Test accuracy vs round (``x="round"``) or vs cumulative bytes down + up (``"bytes"``),
+    one line per run (per algorithm, averaged, when it has several seeds), saved as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,12 +200,13 @@ def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path) -> Path:
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    x_of = (lambda run: run.rounds) if x == "round" else (lambda run: [b / 1e6 for b in run.cumulative_bytes])
     try:
-        for run in runs:
-            ax.plot(run.rounds, run.accuracy, marker="o", markersize=3, label=run.label)
-        ax.set_xlabel("round")
+        for label, xs, acc in _curves(runs, x_of):
+            ax.plot(xs, acc, marker="o", markersize=3, label=label)
+        ax.set_xlabel("round" if x == "round" else "cumulative bytes down + up (MB)")
         ax.set_ylabel("test accuracy")
-        ax.set_title("Test accuracy per round")
+        ax.set_title("Test accuracy per round" if x == "round" else "Test accuracy vs communication")
         ax.grid(True, alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -246,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--last-k", type=int, default=5, help="rounds averaged for the last-k mean (default 5)")
     parser.add_argument("--target", type=float, default=None, help="accuracy target for rounds-to-target")
     parser.add_argument("--out", type=Path, default=Path("report.png"), help="accuracy plot (default report.png)")
+    parser.add_argument("--out-bytes", type=Path, default=None,
+                        help="accuracy vs cumulative bytes plot (default: <out stem>-bytes.png)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--by-algorithm", action="store_true", help="always print the per-algorithm table")
     return parser
@@ -267,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         print(render_table(grouped, title="Per algorithm (mean ± std over seeds)"))
     png = plot_accuracy(runs, args.out)
     print(f"plot: {png}")
+    out_bytes = args.out_bytes or args.out.with_name(f"{args.out.stem}-bytes{args.out.suffix or '.png'}")
+    print(f"plot: {plot_accuracy(runs, out_bytes, x='bytes')}")
     if args.json is not None:
         payload = {"runs": summaries, "by_algorithm": grouped}
         args.json.parent.mkdir(parents=True, exist_ok=True)

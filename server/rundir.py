@@ -112,7 +112,7 @@ class RunDir:
     def write_partition(self, cfg: RunConfig, parts: Sequence[np.ndarray]) -> None:
         write_json(self.path / "partition.json", {
             "dataset": cfg.dataset, "scheme": cfg.partition, "num_partitions": len(parts),
-            "seed": cfg.seed, "dirichlet_alpha": cfg.dirichlet_alpha,
+            "seed": cfg.data_seed(), "dirichlet_alpha": cfg.dirichlet_alpha,
             "classes_per_client": cfg.classes_per_client,
             "partitions": {str(i): [int(j) for j in p] for i, p in enumerate(parts)},
         })
