@@ -154,14 +154,20 @@ def group_by_algorithm(summaries: Sequence[dict[str, Any]]) -> list[dict[str, An
     rows = []
     for algorithm, runs in groups.items():
         finals = np.asarray([run["final_accuracy"] for run in runs], dtype=float)
+        tails = [run["last_k_mean"] for run in runs if run["last_k_mean"] is not None]
+        reached = [run["rounds_to_target"] for run in runs if run["rounds_to_target"] is not None]
         rows.append(
             {
                 "algorithm": algorithm,
                 "num_seeds": len(runs),
                 "final_accuracy_mean": float(finals.mean()),
                 "final_accuracy_std": float(finals.std()),
-                "last_k_mean": _mean_or_none(run["last_k_mean"] for run in runs),
-                "rounds_to_target_mean": _mean_or_none(run["rounds_to_target"] for run in runs),
+                # each seed's mean of its last k rounds, then mean and std over the seeds
+                "last_k_mean": float(np.mean(tails)) if tails else None,
+                "last_k_std": float(np.std(tails)) if tails else None,
+                "rounds_to_target_mean": _mean_or_none(reached),
+                "seeds_reaching_target": f"{len(reached)}/{len(runs)}",
+                "bytes_total_mean": float(np.mean([run["bytes_total"] for run in runs])),
             }
         )
     return rows
