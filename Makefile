@@ -11,7 +11,7 @@ STAMP := $(VENV)/.flatflower-installed
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast bench bench-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ test: $(STAMP)
 # Unit and algorithm tests only (no Flower processes, no Ray).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration" tests
+
+# Benchmarks (docs/benchmarks.md): timings are reported, never asserted.
+bench: $(STAMP)
+	$(BIN)/flatflower bench --full --out bench.json
+
+bench-quick: $(STAMP)
+	$(BIN)/flatflower bench --quick --out bench-quick.json
 
 clean:
 	rm -rf .pytest_cache build *.egg-info
