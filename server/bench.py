@@ -39,9 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common import protocol as P
 from common.config import RunConfig
-from common.datasets import Split, load_dataset
+from common.datasets import Split
 from common.models import build_model
 from common.registry import ALGORITHMS
 from common.registry import get as get_spec

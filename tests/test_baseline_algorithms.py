@@ -18,12 +18,11 @@ import client.algorithms.fedlesam as fedlesam_client
 import client.algorithms.fedprox as fedprox_client
 import client.algorithms.fedsmoo as fedsmoo_client
 import client.algorithms.scaffold as scaffold_client
-import client.sam as sam
 from common import protocol as P
 from common.config import ConfigError, RunConfig
 from test_algorithms import run
 from test_seed_algorithms import (EPS, PARTIAL, Problem, assert_client_duals, assert_differ, assert_partial,
-                                  client_state, dual_server_step, feddyn_reference, finals_equal, matches,
+                                  client_state, count_gradient_passes, dual_server_step, finals_equal, matches,
                                   norm)
 from strategies.base import FlatStrategy
 
@@ -427,17 +426,7 @@ def test_gradient_passes_per_step(tmp_path, monkeypatch, algorithm, per_step, mo
     """fedtoga notes §2.3 / §5: FedLESAM needs one gradient per step (its perturbation needs
     no ascent gradient), FedGAMMA and FedSMOO two. Rounds 2-3, so FedLESAM's perturbation is
     active; counted at client.sam.loss_and_grad and wherever a client module imported it."""
-    calls = {"n": 0}
-    original = sam.loss_and_grad
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(sam, "loss_and_grad", counting)
-    for module in modules:
-        if hasattr(module, "loss_and_grad"):
-            monkeypatch.setattr(module, "loss_and_grad", counting)
+    calls = count_gradient_passes(monkeypatch, modules)
     k, rounds, clients = 4, 3, 3
     run(tmp_path, algorithm, algorithm=algorithm, rho=0.2, **{"local-steps": k, "num-server-rounds": rounds})
     assert calls["n"] == rounds * clients * k * per_step

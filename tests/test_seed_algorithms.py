@@ -690,6 +690,16 @@ def test_fedtoga_gradient_passes(tmp_path, monkeypatch, perturbation, per_step):
     """Cost per local round (fedtoga notes §1.4 table): G and fusion take 2 gradient passes per
     step (2K), N takes 1 per step after k = 0 (K + 1). Counted by wrapping loss_and_grad where
     fedtoga.py calls it and where client.sam.gradient_at calls it."""
+    calls = count_gradient_passes(monkeypatch, [fedtoga_client])
+    k, rounds, clients = 4, 2, 3
+    run(tmp_path, perturbation, algorithm="fedtoga", **TOGA,
+        **{"fedtoga-perturbation": perturbation, "local-steps": k})
+    assert calls["n"] == rounds * clients * per_step(k)
+
+
+def count_gradient_passes(monkeypatch, modules) -> dict:
+    """Counts calls of client.sam.loss_and_grad (every gradient pass), also where a client
+    module imported it by name; the count is in the returned dict's "n"."""
     calls = {"n": 0}
     original = sam.loss_and_grad
 
@@ -698,8 +708,7 @@ def test_fedtoga_gradient_passes(tmp_path, monkeypatch, perturbation, per_step):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(sam, "loss_and_grad", counting)
-    monkeypatch.setattr(fedtoga_client, "loss_and_grad", counting)
-    k, rounds, clients = 4, 2, 3
-    run(tmp_path, perturbation, algorithm="fedtoga", **TOGA,
-        **{"fedtoga-perturbation": perturbation, "local-steps": k})
-    assert calls["n"] == rounds * clients * per_step(k)
+    for module in modules:
+        if hasattr(module, "loss_and_grad"):
+            monkeypatch.setattr(module, "loss_and_grad", counting)
+    return calls

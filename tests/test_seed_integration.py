@@ -170,10 +170,12 @@ SIM_ARGS = ["--clients", "4", "--rounds", "3", "--fraction", "0.5", "--set", "da
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("algorithm", ["fedtoga", "fedgmt-v2"])
+@pytest.mark.parametrize("algorithm", ["fedtoga", "fedgmt-v2", "fedsmoo", "fedlesam-s"])
 def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path, algorithm):
     """Client duals (and FedGMT-v2's client EMA, whose w^0 a Ray worker rebuilds from the
-    seed) persist in Ray's node contexts exactly as in-process."""
+    seed; FedSMOO's mu_i, FedLESAM-S's c_i and previous global model) persist in Ray's node
+    contexts exactly as in-process; uploads (s~_i, Delta c_i) and broadcasts (s, c) travel
+    through Ray's runtime as extra records."""
     before = flower_pids()
     args = ["--algorithm", algorithm, *SIM_ARGS]
     assert cli(["simulate", "--engine", "ray", *args, "--run-dir", str(tmp_path / "ray")]) == 0
