@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common.config import RunConfig
+from common.registry import ALGORITHMS
 from server.cli import main as cli
 from server.inprocess import run_inprocess
 
@@ -76,7 +77,7 @@ def test_inprocess_real_apps_learn_and_fill_run_dir(tmp_path):
 
 # ---------------------------------------------------------------- CLI bad input (no processes)
 @pytest.mark.parametrize("argv, message", [
-    (["--algorithm", "fedbogus"], "fedavg, fedcm, feddyn, fedgmt, fedgmt-v2, fednsam, fedsam, fedspeed, fedtoga, mofedsam"),
+    (["--algorithm", "fedbogus"], ", ".join(sorted(ALGORITHMS))),
     (["--set", "lr=-1"], "lr must be a finite number > 0"),
     (["--set", "rho=-0.1"], "rho must be a finite number >= 0"),
     (["--fraction", "0"], "fraction-train must be in (0, 1]"),
