@@ -28,9 +28,10 @@ demo: $(STAMP)
 	$(BIN)/flatflower local --algorithm fedsam --clients 4 --rounds 6 --dataset digits --set local-epochs=10 \
 		--run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-# Everything: unit, algorithm and integration tests (real processes on loopback, Ray).
+# Everything: unit, algorithm and integration tests (real processes on loopback, Ray), on two
+# workers; the tests that start or count Flower processes run one at a time (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=12 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=12 tests
 
 # Unit and algorithm tests only (no Flower processes, no Ray).
 test-fast: $(STAMP)

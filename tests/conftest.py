@@ -6,6 +6,9 @@
 * :func:`fast_config` - run-config keys for a run that takes well under a second per round.
 * ``make_message`` - a fixture that builds Flower ``Message`` objects outside a Flower
   runtime (Flower needs a task identity for that).
+* ``make test`` runs on two pytest-xdist workers. Every test that starts Flower processes
+  (the ``integration`` ones, ``flower_help``) or counts them (``flower_pids``) joins one
+  xdist group, so those run one after another on one worker while the rest share the other.
 """
 
 from __future__ import annotations
@@ -69,3 +72,18 @@ def make_message():
                        message_type=message_type, group_id=group_id)
 
     return make
+
+
+def _uses_flower_processes(item: pytest.Item) -> bool:
+    """Starts Flower processes or Ray, or checks that none are left (a global count)."""
+    function = getattr(item, "function", None)
+    return (item.get_closest_marker("integration") is not None
+            or "flower_help" in getattr(item, "fixturenames", ())
+            or (function is not None and "flower_pids" in function.__code__.co_names))
+
+
+def pytest_collection_modifyitems(config, items):
+    """One xdist group for the tests that must not run beside each other (see above)."""
+    for item in items:
+        if _uses_flower_processes(item):
+            item.add_marker(pytest.mark.xdist_group("flower-processes"))
