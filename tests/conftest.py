@@ -82,8 +82,18 @@ def _uses_flower_processes(item: pytest.Item) -> bool:
             or (function is not None and "flower_pids" in function.__code__.co_names))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """One xdist group for the tests that must not run beside each other (see above)."""
     for item in items:
         if _uses_flower_processes(item):
             item.add_marker(pytest.mark.xdist_group("flower-processes"))
+
+
+def pytest_collection_finish(session):
+    """Fail loudly, not flakily, if pytest-xdist did not apply the group (see pyproject.toml)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup"):
+        lost = [i.nodeid for i in session.items
+                if _uses_flower_processes(i) and not i.nodeid.endswith("@flower-processes")]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist did not group {lost[0]}: use pytest < 9")
