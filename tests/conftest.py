@@ -6,9 +6,12 @@
 * :func:`fast_config` - run-config keys for a run that takes well under a second per round.
 * ``make_message`` - a fixture that builds Flower ``Message`` objects outside a Flower
   runtime (Flower needs a task identity for that).
-* ``make test`` runs on two pytest-xdist workers. Every test that starts Flower processes
-  (the ``integration`` ones, ``flower_help``) or counts them (``flower_pids``) joins one
-  xdist group, so those run one after another on one worker while the rest share the other.
+* ``make test`` runs on two pytest-xdist workers. Each pytest process tags what it starts
+  with its own ``FLATFLOWER_TEST_PROCESS`` environment value, and ``flower_pids`` counts only
+  the Flower processes carrying it, so a worker never sees the other's processes. The tests
+  that start Flower processes (the ``integration`` ones, ``flower_help``) or count them form
+  two xdist groups, each run one test at a time on one worker: ``ray`` (one Ray cluster at a
+  time) and ``flower-processes`` (SuperLinks and SuperNodes, whose free ports must not race).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from typing import Any
 
 import pytest
@@ -24,6 +28,7 @@ _FLWR_HOME = tempfile.mkdtemp(prefix="flatflower-tests-flwr-home-")
 os.environ["FLWR_HOME"] = _FLWR_HOME
 os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
+os.environ["FLATFLOWER_TEST_PROCESS"] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -75,25 +80,31 @@ def make_message():
 
 
 def _uses_flower_processes(item: pytest.Item) -> bool:
-    """Starts Flower processes or Ray, or checks that none are left (a global count)."""
+    """Starts Flower processes or Ray, or checks that none of this process's are left."""
     function = getattr(item, "function", None)
     return (item.get_closest_marker("integration") is not None
             or "flower_help" in getattr(item, "fixturenames", ())
             or (function is not None and "flower_pids" in function.__code__.co_names))
 
 
+def _xdist_group(item: pytest.Item) -> str | None:
+    if item.get_closest_marker("ray") is not None:
+        return "ray"
+    return "flower-processes" if _uses_flower_processes(item) else None
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """One xdist group for the tests that must not run beside each other (see above)."""
+    """The xdist groups of the tests that must not run beside each other (see above)."""
     for item in items:
-        if _uses_flower_processes(item):
-            item.add_marker(pytest.mark.xdist_group("flower-processes"))
+        if group := _xdist_group(item):
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session):
-    """Fail loudly, not flakily, if pytest-xdist did not apply the group (see pyproject.toml)."""
+    """Fail loudly, not flakily, if pytest-xdist did not apply the groups (see pyproject.toml)."""
     if os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup"):
         lost = [i.nodeid for i in session.items
-                if _uses_flower_processes(i) and not i.nodeid.endswith("@flower-processes")]
+                if (group := _xdist_group(i)) and not i.nodeid.endswith(f"@{group}")]
         if lost:
             raise pytest.UsageError(f"pytest-xdist did not group {lost[0]}: use pytest < 9")

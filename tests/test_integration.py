@@ -4,6 +4,7 @@ engine, and over real SuperLink/SuperNode processes on 127.0.0.1 (gRPC Fleet API
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +25,18 @@ ROUND_FIELDS = ("round", "test_accuracy", "test_loss", "train_loss", "clients_sa
 
 
 def flower_pids() -> set[int]:
+    """Flower processes started by this pytest process (they inherit its
+    ``FLATFLOWER_TEST_PROCESS``, see conftest)."""
+    tag = f"FLATFLOWER_TEST_PROCESS={os.environ['FLATFLOWER_TEST_PROCESS']}".encode()
     pids = set()
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            if any(name in cmd for name in FLOWER_PROCESSES) and \
+                    tag in (entry / "environ").read_bytes().split(b"\0"):
+                pids.add(int(entry.name))
         except OSError:
             continue
-        if any(name in cmd for name in FLOWER_PROCESSES):
-            pids.add(int(entry.name))
     return pids
 
 

@@ -170,6 +170,7 @@ SIM_ARGS = ["--clients", "4", "--rounds", "3", "--fraction", "0.5", "--set", "da
 
 
 @pytest.mark.integration
+@pytest.mark.ray
 @pytest.mark.parametrize("algorithm", ["fedtoga", "fedgmt-v2", "fedsmoo", "fedlesam-s"])
 def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path, algorithm):
     """Client duals (and FedGMT-v2's client EMA, whose w^0 a Ray worker rebuilds from the
