@@ -155,7 +155,11 @@ def test_fedgmt_server_ema_is_broadcast_and_updated_after_aggregation(tmp_path):
 # ---------------------------------------------------------------- learning on digits
 @pytest.mark.parametrize("algorithm", SEED_ALGORITHMS)
 def test_learns_on_digits_with_20_non_iid_clients_at_half_participation(tmp_path, algorithm):
-    """The issue's bar, in-process: digits, 20 clients, Dirichlet 0.1, 50% participation."""
+    assert_learns_on_digits(tmp_path, algorithm)
+
+
+def assert_learns_on_digits(tmp_path, algorithm: str) -> None:
+    """The issues' bar, in-process: digits, 20 clients, Dirichlet 0.1, 50% participation."""
     run_dir, _ = run_inprocess({
         "algorithm": algorithm, "dataset": "digits", "partition": "dirichlet", "dirichlet-alpha": 0.1,
         "fraction-train": 0.5, "local-epochs": 2, "num-server-rounds": 30,
