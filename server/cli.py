@@ -334,7 +334,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from server.federation import COMPLETED, LocalFederation
 
     app = app_dir(args.app_dir)
-    run_dir = Path(cfg.run_dir)
     logs = log_dir(cfg)
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     try:

@@ -6,16 +6,14 @@ these algorithms too.)"""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 from common import protocol as P
 from common.registry import ALGORITHMS
-from server.cli import main as cli
-from tests.test_integration import check_run_dir, flower_pids
-from tests.test_seed_integration import assert_learns_on_digits, run_with_snapshots
+from tests.test_seed_integration import (assert_learns_on_digits, deploy_and_match_inprocess,
+                                         run_with_snapshots)
 
 BASELINES = ("fedprox", "scaffold", "fedgamma", "fedsmoo", "fedlesam", "fedlesam-d", "fedlesam-s",
              "fedacg", "fedadam", "fedyogi")
@@ -141,18 +139,5 @@ def test_real_deployment_runs_fedlesam_s_and_matches_inprocess(tmp_path, capsys)
     """FedLESAM-S over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1): c goes down and
     Delta c_i up as extra records, c_i and theta_i^old live in the SuperNodes; 2 down 2 up
     per client; the final model is the in-process one."""
-    before = flower_pids()
-    args = ["--algorithm", "fedlesam-s", "--clients", "2", "--rounds", "3", "--dataset", "digits",
-            "--set", "local-epochs=1"]
-    code = cli(["local", *args, "--run-dir", str(tmp_path / "dep"), "--timeout", "400"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "finished:completed" in out
-    assert flower_pids() - before == set(), "Flower processes left behind"
-    rows = check_run_dir(tmp_path / "dep", rounds=3, clients=2, num_train=1437)
-    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.3
-    model_bytes = json.loads((tmp_path / "dep" / "summary.json").read_text())["model_bytes"]
+    rows, model_bytes = deploy_and_match_inprocess(tmp_path, capsys, "fedlesam-s", rounds=3, epochs=1)
     assert all(r["bytes_down"] == r["bytes_up"] == 2 * 2 * model_bytes for r in rows[1:])
-    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
-    a, b = (torch.load(tmp_path / d / "model_final.pt") for d in ("dep", "inp"))
-    assert all(torch.equal(a[k], b[k]) for k in a), "deployment and in-process models differ"

@@ -639,7 +639,7 @@ def test_dockerfile_pins_flower_and_installs_the_app(kind):
     app_install = next(i for i, r in enumerate(runs) if re.search(r"pip install(?: -\S+)* \.", r))
     assert torch_first < app_install, "PyTorch from its index before `pip install .`"
     # the build itself proves the image's Flower is the pinned one
-    assert any(f"m.version('flwr')" in r and f"'{FLWR_VERSION}'" in r for r in runs)
+    assert any("m.version('flwr')" in r and f"'{FLWR_VERSION}'" in r for r in runs)
     assert not any("allow-runtime-dependency-installation" in r for _, r in steps)
     env = " ".join(rest for ins, rest in steps if ins == "ENV")
     assert "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1" in env

@@ -636,7 +636,7 @@ def test_fedtoga_matches_pseudocode(tmp_path, server_spy, perturbation, prox_sca
 def test_fedtoga_global_update_broadcast(tmp_path, server_spy):
     """The Delta the server keeps (and broadcasts next round) is -sum_i p_i(theta_i - theta^t)/K
     of the last round ('literal' scale, fedtoga notes §1.5)."""
-    result = run(tmp_path, "fedtoga", algorithm="fedtoga", aggregation="uniform", **TOGA)
+    run(tmp_path, "fedtoga", algorithm="fedtoga", aggregation="uniform", **TOGA)
     delta = Problem.flat(v.double().numpy() for v in server_spy["strategy"].records[P.GLOBAL_UPDATE].values())
     np.testing.assert_allclose(delta, -server_spy["u_uniform"][-1] / K, rtol=0, atol=1e-6)
     assert np.abs(delta).max() > 1e-4

@@ -194,27 +194,34 @@ def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path,
     assert [r["test_loss"] for r in rows] == [r["test_loss"] for r in metrics(tmp_path / "inp")]
 
 
-@pytest.mark.integration
-def test_real_deployment_runs_fedtoga_and_matches_inprocess(tmp_path, capsys):
-    """FedTOGA over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1): client duals live
-    in the SuperNodes' contexts, Delta travels as an extra record; the final model is the
-    in-process one."""
+def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, epochs: int):
+    """``flatflower local`` with 2 SuperNodes on 127.0.0.1: completes, learns, leaves no
+    Flower process behind and ends with the in-process run's model. Returns its metric rows
+    and the model's size in bytes."""
     before = flower_pids()
-    args = ["--algorithm", "fedtoga", "--clients", "2", "--rounds", "2", "--dataset", "digits",
-            "--set", "local-epochs=2"]
+    args = ["--algorithm", algorithm, "--clients", "2", "--rounds", str(rounds), "--dataset", "digits",
+            "--set", f"local-epochs={epochs}"]
     code = cli(["local", *args, "--run-dir", str(tmp_path / "dep"), "--timeout", "400"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "finished:completed" in out and "final test accuracy" in out
     assert flower_pids() - before == set(), "Flower processes left behind"
-    rows = check_run_dir(tmp_path / "dep", rounds=2, clients=2, num_train=1437)
+    rows = check_run_dir(tmp_path / "dep", rounds=rounds, clients=2, num_train=1437)
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.3
+    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
+    a, b = (torch.load(tmp_path / d / "model_final.pt") for d in ("dep", "inp"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "deployment and in-process models differ"
+    return rows, json.loads((tmp_path / "dep" / "summary.json").read_text())["model_bytes"]
+
+
+@pytest.mark.integration
+def test_real_deployment_runs_fedtoga_and_matches_inprocess(tmp_path, capsys):
+    """FedTOGA over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1): client duals live
+    in the SuperNodes' contexts, Delta travels as an extra record; the final model is the
+    in-process one."""
+    rows, model_bytes = deploy_and_match_inprocess(tmp_path, capsys, "fedtoga", rounds=2, epochs=2)
     assert all(r["clients_replied"] == 2 and r["clients_rejected"] == 0 for r in rows[1:])
     logs = tmp_path / "dep" / "logs"
     assert (logs / "superlink.log").is_file() and (logs / "supernode-1.log").is_file()
     assert "round 2" in (logs / "run.log").read_text()
-    model_bytes = json.loads((tmp_path / "dep" / "summary.json").read_text())["model_bytes"]
     assert all(r["bytes_down"] == 2 * 2 * model_bytes for r in rows[1:])
-    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
-    a, b = (torch.load(tmp_path / d / "model_final.pt") for d in ("dep", "inp"))
-    assert all(torch.equal(a[k], b[k]) for k in a), "deployment and in-process models differ"
