@@ -6,7 +6,6 @@ these algorithms too.)"""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
