@@ -60,6 +60,11 @@ def _mirror(cfg: RunConfig, node: NodeSettings) -> StateMirror | None:
     return StateMirror(root, node.partition_id, cfg.checkpoint_every) if root else None
 
 
+def _nonce(msg: Message) -> int:
+    """The message's nonce, echoed in the reply (the server refuses replies without it)."""
+    return int(msg.content[P.CONFIG].get("nonce", 0)) if P.CONFIG in msg.content.config_records else 0
+
+
 def _read_state(context: Context) -> dict:
     return {name: P.from_record(rec) for name, rec in context.state.array_records.items()}
 
@@ -97,6 +102,7 @@ def train(msg: Message, context: Context) -> Message:
                     "num-steps": result.num_steps,
                     "train-loss": result.mean_loss,
                     "partition-id": node.partition_id,
+                    "nonce": _nonce(msg),
                 }
             ),
         }
@@ -126,7 +132,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     model = _model(cfg, node, msg.content[P.MODEL], device)
     loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
     metrics = MetricRecord({"num-examples": len(data), "eval-loss": loss, "eval-accuracy": acc,
-                            "partition-id": node.partition_id})
+                            "partition-id": node.partition_id, "nonce": _nonce(msg)})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
 
 
@@ -136,6 +142,6 @@ def query(msg: Message, context: Context) -> Message:
     cfg, node, device = _setup(context)
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
     metrics = MetricRecord({"partition-id": node.partition_id, "num-partitions": node.num_partitions,
-                            "num-examples": len(data)})
+                            "num-examples": len(data), "nonce": _nonce(msg)})
     return Message(RecordDict({P.METRICS: metrics, "node": ConfigRecord({"device": str(device)})}),
                    reply_to=msg)

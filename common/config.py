@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A run-config value is missing, of the wrong type or out of range."""
 
 
+AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "norm-clip")
+MAX_SECONDS = 10_000_000.0  # ~116 days: any longer timeout is a typo (and overflows timers)
+MAX_INT = 2**31 - 1  # whole-number keys travel as 64-bit ints and index tensors
+MAX_SEED = 2**32 - 1  # numpy's and torch's seeds
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """All hyperparameters of one run. Field ``foo_bar`` is run-config key ``foo-bar``."""
@@ -39,10 +45,15 @@ class RunConfig:
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
     sampling: str = "fixed"
+    num_partitions: int = 0  # N; 0 = the number of nodes connected when round 1 starts
     min_available_nodes: int = 1
     node_wait_timeout: float = 120.0
     round_timeout: float = 600.0
     aggregation: str = "weighted"
+    aggregator: str = "mean"
+    aggregator_f: int = 1
+    aggregator_trim: float = 0.2
+    aggregator_clip: float = 0.0
     server_lr: float = 1.0
     # reliability: failed clients, bad updates, checkpoints
     min_replies: int = 1
@@ -145,6 +156,7 @@ class RunConfig:
         choice("partition", partition.PARTITIONS)
         choice("sampling", ("fixed", "bernoulli"))
         choice("aggregation", ("weighted", "uniform"))
+        choice("aggregator", AGGREGATORS)
         choice("too_few_replies", ("skip", "retry"))
         choice("amp", ("off", "bf16"))
         choice("fedcm_server_step", ("delta", "literal"))
@@ -154,8 +166,14 @@ class RunConfig:
         choice("fedtoga_dual_divisor", ("M", "N"))
         choice("fedtoga_delta_scale", ("literal", "per-lr"))
         choice("fedlesam_first", ("none", "initial"))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+                problems.append(f"{_key(f.name)}={value} is out of range (at most {MAX_INT})")
+            if isinstance(value, str) and not value.isprintable():
+                problems.append(f"{_key(f.name)}={value!r} holds control characters")
         check(self.num_server_rounds >= 1, "num-server-rounds must be >= 1")
-        check(self.seed >= 0, "seed must be >= 0")
+        check(0 <= self.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}] (got {self.seed})")
         check(_pos(self.lr), f"lr must be a finite number > 0 (got {self.lr})")
         check(_pos(self.lr_decay) and self.lr_decay <= 1.0, "lr-decay must be in (0, 1]")
         check(_nonneg(self.rho), f"rho must be a finite number >= 0 (got {self.rho})")
@@ -190,9 +208,17 @@ class RunConfig:
             0.0 <= self.fraction_evaluate <= 1.0,
             f"fraction-evaluate must be in [0, 1] (got {self.fraction_evaluate})",
         )
-        check(_pos(self.dirichlet_alpha), "dirichlet-alpha must be a finite number > 0")
+        check(_pos(self.dirichlet_alpha) and self.dirichlet_alpha <= 1e6,
+              "dirichlet-alpha must be in (0, 1e6] (large values are IID already)")
         check(self.classes_per_client >= 1, "classes-per-client must be >= 1")
-        check(self.partition_seed >= -1, "partition-seed must be >= 0, or -1 (use seed)")
+        check(-1 <= self.partition_seed <= MAX_SEED,
+              f"partition-seed must be in [0, {MAX_SEED}], or -1 (use seed)")
+        check(self.num_partitions >= 0,
+              "num-partitions must be >= 1, or 0 (the number of nodes connected at round 1)")
+        check(self.aggregator_f >= 0, "aggregator-f (clients assumed Byzantine) must be >= 0")
+        check(0.0 <= self.aggregator_trim < 0.5, "aggregator-trim must be in [0, 0.5)")
+        check(_nonneg(self.aggregator_clip),
+              "aggregator-clip must be a finite number >= 0 (0 = the round's median update norm)")
         check(self.min_available_nodes >= 1, "min-available-nodes must be >= 1")
         check(self.min_replies >= 1, "min-replies must be >= 1")
         check(self.max_retries >= 0, "max-retries must be >= 0")
@@ -200,8 +226,9 @@ class RunConfig:
                                                     or self.outlier_norm_factor > 1),
               "outlier-norm-factor must be 0 (off) or > 1 (a multiple of the round's median update norm)")
         check(self.checkpoint_every >= 0, "checkpoint-every must be >= 0 (0 = no checkpoints)")
-        check(_pos(self.node_wait_timeout), "node-wait-timeout must be a finite number > 0 seconds")
-        check(_pos(self.round_timeout), "round-timeout must be a finite number > 0 seconds")
+        for name in ("node_wait_timeout", "round_timeout"):
+            check(_pos(getattr(self, name)) and getattr(self, name) <= MAX_SECONDS,
+                  f"{_key(name)} must be in (0, {MAX_SECONDS:.0f}] seconds (got {getattr(self, name)})")
         check(self.local_epochs >= 1, "local-epochs must be >= 1")
         check(self.local_steps >= 0, "local-steps must be >= 0 (0 = use local-epochs)")
         check(self.batch_size >= 1, "batch-size must be >= 1")
@@ -249,6 +276,9 @@ def _nonneg(x: float) -> bool:
 def _coerce(key: str, value: Any, type_name: Any) -> Any:
     """Cast a TOML/CLI value to the field's type, with a clear error."""
     type_name = type_name if isinstance(type_name, str) else type_name.__name__
+    if isinstance(value, str) and type_name in ("int", "float", "bool") and not value.isascii():
+        # float("١") and int("０") are numbers to Python; a config value must say what it means
+        raise ConfigError(f"{key}={value!r} is not a valid {type_name} (use ASCII digits)")
     try:
         if type_name == "bool":
             if isinstance(value, bool):
@@ -275,6 +305,28 @@ def _coerce(key: str, value: Any, type_name: Any) -> Any:
         raise ValueError
     except (TypeError, ValueError):
         raise ConfigError(f"{key}={value!r} is not a valid {type_name}") from None
+
+
+def cli_int(text: str) -> int:
+    """argparse type: a whole number written in ASCII digits (``int("١")`` is 1 to Python)."""
+    return int(_ascii_number(text))
+
+
+def cli_float(text: str) -> float:
+    """argparse type: a finite number written in ASCII."""
+    value = float(_ascii_number(text))
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+cli_int.__name__, cli_float.__name__ = "int", "float"  # argparse names the type in its errors
+
+
+def _ascii_number(text: str) -> str:
+    if not text.isascii():
+        raise ValueError(text)
+    return text
 
 
 def parse_assignments(items: list[str]) -> dict[str, Any]:

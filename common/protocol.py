@@ -38,6 +38,8 @@ PREVIOUS_GLOBAL = "previous_global"  # FedLESAM: the global model of the client'
 ADAPTIVE_M = "adaptive_m"  # FedAdam / FedYogi: server first moment
 ADAPTIVE_V = "adaptive_v"  # FedAdam / FedYogi: server second moment
 
+NUMPY_STYPE = "numpy.ndarray"  # the only array serialisation the server decodes
+
 Tensors = "OrderedDict[str, torch.Tensor]"
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common.config import RunConfig
+from common.config import RunConfig, cli_int
 from common.datasets import Split
 from common.models import build_model
 from common.registry import ALGORITHMS
@@ -503,12 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="also time one round in Ray simulation and a loopback deployment")
     p.add_argument("--model", default=None, help="model of the compute table (default: cnn quick, lenet otherwise)")
     p.add_argument("--input-shape", default=None, help="e.g. 3,32,32 (CIFAR-shaped; random tensors, no download)")
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="local steps per timed round")
-    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--classes", type=cli_int, default=10)
+    p.add_argument("--batch-size", type=cli_int, default=None)
+    p.add_argument("--steps", type=cli_int, default=None, help="local steps per timed round")
+    p.add_argument("--repeats", type=cli_int, default=None)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:i")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=cli_int, default=1,
                    help="torch CPU threads (default 1: steadier timings; 0 = torch's default)")
     p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default bench.json)")
     return p

@@ -35,6 +35,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DEFAULT_DAYS = 365
+MAX_NODES = 10_000
 
 
 class CertError(ValueError):
@@ -83,7 +84,10 @@ def parse_host(host: str) -> x509.GeneralName:
         return x509.IPAddress(ipaddress.ip_address(name))
     except ValueError:
         pass
-    label_chars = set("abcdefghijklmnopqrstuvwxyz0123456789-.*")
+    if "*" in name:
+        raise CertError(f"--host {host!r}: wildcard names are refused (a leaked key would then "
+                        "serve any host); list each host")
+    label_chars = set("abcdefghijklmnopqrstuvwxyz0123456789-.")
     if (not name or len(name) > 253 or not set(name.lower()) <= label_chars
             or any(not label for label in name.rstrip(".").split("."))):
         hint = " (give the host without a port)" if ":" in name else ""
@@ -107,15 +111,31 @@ def _name_str(name: x509.GeneralName) -> str:
 
 # ---------------------------------------------------------------------------- writing
 def _write(path: Path, data: bytes, private: bool) -> None:
-    """Write ``data``; a private file is created (or truncated) with mode 0600 from the start."""
+    """Write ``data`` to a new file (an old one is removed first, never written through: a
+    planted symlink cannot redirect it); a private file has mode 0600 from the start."""
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = 0o600 if private else 0o644
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-        os.fchmod(fd, mode)  # an existing file (--force) keeps its old mode otherwise
+        os.fchmod(fd, mode)  # against a umask that would widen it
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+def _refuse_symlinks(files: CertFiles) -> None:
+    """CertError if the output directory, its nodes/ folder or any file to write is a symlink."""
+    for path in (files.out_dir, files.out_dir / "nodes", *files.all_paths()):
+        if path.is_symlink():
+            raise CertError(f"{path} is a symbolic link; refusing to write through it")
+
+
+def max_days(now: dt.datetime | None = None) -> int:
+    """The longest validity X.509 (and ``cryptography``) allows: up to 9999-12-31."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return (dt.datetime(9999, 12, 31, tzinfo=dt.timezone.utc) - now).days
 
 
 def _new_key() -> ec.EllipticCurvePrivateKey:
@@ -143,12 +163,15 @@ def write_node_key(path: Path, comment: str | None = None) -> Path:
 def generate_certs(out_dir: Path, nodes: int, hosts: Sequence[str] = (), *,
                    days: int = DEFAULT_DAYS, force: bool = False) -> CertFiles:
     """Write a CA, a server certificate for ``hosts`` (+ loopback) and ``nodes`` node key pairs."""
-    if nodes < 1:
-        raise CertError("--nodes must be >= 1")
-    if days < 1:
-        raise CertError("--days must be >= 1")
+    if not 1 <= nodes <= MAX_NODES:
+        raise CertError(f"--nodes must be in [1, {MAX_NODES}]")
+    if not 1 <= days <= max_days():
+        raise CertError(f"--days must be in [1, {max_days()}] (certificates end by year 9999)")
     sans = subject_alt_names(hosts)  # validates the hosts before anything is written
+    if Path(out_dir).expanduser().is_symlink():
+        raise CertError(f"{out_dir} is a symbolic link; refusing to write through it")
     files = planned_files(out_dir, nodes)
+    _refuse_symlinks(files)
     existing = [p for p in files.all_paths() if p.exists() or p.is_symlink()]
     if existing and not force:
         shown = ", ".join(str(p.relative_to(files.out_dir)) for p in existing[:3])
@@ -239,7 +262,9 @@ def summary(files: CertFiles, fleet_port: int = 9092, http_port: int = 8000) -> 
         f"  flower-superlink --ssl-ca-certfile {d}/ca.crt --ssl-certfile {d}/server.pem "
         f"--ssl-keyfile {d}/server.key --enable-supernode-auth --isolation subprocess "
         "--disable-runtime-dependency-installation --database $HOME/flatflower-state/superlink.db "
-        f"--host 0.0.0.0 --port {http_port} --fleet-api-address 0.0.0.0:{fleet_port}",
+        f"--host 127.0.0.1 --port {http_port} --fleet-api-address 0.0.0.0:{fleet_port}",
+        "  # (the Control API, which runs anything submitted to it, stays on 127.0.0.1; only "
+        "the Fleet API faces the nodes)",
         "  # $FLWR_HOME/config.toml:",
         "  #   [superlink.my-federation]",
         f"  #   address = \"127.0.0.1:{http_port}\"",

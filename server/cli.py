@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig, parse_assignments
+from common.config import MAX_SECONDS, ConfigError, RunConfig, cli_float, cli_int, parse_assignments
 from server.presets import PresetError, available, load_preset
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -44,21 +44,22 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", metavar="NAME_OR_FILE",
                    help="start from a preset: a TOML file or a name in configs/presets/ "
                         "(list: flatflower presets)")
-    p.add_argument("--clients", "-n", type=int,
+    p.add_argument("--clients", "-n", type=cli_int,
                    help=f"number of clients (default: the preset's, else {DEFAULT_CLIENTS})")
-    p.add_argument("--rounds", "-r", type=int, help="server rounds (num-server-rounds)")
+    p.add_argument("--rounds", "-r", type=cli_int, help="server rounds (num-server-rounds)")
     p.add_argument("--dataset", help="digits | synthetic | mnist | fashion-mnist | cifar10 | cifar100")
     p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | resnet18-gn")
     p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--fraction", type=float, help="fraction of clients per round (fraction-train)")
+    p.add_argument("--seed", type=cli_int)
+    p.add_argument("--fraction", type=cli_float, help="fraction of clients per round (fraction-train)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any run-config key, e.g. --set rho=0.05 --set lr=0.05 (repeatable)")
     p.add_argument("--run-dir", help="where the run directory goes (default runs/<name>)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last checkpoint (same config; "
                         "--rounds may extend it)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    p.add_argument("--timeout", type=cli_float, default=3600.0,
+                   help=f"give up after this many seconds (at most {MAX_SECONDS:.0f})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     _run_arguments(sim)
     sim.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
                      help="ray = Flower simulation engine (default); inprocess = no Ray, one process")
-    sim.add_argument("--cpus-per-client", type=int, default=1)
-    sim.add_argument("--gpus-per-client", type=float, default=0.0)
+    sim.add_argument("--cpus-per-client", type=cli_int, default=1)
+    sim.add_argument("--gpus-per-client", type=cli_float, default=0.0)
     sim.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
     sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)
     sub.add_parser("bench", help="cost per local step, framework overhead, bytes, memory (JSON + tables)",
@@ -86,11 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("presets", help="list the presets in configs/presets/")
     certs = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode keys")
     certs.add_argument("out_dir", metavar="OUT_DIR", help="where the files go")
-    certs.add_argument("--nodes", type=int, required=True, help="number of SuperNode key pairs")
+    certs.add_argument("--nodes", type=cli_int, required=True, help="number of SuperNode key pairs")
     certs.add_argument("--host", dest="hosts", action="append", default=[], metavar="NAME_OR_IP",
                        help="a name or IP address the SuperNodes use to reach the SuperLink "
                             "(repeatable; localhost, 127.0.0.1 and ::1 are always included)")
-    certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    certs.add_argument("--days", type=cli_int, default=365, help="validity in days (default 365)")
     certs.add_argument("--force", action="store_true", help="replace existing files")
     return parser
 
@@ -123,9 +124,11 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     values.update({k: v for k, v in flags.items() if v is not None})
     for key, value in (extra or {}).items():
         values.setdefault(key, value)
-    if args.clients < 1:
-        raise UsageError("--clients must be >= 1")
+    check_run_arguments(args)
+    values.setdefault("num-partitions", args.clients)
     cfg = RunConfig.from_mapping(values)
+    if cfg.num_partitions != args.clients:
+        raise UsageError(f"num-partitions={cfg.num_partitions} disagrees with --clients {args.clients}")
     run_dir = Path(args.run_dir or cfg.run_dir or _default_run_dir(cfg)).expanduser().resolve()
     if (run_dir / "metrics.jsonl").exists():
         raise UsageError(f"{run_dir} already holds a run; choose another --run-dir "
@@ -134,6 +137,14 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     # clients mirror their state into the run directory, so --resume is exact
     state_dir = cfg.client_state_dir or str(run_dir / "client-state")
     return cfg.replace(run_dir=str(run_dir), client_state_dir=state_dir)
+
+
+def check_run_arguments(args: argparse.Namespace) -> None:
+    """UsageError for out-of-range command-line numbers (before anything starts)."""
+    if args.clients is not None and args.clients < 1:
+        raise UsageError("--clients must be >= 1")
+    if not 0 < args.timeout <= MAX_SECONDS:
+        raise UsageError(f"--timeout must be in (0, {MAX_SECONDS:.0f}] seconds (got {args.timeout:g})")
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -148,8 +159,9 @@ def _check_writable(run_dir: Path) -> None:
 
 
 def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> RunConfig:
-    """The config of the run in ``--resume RUN_DIR``, checked against its checkpoint."""
-    from server.rundir import check_resumable, load_checkpoint
+    """The config of the run in ``--resume RUN_DIR``, checked against its checkpoint. The
+    directory stays claimed by this command (a second resume of it is refused at once)."""
+    from server.rundir import check_resumable, claim, load_checkpoint
 
     run_dir = Path(args.resume).expanduser().resolve()
     given = [flag for flag, value in (
@@ -159,7 +171,11 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
     if given:
         raise UsageError(f"--resume continues a run as it was configured: {', '.join(given)} "
                          "cannot be combined with it (only --rounds, --clients, --timeout)")
+    check_run_arguments(args)
     saved = _saved_config(run_dir)
+    # the directory itself (the ServerApp locks its .lock file): nothing is written here
+    args.run_dir_claim = claim(run_dir, f"{run_dir} is being resumed or run by another "
+                                        "flatflower command")
     values = {**saved, "resume": True, "run-dir": str(run_dir)}
     if args.rounds is not None:
         values["num-server-rounds"] = args.rounds
@@ -289,9 +305,19 @@ def _finish(cfg: RunConfig, ok: bool, progress: Progress, details: str = "") -> 
         print(f"final test accuracy {100 * progress.last['test_accuracy']:.2f}% after round "
               f"{progress.last['round']}; run directory: {run_dir}")
         return EXIT_OK
-    print(f"run failed{': ' + details if details else ''}\nrun directory: {run_dir} (logs in logs/)",
+    reason = failure_reason(run_dir) or details
+    print(f"error: run failed{': ' + reason if reason else ''}\nrun directory: {run_dir} (logs in logs/)",
           file=sys.stderr)
     return EXIT_FAILED
+
+
+def failure_reason(run_dir: Path) -> str:
+    """The one-line reason a failed run wrote to its summary.json ('' if none)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(summary.get("error", "")) if isinstance(summary, dict) and summary.get("status") == "failed" else ""
 
 
 # ---------------------------------------------------------------------------- commands
@@ -447,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     from common.datasets import DatasetUnavailableError
     from common.partition import PartitionError
     from server.federation import FederationError
-    from server.rundir import RunDirError
+    from server.run import RunFailed
+    from server.rundir import RunDirError, RunWriteError
+    from strategies.participation import NoNodesError
 
     try:
         if args.command == "presets":
@@ -460,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             RunDirError, OSError) as err:  # OSError: e.g. a run directory that cannot be created
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    except FederationError as err:
+    except (FederationError, RunFailed, RunWriteError, NoNodesError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:

@@ -191,9 +191,11 @@ class LocalFederation:
             if only and name != only:
                 continue
             if proc.poll() is not None:
+                log_file = self.log_dir / (name + ".log")
+                last = [line for line in _tail(log_file, 5).splitlines() if line.strip()]
                 raise FederationError(
-                    f"{name} exited with code {proc.returncode}; last log lines "
-                    f"({self.log_dir / (name + '.log')}):\n{_tail(self.log_dir / (name + '.log'))}")
+                    f"{name} exited with code {proc.returncode}"
+                    + (f" ({last[-1].strip()[:200]})" if last else "") + f"; its log: {log_file}")
 
     def start(self, timeout: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -369,9 +371,17 @@ class LocalFederation:
             raise FederationError(f"unexpected 'flwr run' output:\n{out}") from None
 
     def status(self, run_id: int) -> dict[str, Any]:
-        """The run's row of ``flwr ls --run-id`` (status, status-details, elapsed, ...)."""
-        out = json.loads(self.flwr("ls", self.connection, "--run-id", str(run_id), "--format", "json"))
-        return out["runs"][0]
+        """The run's row of ``flwr ls --run-id`` (status, status-details, elapsed, ...);
+        FederationError, in one line, when the SuperLink is gone or gives no status."""
+        self._check_alive(only="superlink")
+        out = self.flwr("ls", self.connection, "--run-id", str(run_id), "--format", "json")
+        try:
+            return json.loads(out)["runs"][0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            self._check_alive(only="superlink")
+            detail = " ".join(out.split())[:200]
+            raise FederationError(f"the SuperLink gave no status for run {run_id} ({detail}); "
+                                  "the last checkpoint can be resumed with --resume") from None
 
     def wait(self, run_id: int, timeout: float, poll: float = 2.0,
              on_poll: Callable[[], None] | None = None) -> dict[str, Any]:

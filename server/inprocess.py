@@ -107,7 +107,7 @@ def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
     from server.app import app as default_server_app
     from server.rundir import default_run_dir
 
-    cfg = RunConfig.from_mapping(run_config)
+    cfg = RunConfig.from_mapping({"num-partitions": num_clients, **run_config})
     cfg = cfg.replace(run_dir=str(Path(cfg.run_dir or default_run_dir(cfg)).resolve()))
     grid = InProcessGrid(client_app or default_client_app, num_clients, cfg.to_dict(), node_config)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())

@@ -19,6 +19,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from common.config import cli_float, cli_int
+
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 
@@ -271,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``flatflower report`` argument parser."""
     parser = argparse.ArgumentParser(prog="flatflower report", description="Summarize run directories.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to summarize")
-    parser.add_argument("--last-k", type=int, default=5, help="rounds averaged for the last-k mean (default 5)")
-    parser.add_argument("--target", type=float, default=None, help="accuracy target for rounds-to-target")
+    parser.add_argument("--last-k", type=cli_int, default=5, help="rounds averaged for the last-k mean (default 5)")
+    parser.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
     parser.add_argument("--out", type=Path, default=Path("report.png"), help="accuracy plot (default report.png)")
     parser.add_argument("--out-bytes", type=Path, default=None,
                         help="accuracy vs cumulative bytes plot (default: <out stem>-bytes.png)")

@@ -24,27 +24,41 @@ from common.evaluate import evaluate
 from common.models import build_model
 from common.registry import get as get_spec
 from server.rundir import RunDir, check_resumable, default_run_dir, load_checkpoint
-from strategies.base import RoundStats
+from strategies.base import RoundStats, all_finite
 
 log = logging.getLogger("flwr.flatflower.server")
 
 
+class RunFailed(RuntimeError):
+    """The run ended without a usable model (every round skipped, or a non-finite model)."""
+
+
 def run_server(grid: Grid, cfg: RunConfig) -> Path:
     """Run ``cfg`` to completion over ``grid`` (from its checkpoint when ``resume``);
-    returns the run directory."""
-    t_start = time.monotonic()
+    returns the run directory. The directory is locked for the run's duration; a failure
+    after it is claimed is written to summary.json (``status``, ``error``) and raised."""
     run_dir = RunDir(cfg.run_dir or default_run_dir(cfg), resume=cfg.resume)
+    with run_dir.locked():
+        try:
+            return _run(grid, cfg, run_dir)
+        except BaseException as err:
+            run_dir.record_failure(err)
+            raise
+
+
+def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
+    t_start = time.monotonic()
     log.info("flatflower: %s on %s, run directory %s", cfg.algorithm, cfg.dataset, run_dir.path)
     data = dataset_for(cfg)
     model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)
     torch.set_num_threads(1)
-    strategy = get_spec(cfg.algorithm).strategy_class()(cfg, model.state_dict())
+    strategy = get_spec(cfg.algorithm).strategy_class()(
+        cfg, model.state_dict(), partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)])
     first = 1
     if cfg.resume:
         ckpt = load_checkpoint(run_dir.path)
         check_resumable(cfg, ckpt)
         strategy.load_state_dict(ckpt["strategy"])
-        strategy.num_partitions = ckpt["num_partitions"]
         first = ckpt["round"] + 1
         run_dir.truncate_metrics(ckpt["round"])
         log.info("resuming from the checkpoint of round %d", ckpt["round"])
@@ -60,9 +74,11 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     if not cfg.resume:
         run_dir.append_metrics({"round": 0, "test_accuracy": acc, "test_loss": loss})
         log.info("round 0: test accuracy %.4f, loss %.4f", acc, loss)
+    skipped = 0
     for rnd in range(first, cfg.num_server_rounds + 1):
         t_round = time.monotonic()
         stats = strategy.train_round(rnd, grid)
+        skipped += stats.skipped
         if not (run_dir.path / "partition.json").exists():
             run_dir.write_partition(cfg, partitions_for(cfg, strategy.num_partitions))
         row = {"round": rnd}
@@ -76,13 +92,18 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
                     "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})
         run_dir.append_metrics(row)  # before the checkpoint: a resume redoes rows past it
         if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.num_server_rounds):
-            run_dir.save_checkpoint(cfg, rnd, strategy.state_dict(), strategy.num_partitions)
+            run_dir.save_checkpoint(cfg, rnd, strategy.state_dict())
         log.info("round %d: test accuracy %.4f, loss %.4f, clients %d/%d ok, %.1fs", rnd, acc, loss,
                  row["clients_replied"] - row["clients_rejected"], row["clients_sampled"], row["seconds"])
         if not math.isfinite(loss):
             log.warning("round %d: test loss is %s", rnd, loss)
+    if first <= cfg.num_server_rounds and skipped == cfg.num_server_rounds - first + 1:
+        raise RunFailed(f"every round ({first}-{cfg.num_server_rounds}) was skipped: no round had "
+                        "enough accepted client updates (see the rejections in metrics.jsonl)")
+    if not all_finite(strategy.model):
+        raise RunFailed("the final model holds NaN or Inf values")
     run_dir.save_model("model_final.pt", strategy.model)
-    run_dir.write_summary({"final_test_accuracy": acc, "final_test_loss": loss,
+    run_dir.write_summary({"status": "completed", "final_test_accuracy": acc, "final_test_loss": loss,
                            "rounds": cfg.num_server_rounds,
                            "seconds": round(time.monotonic() - t_start, 2),
                            "num_partitions": strategy.num_partitions,

@@ -8,19 +8,26 @@
     summary.json     final accuracy, rounds, wall time (written when the run ends)
     checkpoint.pt    the latest checkpoint: round, global model, all strategy state
     client-state/    (when clients mirror their state here) partition-<i>/round-<r>.pt
+    .lock            held (flock) by the process running or resuming the run
 
-JSON files, models and checkpoints are written atomically (temporary file + rename). An
-existing run is never overwritten: a directory that already holds metrics.jsonl is refused,
-unless the run is resumed from its checkpoint.
+JSON files, models and checkpoints are written atomically (temporary file + rename), so a
+failed write (a full disk, a read-only directory) leaves the previous checkpoint intact and
+resumable; it is reported as one :class:`RunWriteError` line. An existing run is never
+overwritten: a directory that already holds metrics.jsonl is refused, unless the run is
+resumed from its checkpoint, and only one process uses a run directory at a time. Files read
+back are loaded with ``torch.load(weights_only=True)``: a file that needs unpickling arbitrary
+objects is refused, never run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,24 @@ from common.config import RunConfig
 
 
 class RunDirError(RuntimeError):
-    """The run directory cannot be used (exists with a run in it, not writable...)."""
+    """The run directory cannot be used (exists with a run in it, in use, not writable...)."""
+
+
+class RunWriteError(RuntimeError):
+    """Writing into the run directory failed during the run (full disk, read-only...)."""
+
+
+def load_tensors(path: Path, what: str) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors and plain containers only. A file that
+    asks to unpickle anything else is refused (RunDirError), as is a damaged one."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises many types for a damaged file
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line),
+                      lines[0] if lines else type(err).__name__)
+        raise RunDirError(f"{what} {path} is corrupt or unreadable, or holds objects other than "
+                          f"tensors, which are never unpickled ({detail[:200]})") from None
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -51,17 +75,33 @@ def versions() -> dict[str, str]:
     return out
 
 
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[Path]:
+    """Yield a temporary path to write ``path``'s new content to; it replaces ``path`` when the
+    block succeeds. Any failure (ENOSPC, EROFS, a torch writer error) is one RunWriteError and
+    leaves ``path`` as it was."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        yield tmp
+        tmp.replace(path)
+    except Exception as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[-1][:200]
+        raise RunWriteError(f"cannot write {path}: {reason}") from None
+
+
 def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    with writing(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))
 
 
 CHECKPOINT = "checkpoint.pt"
-CHECKPOINT_FORMAT = 1
-# Run-config keys a resumed run may change; every other key must equal the checkpoint's.
+CHECKPOINT_FORMAT = 2  # 2: participation state (N, partition sizes) inside the strategy state
+# Run-config keys a resumed run may change; every other key must equal the checkpoint's (the
+# client-state-dir too: the clients' duals and control variates live there).
 RESUME_MAY_CHANGE = ("num-server-rounds", "resume", "run-dir", "round-timeout", "node-wait-timeout",
-                     "min-available-nodes", "checkpoint-every", "client-state-dir", "data-dir",
+                     "min-available-nodes", "checkpoint-every", "data-dir",
                      "download", "fraction-evaluate", "eval-batch-size")
 
 
@@ -71,10 +111,7 @@ def load_checkpoint(run_dir: str | Path) -> dict:
     if not path.is_file():
         raise RunDirError(f"no checkpoint in {path.parent} (checkpoint-every=0, or the run "
                           "stopped before its first checkpoint): nothing to resume")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # torch raises many types for a damaged file
-        raise RunDirError(f"checkpoint {path} is corrupt or unreadable: {type(err).__name__}: {err}") from None
+    ckpt = load_tensors(path, "checkpoint")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT or "strategy" not in ckpt:
         raise RunDirError(f"checkpoint {path} is not a flatflower checkpoint (format {CHECKPOINT_FORMAT})")
     return ckpt
@@ -104,6 +141,19 @@ class RunDir:
         except OSError as err:
             raise RunDirError(f"cannot create run directory {self.path}: {err}") from None
 
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[RunDir]:
+        """Hold the run directory's lock for the block (RunDirError if another process holds it)."""
+        with hold_lock(self.path / ".lock", f"{self.path} is in use by another flatflower run or "
+                                            "resume; wait for it to end (or choose another --run-dir)"):
+            yield self
+
+    def record_failure(self, err: BaseException) -> None:
+        """summary.json says the run failed and why (best effort: the disk may be full)."""
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        with contextlib.suppress(Exception):
+            write_json(self.path / "summary.json", {"status": "failed", "error": reason[:500]})
+
     def write_config(self, cfg: RunConfig, **extra: Any) -> None:
         write_json(self.path / "config.json",
                    {"config": cfg.to_dict(), "seed": cfg.seed, "algorithm": cfg.algorithm,
@@ -118,9 +168,13 @@ class RunDir:
         })
 
     def append_metrics(self, row: Mapping[str, Any]) -> None:
-        with open(self.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(dict(row)) + "\n")
-            f.flush()
+        path = self.path / "metrics.jsonl"
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(dict(row)) + "\n")
+                f.flush()
+        except OSError as err:
+            raise RunWriteError(f"cannot write {path}: {err.strerror or err}") from None
 
     def truncate_metrics(self, last_round: int) -> None:
         """Keep the complete rows of rounds <= last_round (a resumed run redoes the rest)."""
@@ -133,24 +187,22 @@ class RunDir:
                 continue  # a row cut short by the kill
             if row.get("round", last_round + 1) <= last_round:
                 rows.append(line)
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(r + "\n" for r in rows))
-        tmp.replace(path)
+        with writing(path) as tmp:
+            tmp.write_text("".join(r + "\n" for r in rows))
 
     def save_model(self, name: str, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.save(name, dict(state_dict))
 
     def save(self, name: str, obj: Any) -> None:
-        """torch.save, atomically: a crash leaves the previous file or the new one."""
-        tmp = self.path / (name + ".tmp")
-        torch.save(obj, tmp)
-        tmp.replace(self.path / name)
+        """torch.save, atomically: a crash or a failed write leaves the previous file."""
+        with writing(self.path / name) as tmp:
+            torch.save(obj, tmp)
 
-    def save_checkpoint(self, cfg: RunConfig, server_round: int, strategy_state: Mapping[str, Any],
-                        num_partitions: int | None) -> None:
+    def save_checkpoint(self, cfg: RunConfig, server_round: int, strategy_state: Mapping[str, Any]) -> None:
         self.save(CHECKPOINT, {
             "format": CHECKPOINT_FORMAT, "round": server_round, "config": cfg.to_dict(),
-            "strategy": dict(strategy_state), "num_partitions": num_partitions,
+            "strategy": dict(strategy_state),
+            "num_partitions": strategy_state["participation"]["num_partitions"],
             # client sampling and client shuffling are pure functions of (seed, round[, partition]):
             # there is no RNG state to carry over
             "sampling": {"seed": cfg.seed, "scheme": cfg.sampling},
@@ -158,3 +210,30 @@ class RunDir:
 
     def write_summary(self, data: Mapping[str, Any]) -> None:
         write_json(self.path / "summary.json", dict(data))
+
+
+def claim(path: Path, busy: str) -> int:
+    """An exclusive flock on ``path`` (a lock file, created if needed, or a directory, which is
+    locked without writing anything), held until the returned descriptor is closed or the
+    process ends; RunDirError(``busy``) if another process holds it."""
+    flags = os.O_RDONLY | os.O_DIRECTORY if path.is_dir() else os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as err:
+        raise RunDirError(f"cannot lock {path}: {err.strerror or err}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunDirError(busy) from None
+    return fd
+
+
+@contextlib.contextmanager
+def hold_lock(path: Path, busy: str) -> Iterator[None]:
+    """:func:`claim` for the duration of the block."""
+    fd = claim(path, busy)
+    try:
+        yield
+    finally:
+        os.close(fd)

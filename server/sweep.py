@@ -18,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from common.config import cli_float, cli_int
 from common.registry import ALGORITHMS
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -30,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedsam,fedtoga")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--out", type=Path, required=True, help="directory for the runs and the report")
-    p.add_argument("--last-k", type=int, default=5, help="rounds averaged for the last-k mean (default 5)")
-    p.add_argument("--target", type=float, default=None, help="accuracy target for rounds-to-target")
+    p.add_argument("--last-k", type=cli_int, default=5, help="rounds averaged for the last-k mean (default 5)")
+    p.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
     p.add_argument("--resume-existing", action="store_true",
                    help="skip (algorithm, seed) runs that already finished in OUT")
     return p

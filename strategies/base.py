@@ -3,29 +3,32 @@
 It is a Flower message-based ``FedAvg`` (so ``strategy.start()`` works as in any Flower app)
 that adds what the papers' algorithms need and stock FedAvg lacks:
 
-* sampling with a deadline (never waits forever), deterministic in (seed, round) over
-  *partition ids*, learned from a ``query`` handshake with each node, so the same seed
-  samples the same clients in-process, in simulation and in a deployment;
+* participation decided by the server (strategies/participation.py): sampling with a
+  deadline, deterministic in (seed, round) over partition ids learned and checked in a
+  ``query`` handshake;
 * several named ArrayRecords per message (the model plus the algorithm's ``down`` records);
-* validation of every reply (records, keys, shapes, dtypes, NaN/Inf, metrics): a bad
-  reply is rejected and logged, the round goes on with the rest;
-* sample-weighted or uniform aggregation (``aggregation``), in partition-id order;
+* validation of every reply (strategies/validation.py): decoded arrays, metrics, the
+  partition's own size and step count, the message's nonce. A bad reply is rejected and
+  logged with its reason; the round goes on with the rest;
+* aggregation by the run's ``aggregator`` (mean, or a robust rule) of every per-client
+  quantity the algorithm combines, with weights from the server's own partition sizes;
 * server state as a checkpointable dict (:meth:`state_dict` / :meth:`load_state_dict`).
 
 An algorithm subclass sets its records in :meth:`init_records` and implements
-:meth:`update` (the server half of its pseudocode).
+:meth:`update` (the server half of its pseudocode), combining clients with
+:meth:`aggregate`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
@@ -34,15 +37,14 @@ from common import protocol as P
 from common.config import RunConfig
 from common.registry import AlgorithmSpec
 from common.registry import get as get_spec
-from strategies.aggregate import client_weights
-from strategies.validation import (ClientUpdate, RejectedReply, layout_of, metric_value,
-                                  parse_train_reply)
+from strategies.aggregate import Aggregator, client_weights, global_norm, sub
+from strategies.participation import NoNodesError, Participation, error_text, new_nonce, node_of
+from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
+                                   parse_evaluate_reply, parse_train_reply)
 
 log = logging.getLogger("flwr.flatflower.server")
 
-
-class NoNodesError(RuntimeError):
-    """No usable SuperNode connected before the deadline."""
+__all__ = ["FlatStrategy", "NoNodesError", "RoundStats"]
 
 
 @dataclass
@@ -61,12 +63,16 @@ class RoundStats:
     rejected_partitions: list[int] = field(default_factory=list)
     retries: int = 0
     skipped: int = 0  # 1 when the round left the model unchanged (too few accepted replies)
+    # every refused reply of the round: {"stage": train|evaluate|handshake, "partition",
+    # "node", "reason"}
+    rejections: list[dict] = field(default_factory=list)
 
 
 class FlatStrategy(FlowerFedAvg):
     """Server half shared by all algorithms (see module docstring)."""
 
-    def __init__(self, cfg: RunConfig, initial_model: OrderedDict, spec: AlgorithmSpec | None = None):
+    def __init__(self, cfg: RunConfig, initial_model: OrderedDict, spec: AlgorithmSpec | None = None,
+                 partition_sizes: Callable[[int], Sequence[int]] | None = None):
         super().__init__(
             fraction_train=cfg.fraction_train,
             fraction_evaluate=1.0,  # set below: 0 (our default) makes Flower warn at every start
@@ -82,10 +88,13 @@ class FlatStrategy(FlowerFedAvg):
         self.round = 0  # last completed training round
         self.records: dict[str, OrderedDict] = {}
         self.init_records()
-        self.partition_of: dict[int, int] = {}  # node id -> partition id (handshake)
-        self.num_partitions: int | None = None
+        self.participation = Participation(cfg, partition_sizes)
+        self.aggregator = Aggregator.from_config(cfg)
         self.stats = RoundStats()
         self._messages: list[Message] = []  # this round's train messages (ids map error replies)
+        self._nonce = 0  # this round's train nonce, echoed by every valid reply
+        self._eval_messages: list[Message] = []
+        self._eval_nonce = 0
 
     # ------------------------------------------------------------------ algorithm hooks
     def init_records(self) -> None:
@@ -104,6 +113,15 @@ class FlatStrategy(FlowerFedAvg):
         """Server half of the algorithm: new ``self.model`` (and records) from accepted updates."""
         raise NotImplementedError
 
+    def aggregate(self, items: Sequence[OrderedDict], weights: Sequence[float]) -> OrderedDict:
+        """The run's estimate of sum_i p_i items[i] (``aggregator``: the mean, or a robust rule)."""
+        return self.aggregator(items, weights)
+
+    @property
+    def num_partitions(self) -> int | None:
+        """N, the number of clients in the federation (known from round 1 on)."""
+        return self.participation.num_partitions
+
     # ------------------------------------------------------------------ checkpointable state
     def state_dict(self) -> dict:
         return {
@@ -111,6 +129,7 @@ class FlatStrategy(FlowerFedAvg):
             "round": self.round,
             "model": OrderedDict((k, v.clone()) for k, v in self.model.items()),
             "records": {n: OrderedDict((k, v.clone()) for k, v in r.items()) for n, r in self.records.items()},
+            "participation": self.participation.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -121,89 +140,26 @@ class FlatStrategy(FlowerFedAvg):
         self.round = int(state["round"])
         self.model = OrderedDict((k, v.clone()) for k, v in state["model"].items())
         self.records = {n: OrderedDict((k, v.clone()) for k, v in r.items()) for n, r in state["records"].items()}
+        self.participation.load_state_dict(state["participation"])
 
-    # ------------------------------------------------------------------ nodes and sampling
-    def wait_for_nodes(self, grid: Grid) -> list[int]:
-        """Connected node ids. Before the first round: once ``min-available-nodes`` are up, or
-        whatever is up at the deadline (``node-wait-timeout``); later rounds go on with the
-        nodes that are up (waiting only while none is). NoNodesError if none."""
-        deadline = time.monotonic() + self.cfg.node_wait_timeout
-        wanted = self.min_available_nodes if not self.partition_of else 1
-        while True:
-            nodes = sorted(grid.get_node_ids())
-            if len(nodes) >= wanted:
-                return nodes
-            if time.monotonic() >= deadline:
-                if nodes:
-                    log.warning("only %d of %d required nodes connected after %.0fs; going on",
-                                len(nodes), self.min_available_nodes, self.cfg.node_wait_timeout)
-                    return nodes
-                raise NoNodesError(
-                    f"no SuperNode connected within node-wait-timeout={self.cfg.node_wait_timeout}s"
-                )
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    # ------------------------------------------------------------------ refusals
+    def _refused(self, stage: str, pid: int, node: int, why: str) -> None:
+        """Record and log one refused reply (train rejections also count as rejected clients)."""
+        self.stats.rejections.append({"stage": stage, "partition": pid, "node": node, "reason": why})
+        if stage == "train":
+            self.stats.clients_rejected += 1
+            self.stats.rejected_partitions.append(pid)
+        log.warning("round %d: %s reply of client %d (node %d) refused: %s", self.round + 1, stage,
+                    pid, node, why)
 
-    def handshake(self, grid: Grid, node_ids: list[int]) -> None:
-        """Ask nodes not seen before which partition they hold (one ``query`` message each).
-
-        Nodes that are no longer connected are forgotten first, so a restarted SuperNode
-        (new node id, same partition) takes its partition back.
-        """
-        self.partition_of = {n: p for n, p in self.partition_of.items() if n in node_ids}
-        new = [n for n in node_ids if n not in self.partition_of]
-        if not new:
-            return
-        msgs = [Message(RecordDict({P.CONFIG: ConfigRecord({"run-algorithm": self.spec.name})}),
-                        dst_node_id=n, message_type=MessageType.QUERY) for n in new]
-        for reply in grid.send_and_receive(msgs, timeout=self.cfg.node_wait_timeout):
-            if reply.has_error():
-                log.error("node handshake failed: %s", reply.error.reason)
-                continue
-            metrics = reply.content.metric_records[P.METRICS]
-            node, pid, n = reply.metadata.src_node_id, int(metrics["partition-id"]), int(metrics["num-partitions"])
-            if self.num_partitions is None:
-                self.num_partitions = n
-            if n != self.num_partitions:
-                log.error("node %d reports num-partitions=%d, the federation has %d; ignored",
-                          node, n, self.num_partitions)
-            elif pid in self.partition_of.values():
-                log.error("node %d holds partition %d, which another node already holds; ignored",
-                          node, pid)
-            else:
-                self.partition_of[node] = pid
-        if not self.partition_of:
-            raise NoNodesError("no node answered the partition handshake (see the errors above)")
+    def _failed(self, server_round: int, pid: int, node: int, why: str) -> None:
+        self.stats.clients_failed += 1
+        self.stats.failed_partitions.append(pid)
+        log.warning("round %d: client %d (node %d) failed: %s", server_round, pid, node, why)
 
     def available_partitions(self, grid: Grid) -> dict[int, int]:
         """partition id -> node id of every connected node that passed the handshake."""
-        nodes = self.wait_for_nodes(grid)
-        self.handshake(grid, nodes)
-        return {self.partition_of[n]: n for n in nodes if n in self.partition_of}
-
-    def wait_for_partitions(self, grid: Grid, wanted: list[int], timeout: float) -> dict[int, int]:
-        """partition id -> node id, once every ``wanted`` partition has a connected node (e.g. a
-        restarted SuperNode) or after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            available = self.available_partitions(grid)
-            if all(p in available for p in wanted) or time.monotonic() >= deadline:
-                return available
-            time.sleep(1.0)
-
-    def sample(self, server_round: int, partitions: list[int], fraction: float) -> list[int]:
-        """Partition ids for this round: ``fixed`` = fraction * N rounded half up, without replacement,
-        ``bernoulli`` = each with probability ``fraction`` (redrawn if empty). Seeded by
-        (seed, round) only."""
-        rng = np.random.default_rng([self.cfg.seed, server_round])
-        partitions = sorted(partitions)
-        if self.cfg.sampling == "bernoulli":
-            while True:
-                chosen = [p for p in partitions if rng.random() < fraction]
-                if chosen:
-                    return chosen
-        total = self.num_partitions or len(partitions)
-        size = min(len(partitions), max(1, math.floor(fraction * total + 0.5)))
-        return sorted(int(p) for p in rng.choice(partitions, size=size, replace=False))
+        return self.participation.available(grid, self.spec.name, self._refused)
 
     # ------------------------------------------------------------------ Flower hooks: train
     def configure_train(
@@ -213,8 +169,9 @@ class FlatStrategy(FlowerFedAvg):
         self.stats = RoundStats()
         self.model = P.from_record(arrays)
         available = self.available_partitions(grid)
-        chosen = self.sample(server_round, list(available), self.fraction_train)
-        config = ConfigRecord({**dict(config), "server-round": server_round})
+        chosen = self.participation.sample(server_round, list(available), self.fraction_train)
+        self._nonce = new_nonce()
+        config = ConfigRecord({**dict(config), "server-round": server_round, "nonce": self._nonce})
         start = self.start_point()
         content = RecordDict({P.MODEL: arrays if start is self.model else P.to_record(start),
                               P.CONFIG: config})
@@ -229,45 +186,36 @@ class FlatStrategy(FlowerFedAvg):
         log.info("round %d: sampled partitions %s", server_round, chosen)
         return msgs
 
-    def _node_of(self, reply: Message) -> int:
-        """The node a reply belongs to (error replies may come from the SuperLink itself)."""
-        for msg in self._messages:
-            if msg.metadata.message_id == reply.metadata.reply_to_message_id:
-                return msg.metadata.dst_node_id
-        return reply.metadata.src_node_id
+    def expected(self, pid: int, nonce: int) -> Expected:
+        """What partition ``pid``'s reply to a message with ``nonce`` must say."""
+        part = self.participation
+        return Expected(pid, part.num_examples(pid), nonce, part.num_steps(pid), self.layout, self.spec.up)
 
     def collect(self, server_round: int, replies: Iterable[Message]) -> list[ClientUpdate]:
         """Parse and validate the replies to ``self._messages``; log and count failures
         (error replies, and messages with no reply within ``round-timeout``) and rejections."""
-        updates, answered = [], set()
+        updates: dict[int, ClientUpdate] = {}
+        answered = set()
         for reply in replies:
-            node = self._node_of(reply)
+            node = node_of(reply, self._messages)
             answered.add(reply.metadata.reply_to_message_id)
-            pid = self.partition_of.get(node, -1)
+            pid = self.participation.partition_of.get(node, -1)
             if reply.has_error():
-                self._failed(server_round, pid, node, f"error {reply.error.code}: {reply.error.reason}")
+                self._failed(server_round, pid, node, error_text(reply))
                 continue
-            self.stats.bytes_up += P.payload_bytes(reply.content)
             try:
-                updates.append(parse_train_reply(reply, node, pid, self.layout, self.spec.up))
-            except RejectedReply as why:
-                self._rejected(server_round, pid, node, str(why))
+                self.stats.bytes_up += P.payload_bytes(reply.content)
+                if pid < 0 or pid in updates:
+                    raise RejectedReply("a reply from a node that holds no partition, or a second one")
+                updates[pid] = parse_train_reply(reply, node, self.expected(pid, self._nonce))
+            except Exception as why:  # noqa: BLE001 - one reply's fault, never the run's end
+                self._refused("train", pid, node, str(why))
         for msg in self._messages:
             if msg.metadata.message_id not in answered:
                 node = msg.metadata.dst_node_id
-                self._failed(server_round, self.partition_of.get(node, -1), node,
+                self._failed(server_round, self.participation.partition_of.get(node, -1), node,
                              f"no reply within round-timeout={self.cfg.round_timeout:g}s (client lost)")
-        return sorted(updates, key=lambda u: u.partition_id)
-
-    def _failed(self, server_round: int, pid: int, node: int, why: str) -> None:
-        self.stats.clients_failed += 1
-        self.stats.failed_partitions.append(pid)
-        log.warning("round %d: client %d (node %d) failed: %s", server_round, pid, node, why)
-
-    def _rejected(self, server_round: int, pid: int, node: int, why: str) -> None:
-        self.stats.clients_rejected += 1
-        self.stats.rejected_partitions.append(pid)
-        log.warning("round %d: rejected reply of client %d (node %d): %s", server_round, pid, node, why)
+        return [updates[p] for p in sorted(updates)]
 
     def reject_outliers(self, server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """``outlier-norm-factor`` f > 0: reject updates with ||w_i - w|| > f * median of the
@@ -276,15 +224,13 @@ class FlatStrategy(FlowerFedAvg):
         if factor <= 0 or len(updates) < 3:
             return updates
         start = self.start_point()
-        norms = [math.sqrt(sum(float(((u.model[k] - v).double() ** 2).sum())
-                               for k, v in start.items() if v.is_floating_point()))
-                 for u in updates]
+        norms = [global_norm(sub(u.model, start)) for u in updates]
         limit = factor * float(np.median(norms))
         kept = []
         for u, norm in zip(updates, norms):
             if norm > limit:
-                self._rejected(server_round, u.partition_id, u.node_id,
-                               f"update norm {norm:.4g} > {factor:g} x round median {limit / factor:.4g}")
+                self._refused("train", u.partition_id, u.node_id,
+                              f"update norm {norm:.4g} > {factor:g} x round median {limit / factor:.4g}")
             else:
                 kept.append(u)
         return kept
@@ -304,7 +250,8 @@ class FlatStrategy(FlowerFedAvg):
             log.warning("round %d: %d accepted replies < min-replies=%d; retry %d/%d: waiting for "
                         "clients %s", server_round, len(updates), self.cfg.min_replies,
                         self.stats.retries, self.cfg.max_retries, missing)
-            available = self.wait_for_partitions(grid, missing, self.cfg.round_timeout)
+            available = self.participation.wait_for_partitions(
+                grid, missing, self.cfg.round_timeout, self.spec.name, self._refused)
             again = [p for p in missing if p in available]
             if not again:
                 continue
@@ -319,17 +266,31 @@ class FlatStrategy(FlowerFedAvg):
         return self.stats
 
     def finish_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """Apply the algorithm's server update to the accepted updates (if enough)."""
+        """Apply the algorithm's server update to the accepted updates, if there are enough
+        (``min-replies``, and what the aggregator needs) and the result is finite; otherwise
+        the round is skipped: model and server state stay as they were."""
         updates = self.reject_outliers(server_round, updates)
-        if len(updates) >= self.cfg.min_replies:
-            weights = client_weights([u.num_examples for u in updates], self.cfg.aggregation)
-            self.stats.train_loss = float(sum(w * u.train_loss for w, u in zip(weights, updates)))
-            self.update(server_round, updates, weights)
+        needed = max(self.cfg.min_replies, self.aggregator.required())
+        reason = None
+        if len(updates) < needed:
+            reason = (f"{len(updates)} accepted client updates < {needed} (min-replies="
+                      f"{self.cfg.min_replies}, aggregator {self.aggregator.name} needs "
+                      f"{self.aggregator.required()})")
         else:
+            before = self.model, self.records
+            weights = client_weights([u.num_examples for u in updates], self.cfg.aggregation)
+            losses = [u.train_loss for u in updates]
+            self.stats.train_loss = (float(sum(w * x for w, x in zip(weights, losses)))
+                                     if self.aggregator.name == "mean" else float(np.median(losses)))
+            self.records = {n: OrderedDict(r) for n, r in self.records.items()}
+            self.update(server_round, updates, weights)
+            if not all_finite(self.model, *self.records.values()):
+                self.model, self.records = before
+                reason = "the server update gave non-finite values"
+        if reason:
             self.stats.skipped = 1
-            log.warning("round %d skipped: %d accepted client updates < min-replies=%d; the global "
-                        "model and server state are unchanged", server_round, len(updates),
-                        self.cfg.min_replies)
+            log.warning("round %d skipped: %s; the global model and server state are unchanged",
+                        server_round, reason)
         self.round = server_round
 
     def aggregate_train(
@@ -340,7 +301,7 @@ class FlatStrategy(FlowerFedAvg):
         self.stats.clients_replied = len(updates) + self.stats.clients_rejected
         self.finish_round(server_round, updates)
         metrics = MetricRecord({k: v for k, v in asdict(self.stats).items()
-                                if v == v and v != []})  # drop NaN / empty
+                                if isinstance(v, (int, float)) and v == v})  # drop NaN and lists
         return P.to_record(self.model), metrics
 
     # ------------------------------------------------------------------ Flower hooks: evaluate
@@ -351,31 +312,40 @@ class FlatStrategy(FlowerFedAvg):
         if self.fraction_evaluate == 0.0:
             return []
         available = self.available_partitions(grid)
-        chosen = self.sample(server_round + 10**6, list(available), self.fraction_evaluate)
-        content = RecordDict({P.MODEL: arrays,
-                              P.CONFIG: ConfigRecord({**dict(config), "server-round": server_round})})
-        return [Message(content, dst_node_id=available[p], message_type=MessageType.EVALUATE,
-                        group_id=str(server_round)) for p in chosen]
+        chosen = self.participation.sample(server_round + 10**6, list(available), self.fraction_evaluate)
+        self._eval_nonce = new_nonce()
+        content = RecordDict({P.MODEL: arrays, P.CONFIG: ConfigRecord(
+            {**dict(config), "server-round": server_round, "nonce": self._eval_nonce})})
+        self._eval_messages = [Message(content, dst_node_id=available[p], message_type=MessageType.EVALUATE,
+                                       group_id=str(server_round)) for p in chosen]
+        return self._eval_messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Sample-weighted mean of the clients' eval-loss and eval-accuracy (invalid replies skipped)."""
-        keys = ("eval-loss", "eval-accuracy")
-        rows = []
+        """Sample-weighted mean of the clients' eval-loss and eval-accuracy (invalid replies
+        are refused with their reason)."""
+        rows: dict[int, tuple[float, float]] = {}
         for reply in replies:
+            node = node_of(reply, self._eval_messages)
+            pid = self.participation.partition_of.get(node, -1)
             if reply.has_error():
-                log.warning("round %d: evaluation failed on node %d: %s", server_round,
-                            self._node_of(reply), reply.error.reason)
+                log.warning("round %d: evaluation failed on node %d: %s", server_round, node,
+                            error_text(reply))
                 continue
-            metrics = reply.content.metric_records.get(P.METRICS, {})
             try:
-                metric_value(metrics, "num-examples", 1)
-                for key in keys:
-                    metric_value(metrics, key, 0)
-            except RejectedReply as why:
-                log.warning("round %d: evaluation reply ignored: %s", server_round, why)
-                continue
-            rows.append(metrics)
+                if pid < 0 or pid in rows:
+                    raise RejectedReply("a reply from a node that holds no partition, or a second one")
+                rows[pid] = parse_evaluate_reply(reply, self.expected(pid, self._eval_nonce))
+            except Exception as why:  # noqa: BLE001 - one reply's fault, never the run's end
+                self._refused("evaluate", pid, node, str(why))
         if not rows:
             return None
-        total = float(sum(m["num-examples"] for m in rows))
-        return MetricRecord({k: float(sum(m[k] * m["num-examples"] for m in rows)) / total for k in keys})
+        sizes = {p: self.participation.num_examples(p) for p in rows}
+        total = float(sum(sizes.values()))
+        return MetricRecord({key: sum(rows[p][i] * sizes[p] for p in rows) / total
+                             for i, key in enumerate(("eval-loss", "eval-accuracy"))})
+
+
+def all_finite(*named: OrderedDict) -> bool:
+    """True when every floating-point tensor of every set is finite."""
+    return all(bool(torch.isfinite(v).all()) for item in named for v in item.values()
+               if v.is_floating_point())

@@ -6,15 +6,16 @@
 
 from __future__ import annotations
 
-from strategies.aggregate import add_scaled, sub, weighted_sum
+from strategies.aggregate import add_scaled, sub
 from strategies.base import FlatStrategy
 
 
 class FedAvg(FlatStrategy):
     def mean_delta(self, updates, weights):
-        """sum_i p_i (w_i - w^r): the aggregated client update (from the start point)."""
+        """sum_i p_i (w_i - w^r): the aggregated client update (from the start point; a robust
+        estimate of it under a robust ``aggregator``)."""
         start = self.start_point()
-        return weighted_sum([sub(u.model, start) for u in updates], weights)
+        return self.aggregate([sub(u.model, start) for u in updates], weights)
 
     def update(self, server_round, updates, weights):
         self.model = add_scaled(self.model, self.cfg.server_lr, self.mean_delta(updates, weights))

@@ -17,14 +17,15 @@ Model step, ``fedcm-server-step``:
 from __future__ import annotations
 
 from common.protocol import GLOBAL_UPDATE
-from strategies.aggregate import add_scaled, scale, sub, weighted_sum, zeros_like
+from strategies.aggregate import add_scaled, scale, sub, zeros_like
 from strategies.fedavg import FedAvg
 
 
-def global_update(model, updates, weights, lr: float):
-    """-sum_i p_i (w_i - w) / (lr * tau_i): the round's mean pseudo-gradient."""
+def global_update(model, updates, weights, lr: float, aggregate):
+    """-sum_i p_i (w_i - w) / (lr * tau_i): the round's mean pseudo-gradient (tau_i: the steps
+    the server asked of client i), combined by ``aggregate``."""
     per_client = [scale(sub(u.model, model), -1.0 / (lr * u.num_steps)) for u in updates]
-    return weighted_sum(per_client, weights)
+    return aggregate(per_client, weights)
 
 
 class FedCM(FedAvg):
@@ -33,7 +34,7 @@ class FedCM(FedAvg):
 
     def update(self, server_round, updates, weights):
         lr = self.cfg.round_lr(server_round)
-        self.records[GLOBAL_UPDATE] = global_update(self.model, updates, weights, lr)
+        self.records[GLOBAL_UPDATE] = global_update(self.model, updates, weights, lr, self.aggregate)
         if self.cfg.fedcm_server_step == "literal":
             self.model = add_scaled(self.model, -self.cfg.server_lr, self.records[GLOBAL_UPDATE])
         else:

@@ -9,7 +9,7 @@ round (s^0 = 0):
 from __future__ import annotations
 
 from common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION
-from strategies.aggregate import global_norm, scale, weighted_sum, zeros_like
+from strategies.aggregate import global_norm, scale, zeros_like
 from strategies.feddyn import FedDyn
 
 EPS = 1e-12  # as client.sam.EPS: s = 0 when S = 0
@@ -22,5 +22,5 @@ class FedSMOO(FedDyn):
 
     def update(self, server_round, updates, weights):
         super().update(server_round, updates, weights)
-        mean = weighted_sum([u.records[PERTURBATION_CORRECTION] for u in updates], weights)
+        mean = self.aggregate([u.records[PERTURBATION_CORRECTION] for u in updates], weights)
         self.records[GLOBAL_PERTURBATION] = scale(mean, self.cfg.rho / (global_norm(mean) + EPS))

@@ -30,5 +30,5 @@ class FedTOGA(FedDyn):
 
     def update(self, server_round, updates, weights):
         lr = self.cfg.round_lr(server_round) if self.cfg.fedtoga_delta_scale == "per-lr" else 1.0
-        self.records[GLOBAL_UPDATE] = global_update(self.model, updates, weights, lr)
+        self.records[GLOBAL_UPDATE] = global_update(self.model, updates, weights, lr, self.aggregate)
         super().update(server_round, updates, weights)

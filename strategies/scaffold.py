@@ -10,7 +10,7 @@ N is the number of clients in the federation, M the number of accepted updates.
 from __future__ import annotations
 
 from common.protocol import CONTROL, CONTROL_DELTA
-from strategies.aggregate import add_scaled, weighted_sum, zeros_like
+from strategies.aggregate import add_scaled, zeros_like
 from strategies.fedavg import FedAvg
 
 
@@ -20,6 +20,6 @@ class Scaffold(FedAvg):
 
     def update(self, server_round, updates, weights):
         m, n = len(updates), self.num_partitions or len(updates)
-        control_step = weighted_sum([u.records[CONTROL_DELTA] for u in updates], weights)
+        control_step = self.aggregate([u.records[CONTROL_DELTA] for u in updates], weights)
         self.records[CONTROL] = add_scaled(self.records[CONTROL], m / n, control_step)
         super().update(server_round, updates, weights)

@@ -1,18 +1,34 @@
-"""Validation of client replies: wrong records, keys, shapes, dtypes or non-finite values
-reject the reply (the round goes on with the others)."""
+"""Validation of everything a client sends (ARCHITECTURE.md, "Trust").
+
+The server checks what arrives, not what it claims: every array is decoded and its decoded
+shape, dtype and values are checked (not the header's), after a size check that refuses an
+array larger than the model's before it is decoded. Identity and weight come from the server:
+a reply must hold the partition, the number of examples and of local steps the server
+assigned, and echo the nonce of the message it answers (a replayed reply does not). Any
+exception while reading a reply is that reply's rejection (:class:`RejectedReply`), never the
+run's end.
+"""
 
 from __future__ import annotations
 
+import io
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message
+from flwr.app import Array, Message
 
 from common import protocol as P
 
 Layout = dict[str, tuple[tuple[int, ...], str]]
+NPY_HEADER_BYTES = 4096  # an .npy header is at most a few hundred bytes
+REASON_CHARS = 300  # how much of an unexpected error a rejection reason keeps
+
+T = TypeVar("T")
 
 
 class RejectedReply(ValueError):
@@ -21,7 +37,8 @@ class RejectedReply(ValueError):
 
 @dataclass
 class ClientUpdate:
-    """One accepted train reply, parsed."""
+    """One accepted train reply, parsed. ``num_examples`` and ``num_steps`` are the server's
+    own figures for the partition (the reply had to agree with them)."""
 
     node_id: int
     partition_id: int
@@ -32,67 +49,152 @@ class ClientUpdate:
     records: dict[str, OrderedDict] = field(default_factory=dict)  # the algorithm's uploads
 
 
-def layout_of(tensors: OrderedDict) -> Layout:
+@dataclass(frozen=True)
+class Expected:
+    """What the server knows a train or evaluate reply of one partition must say."""
+
+    partition_id: int
+    num_examples: int
+    nonce: int
+    num_steps: int = 0  # train replies only
+    layout: Layout = field(default_factory=dict)
+    uploads: tuple[str, ...] = ()
+
+
+def layout_of(tensors: Mapping[str, torch.Tensor]) -> Layout:
     """Name -> (shape, numpy dtype name) of a set of named tensors."""
     return {k: (tuple(v.shape), str(v.numpy().dtype)) for k, v in tensors.items()}
 
 
-def _parse_record(name: str, record: ArrayRecord, layout: Layout) -> OrderedDict:
-    missing = sorted(set(layout) - set(record))
-    extra = sorted(set(record) - set(layout))
+def guarded(read: Callable[[], T]) -> T:
+    """``read()``; any exception but RejectedReply becomes one, with a bounded reason."""
+    try:
+        return read()
+    except RejectedReply:
+        raise
+    except Exception as err:  # noqa: BLE001 - a malformed reply may raise anything
+        raise RejectedReply(f"unreadable: {type(err).__name__}: {str(err)[:REASON_CHARS]}") from None
+
+
+# ---------------------------------------------------------------------------- arrays
+def decode_array(where: str, arr: Any, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """The array's decoded data as a tensor, if it is exactly ``dtype[shape]`` and finite."""
+    if not isinstance(arr, Array) or arr.stype != P.NUMPY_STYPE:
+        raise RejectedReply(f"{where} is not a numpy array")
+    expected = np.dtype(dtype)
+    limit = expected.itemsize * math.prod(shape) + NPY_HEADER_BYTES
+    if len(arr.data) > limit:
+        raise RejectedReply(f"{where} holds {len(arr.data)} bytes, more than {dtype}{list(shape)} needs")
+    value = np.load(io.BytesIO(arr.data), allow_pickle=False)
+    if not isinstance(value, np.ndarray) or value.dtype != expected or value.shape != shape:
+        got = f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
+        raise RejectedReply(f"{where} is {got}, expected {dtype}{list(shape)}")
+    if (str(arr.dtype), tuple(arr.shape)) != (dtype, shape):
+        raise RejectedReply(f"{where}'s header says {arr.dtype}{list(arr.shape)}, its data "
+                            f"{dtype}{list(shape)}")
+    tensor = torch.from_numpy(value.copy())
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise RejectedReply(f"{where} has NaN or Inf values")
+    return tensor
+
+
+def parse_record(name: str, record: Any, layout: Layout) -> OrderedDict:
+    """An ArrayRecord with exactly ``layout``'s keys, decoded and checked key by key."""
+    keys = set(record.keys())
+    missing, extra = sorted(set(layout) - keys), sorted(keys - set(layout))
     if missing or extra:
-        raise RejectedReply(f"record '{name}' has missing keys {missing} / unexpected keys {extra}")
-    out = OrderedDict()
-    for key, (shape, dtype) in layout.items():
-        arr = record[key]
-        if tuple(arr.shape) != shape or arr.dtype != dtype:
-            raise RejectedReply(
-                f"record '{name}' key '{key}' is {arr.dtype}{list(arr.shape)}, "
-                f"expected {dtype}{list(shape)}"
-            )
-        tensor = torch.from_numpy(arr.numpy().copy())
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise RejectedReply(f"record '{name}' key '{key}' has NaN or Inf values")
-        out[key] = tensor
-    return out
+        raise RejectedReply(f"record '{name}' has missing keys {missing} / unexpected keys {extra[:5]}")
+    return OrderedDict((key, decode_array(f"record '{name}' key '{key}'", record[key], shape, dtype))
+                       for key, (shape, dtype) in layout.items())
 
 
-def metric_value(metrics, key: str, minimum: float) -> float:
-    """A finite metric >= minimum, or RejectedReply saying what is wrong."""
+# ---------------------------------------------------------------------------- metrics
+def metric(metrics: Any, key: str, kind: type = float, low: float = -math.inf,
+           high: float = math.inf) -> float | int:
+    """A finite number of ``kind`` (an int for ``int``; int or float for ``float``) in
+    [low, high], or RejectedReply saying what is wrong."""
     if key not in metrics:
         raise RejectedReply(f"metrics lack '{key}'")
-    value = float(metrics[key])
-    if not math.isfinite(value) or value < minimum:
-        raise RejectedReply(f"metric '{key}'={value} is invalid")
+    value = metrics[key]
+    allowed = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        raise RejectedReply(f"metric '{key}'={str(value)[:40]} is not a{'' if kind is int else 'n'} "
+                            f"{'whole number' if kind is int else 'number'}")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise RejectedReply(f"metric '{key}'={value} is out of range [{low:g}, {high:g}]")
     return value
 
 
-def parse_train_reply(
-    msg: Message, node_id: int, partition_id: int, layout: Layout, uploads: tuple[str, ...]
-) -> ClientUpdate:
-    """Check a train reply against the protocol; raise RejectedReply with the reason."""
-    content = msg.content
-    expected = {P.MODEL, *uploads}
-    got = set(content.array_records)
-    if got != expected:
-        raise RejectedReply(
-            f"array records {sorted(got)} do not match the protocol {sorted(expected)}"
-        )
-    if P.METRICS not in content.metric_records:
+def metrics_of(msg: Message) -> Any:
+    if P.METRICS not in msg.content.metric_records:
         raise RejectedReply("reply has no 'metrics' record")
-    metrics = content.metric_records[P.METRICS]
-    reported = int(metric_value(metrics, "partition-id", 0))
-    if reported != partition_id:
-        raise RejectedReply(f"reply claims partition {reported}, node holds {partition_id}")
-    num_examples = metric_value(metrics, "num-examples", 1)
-    num_steps = metric_value(metrics, "num-steps", 1)
-    train_loss = metric_value(metrics, "train-loss", 0)
+    return msg.content.metric_records[P.METRICS]
+
+
+def check_identity(metrics: Any, expected: Expected) -> None:
+    """The reply is for this partition, its size, and this message (nonce)."""
+    if metric(metrics, "nonce", int) != expected.nonce:
+        raise RejectedReply("reply does not echo this message's nonce (a stale or replayed reply)")
+    claimed = metric(metrics, "partition-id", int)
+    if claimed != expected.partition_id:
+        raise RejectedReply(f"reply claims partition {claimed}, node holds {expected.partition_id}")
+    examples = metric(metrics, "num-examples", int)
+    if examples != expected.num_examples:
+        raise RejectedReply(f"reply claims {examples} examples, partition {expected.partition_id} "
+                            f"has {expected.num_examples}")
+
+
+# ---------------------------------------------------------------------------- replies
+def parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientUpdate:
+    """The reply as a ClientUpdate, or RejectedReply with the reason."""
+    return guarded(lambda: _parse_train_reply(msg, node_id, expected))
+
+
+def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientUpdate:
+    content = msg.content
+    wanted = {P.MODEL, *expected.uploads}
+    got = set(content.array_records)
+    if got != wanted:
+        raise RejectedReply(f"array records {sorted(got)[:5]} do not match the protocol {sorted(wanted)}")
+    metrics = metrics_of(msg)
+    check_identity(metrics, expected)
+    steps = metric(metrics, "num-steps", int)
+    if steps != expected.num_steps:
+        raise RejectedReply(f"reply claims {steps} local steps, the round asks for {expected.num_steps}")
+    train_loss = float(metric(metrics, "train-loss", float, 0.0))
     return ClientUpdate(
         node_id=node_id,
-        partition_id=partition_id,
-        num_examples=int(num_examples),
-        num_steps=int(num_steps),
+        partition_id=expected.partition_id,
+        num_examples=expected.num_examples,
+        num_steps=expected.num_steps,
         train_loss=train_loss,
-        model=_parse_record(P.MODEL, content.array_records[P.MODEL], layout),
-        records={name: _parse_record(name, content.array_records[name], layout) for name in uploads},
+        model=parse_record(P.MODEL, content.array_records[P.MODEL], expected.layout),
+        records={name: parse_record(name, content.array_records[name], expected.layout)
+                 for name in expected.uploads},
     )
+
+
+def parse_evaluate_reply(msg: Message, expected: Expected) -> tuple[float, float]:
+    """(eval-loss, eval-accuracy) of a federated-evaluation reply, or RejectedReply."""
+    def read() -> tuple[float, float]:
+        metrics = metrics_of(msg)
+        check_identity(metrics, expected)
+        return (float(metric(metrics, "eval-loss", float, 0.0)),
+                float(metric(metrics, "eval-accuracy", float, 0.0, 1.0)))
+
+    return guarded(read)
+
+
+def parse_handshake_reply(msg: Message, nonce: int, num_partitions: int) -> tuple[int, int]:
+    """(partition id, declared number of examples) of a handshake reply, or RejectedReply."""
+    def read() -> tuple[int, int]:
+        metrics = metrics_of(msg)
+        if metric(metrics, "nonce", int) != nonce:
+            raise RejectedReply("handshake reply does not echo its nonce (a stale or replayed reply)")
+        n = metric(metrics, "num-partitions", int)
+        if n != num_partitions:
+            raise RejectedReply(f"node is configured for num-partitions={n}, the run has {num_partitions}")
+        pid = metric(metrics, "partition-id", int, 0, num_partitions - 1)
+        return int(pid), int(metric(metrics, "num-examples", int, 1))
+
+    return guarded(read)

@@ -135,7 +135,7 @@ CONFIG_CASES = [
                  id="fraction-evaluate-negative"),
     pytest.param(["--set", "fraction-evaluate=1.1"], "fraction-evaluate must be in [0, 1] (got 1.1)",
                  id="fraction-evaluate-above-1"),
-    pytest.param(["--set", "dirichlet-alpha=0"], "dirichlet-alpha must be a finite number > 0", id="dirichlet-alpha-zero"),
+    pytest.param(["--set", "dirichlet-alpha=0"], "dirichlet-alpha must be in (0, 1e6]", id="dirichlet-alpha-zero"),
     pytest.param(["--set", "local-epochs=0"], "local-epochs must be >= 1", id="local-epochs-zero"),
     pytest.param(["--set", "batch-size=0"], "batch-size must be >= 1", id="batch-size-zero"),
     pytest.param(["--set", "momentum=1"], "momentum must be in [0, 1)", id="momentum-one"),
@@ -158,7 +158,7 @@ CONFIG_CASES = [
     pytest.param(["--set", "feddyn-alpha=0"], "feddyn-alpha must be a finite number > 0 (got 0.0)", id="feddyn-alpha-zero"),
     pytest.param(["--set", "feddyn-alpha=-1"], "feddyn-alpha must be a finite number > 0 (got -1.0)", id="feddyn-alpha-negative"),
     pytest.param(["--rounds", "0"], "num-server-rounds must be >= 1", id="rounds-zero"),
-    pytest.param(["--seed", "-1"], "seed must be >= 0", id="seed-negative"),
+    pytest.param(["--seed", "-1"], "seed must be in [0, 4294967295]", id="seed-negative"),
     pytest.param(["--set", "lr=0", "--set", "rho=-1"], "lr must be a finite number > 0 (got 0.0); rho must be a finite number >= 0",
                  id="two-errors-both-listed"),
     # clients, partitions, data

@@ -181,7 +181,7 @@ def test_unsampled_nodes_keep_their_state() -> None:
         before = {n: state_view(c) for n, c in grid.contexts.items()}
         messages = list(strategy.configure_train(rnd, P.to_record(strategy.model), ConfigRecord(), grid))
         sampled = {m.metadata.dst_node_id for m in messages}
-        assert sampled == {node_of[p] for p in strategy.sample(rnd, [0, 1, 2, 3], 0.5)}
+        assert sampled == {node_of[p] for p in strategy.participation.sample(rnd, [0, 1, 2, 3], 0.5)}
         assert len(sampled) == 2
         strategy.aggregate_train(rnd, grid.send_and_receive(messages))
         assert strategy.stats.clients_replied == 2 and strategy.stats.clients_failed == 0

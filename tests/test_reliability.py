@@ -6,6 +6,7 @@ The process-level tests kill real Flower processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from common.config import RunConfig
 from server.cli import main as cli
 from server.inprocess import InProcessGrid
 from server.rundir import RunDirError, load_checkpoint
-from server.run import run_server
+from server.run import RunFailed, run_server
 from tests.conftest import fast_config
 from tests.test_integration import flower_pids, metrics
 
@@ -62,11 +63,23 @@ def test_a_hung_client_is_lost_at_the_round_deadline_and_the_round_goes_on(tmp_p
 
 def test_too_few_replies_skips_the_round_and_keeps_the_model(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="flwr.flatflower.server")
-    rows, final = run(tmp_path, "r", {1: "raise", 2: "raise"}, min_replies=2)
+    rows, final = run(tmp_path, "r", {2: "raise@2"}, min_replies=3)
     init = torch.load(tmp_path / "r" / "model_init.pt")
-    assert same(final, init)
+    assert [r["skipped"] for r in rows[1:]] == [0, 1] and rows[2]["clients_failed"] == 1
+    after_round_1 = torch.load(tmp_path / "r" / "checkpoint.pt")["strategy"]["model"]
+    assert same(final, after_round_1) and not same(final, init)
+    assert ("round 2 skipped: 2 accepted client updates < 3 (min-replies=3, aggregator mean "
+            "needs 1)") in caplog.text
+
+
+def test_a_run_whose_every_round_was_skipped_fails_with_its_reason(tmp_path):
+    with pytest.raises(RunFailed, match=r"every round \(1-2\) was skipped"):
+        run(tmp_path, "r", {1: "raise", 2: "raise"}, min_replies=2)
+    rows = metrics(tmp_path / "r")
     assert all(r["skipped"] == 1 and r["clients_failed"] == 2 for r in rows[1:])
-    assert "round 1 skipped: 1 accepted client updates < min-replies=2" in caplog.text
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "every round (1-2) was skipped" in summary["error"]
+    assert not (tmp_path / "r" / "model_final.pt").exists()
 
 
 def flaky_client(fail_once: dict):
@@ -112,7 +125,7 @@ def test_bad_update_is_rejected_and_the_model_is_that_of_a_run_without_it(tmp_pa
     assert all(r["clients_rejected"] == 1 and r["rejected_partitions"] == [0] for r in rows[1:])
     assert all(torch.isfinite(v).all() for v in bad.values())
     assert same(bad, without)
-    assert "rejected reply of client 0 (node 1000)" in caplog.text
+    assert "train reply of client 0 (node 1000) refused" in caplog.text
 
 
 def test_outlier_check_keeps_ordinary_updates(tmp_path):

@@ -172,7 +172,7 @@ def test_cli_bad_certs_input_is_one_line(tmp_path, capsys):
     assert cli(["certs", str(tmp_path / "c"), "--nodes", "0"]) == 2
     assert cli(["certs", str(tmp_path / "c"), "--nodes", "1", "--host", "a.b:9092"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == ["error: --nodes must be >= 1",
+    assert err == ["error: --nodes must be in [1, 10000]",
                    "error: --host 'a.b:9092' is neither an IP address nor a DNS name "
                    "(give the host without a port)"]
 

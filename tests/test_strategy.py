@@ -3,6 +3,8 @@ waiting, aggregation arithmetic, checkpointable state, and Flower's own ``start(
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import time
 from collections import OrderedDict
@@ -25,7 +27,7 @@ from strategies.aggregate import client_weights, weighted_sum
 from strategies.base import NoNodesError
 from strategies.fedavg import FedAvg
 from strategies.mofedsam import MoFedSAM
-from strategies.validation import RejectedReply, layout_of, parse_train_reply
+from strategies.validation import Expected, RejectedReply, layout_of, parse_train_reply
 
 
 def initial_model(cfg: RunConfig, seed: int | None = None) -> OrderedDict:
@@ -58,7 +60,7 @@ def reply_content(model: dict | None = None, metrics: dict | None = None, drop: 
             del tensors[key]
         else:
             tensors[key] = value
-    values = {"num-examples": 500, "num-steps": 2, "train-loss": 1.5, "partition-id": 1}
+    values = {"num-examples": 500, "num-steps": 2, "train-loss": 1.5, "partition-id": 1, "nonce": 7}
     for key, value in (metrics or {}).items():
         if value is None:
             del values[key]
@@ -70,6 +72,9 @@ def reply_content(model: dict | None = None, metrics: dict | None = None, drop: 
     for name in drop:
         del content[name]
     return content
+
+
+EXPECTED = Expected(partition_id=1, num_examples=500, nonce=7, num_steps=2, layout=LAYOUT)
 
 
 def with_value(value: float) -> torch.Tensor:
@@ -91,10 +96,18 @@ REJECTED = [
      "array records ['arrays', 'global_update'] do not match the protocol ['arrays']"),
     ("no-model", dict(drop=(P.MODEL,)), "array records [] do not match the protocol ['arrays']"),
     ("no-metrics", dict(drop=(P.METRICS,)), "reply has no 'metrics' record"),
-    ("num-examples-0", dict(metrics={"num-examples": 0}), "metric 'num-examples'=0.0 is invalid"),
+    ("num-examples-0", dict(metrics={"num-examples": 0}), "reply claims 0 examples, partition 1 has 500"),
+    ("num-examples-inflated", dict(metrics={"num-examples": 10**9}),
+     "reply claims 1000000000 examples, partition 1 has 500"),
+    ("num-examples-float", dict(metrics={"num-examples": 500.0}), "'num-examples'=500.0 is not a whole number"),
+    ("num-examples-list", dict(metrics={"num-examples": [500, 1]}), "is not a whole number"),
     ("num-examples-missing", dict(metrics={"num-examples": None}), "metrics lack 'num-examples'"),
-    ("loss-nan", dict(metrics={"train-loss": float("nan")}), "metric 'train-loss'=nan is invalid"),
+    ("num-steps", dict(metrics={"num-steps": 3}), "reply claims 3 local steps, the round asks for 2"),
+    ("loss-nan", dict(metrics={"train-loss": float("nan")}), "metric 'train-loss'=nan is out of range"),
+    ("loss-negative", dict(metrics={"train-loss": -1.0}), "metric 'train-loss'=-1.0 is out of range"),
     ("partition-mismatch", dict(metrics={"partition-id": 2}), "reply claims partition 2, node holds 1"),
+    ("no-nonce", dict(metrics={"nonce": None}), "metrics lack 'nonce'"),
+    ("stale-nonce", dict(metrics={"nonce": 8}), "does not echo this message's nonce"),
 ]
 
 
@@ -102,12 +115,12 @@ REJECTED = [
 def test_invalid_reply_is_rejected(make_message, case: str, patch: dict, expected: str) -> None:
     msg = make_message(reply_content(**patch))
     with pytest.raises(RejectedReply) as why:
-        parse_train_reply(msg, node_id=1001, partition_id=1, layout=LAYOUT, uploads=())
+        parse_train_reply(msg, 1001, EXPECTED)
     assert expected in str(why.value)
 
 
 def test_valid_reply_is_accepted(make_message) -> None:
-    update = parse_train_reply(make_message(reply_content()), 1001, 1, LAYOUT, ())
+    update = parse_train_reply(make_message(reply_content()), 1001, EXPECTED)
     assert (update.node_id, update.partition_id, update.num_examples, update.num_steps) == (1001, 1, 500, 2)
     assert update.train_loss == 1.5 and update.records == {}
     assert all(torch.equal(update.model[k], MODEL[k]) for k in MODEL)
@@ -115,11 +128,12 @@ def test_valid_reply_is_accepted(make_message) -> None:
 
 def test_upload_records_are_validated_too(make_message) -> None:
     content = reply_content(extra=P.to_record(MODEL))
-    update = parse_train_reply(make_message(content), 1001, 1, LAYOUT, ("extra",))
+    expected = dataclasses.replace(EXPECTED, uploads=("extra",))
+    update = parse_train_reply(make_message(content), 1001, expected)
     assert update.records["extra"].keys() == MODEL.keys()
     bad = reply_content(extra=P.to_record({**MODEL, "1.bias": torch.full((10,), float("nan"))}))
     with pytest.raises(RejectedReply, match="record 'extra' key '1.bias' has NaN"):
-        parse_train_reply(make_message(bad), 1001, 1, LAYOUT, ("extra",))
+        parse_train_reply(make_message(bad), 1001, expected)
 
 
 def test_real_client_reply_is_accepted() -> None:
@@ -132,11 +146,13 @@ def test_real_client_reply_is_accepted() -> None:
     for reply in replies:
         node = reply.metadata.src_node_id
         pid = int(grid.contexts[node].node_config["partition-id"])
-        update = parse_train_reply(reply, node, pid, strategy.layout, strategy.spec.up)
+        update = parse_train_reply(reply, node, strategy.expected(pid, strategy._nonce))
         assert update.partition_id == pid and update.num_examples == 1000
         wrong = 1 - pid  # the same reply, attributed to the other partition
         with pytest.raises(RejectedReply, match="claims partition"):
-            parse_train_reply(reply, node, wrong, strategy.layout, strategy.spec.up)
+            parse_train_reply(reply, node, strategy.expected(wrong, strategy._nonce))
+        with pytest.raises(RejectedReply, match="nonce"):  # the same reply in a later round
+            parse_train_reply(reply, node, strategy.expected(pid, strategy._nonce + 1))
 
 
 # ----------------------------------------------------------------------------- bad clients, end to end
@@ -212,10 +228,10 @@ def test_fixed_sampling_size_and_determinism(n: int, fraction: float) -> None:
     strategy = make_strategy(RunConfig.from_mapping(fast_config(fraction_train=fraction)))
     partitions = list(range(n))
     for rnd in range(1, 6):
-        chosen = strategy.sample(rnd, partitions, fraction)
+        chosen = strategy.participation.sample(rnd, partitions, fraction)
         assert len(chosen) == len(set(chosen)) == max(1, round(fraction * n))
         assert set(chosen) <= set(partitions) and chosen == sorted(chosen)
-        assert strategy.sample(rnd, partitions[::-1], fraction) == chosen  # order-independent
+        assert strategy.participation.sample(rnd, partitions[::-1], fraction) == chosen  # order-independent
 
 
 def test_sampling_depends_on_seed_and_round_only() -> None:
@@ -223,21 +239,21 @@ def test_sampling_depends_on_seed_and_round_only() -> None:
     a, b = make_strategy(cfg), make_strategy(cfg)
     other_seed = make_strategy(cfg.replace(seed=1))
     partitions = list(range(20))
-    draws = [a.sample(r, partitions, 0.3) for r in range(1, 11)]
-    assert draws == [b.sample(r, partitions, 0.3) for r in range(1, 11)]
+    draws = [a.participation.sample(r, partitions, 0.3) for r in range(1, 11)]
+    assert draws == [b.participation.sample(r, partitions, 0.3) for r in range(1, 11)]
     assert len({tuple(d) for d in draws}) > 1  # rounds differ
-    assert draws != [other_seed.sample(r, partitions, 0.3) for r in range(1, 11)]
+    assert draws != [other_seed.participation.sample(r, partitions, 0.3) for r in range(1, 11)]
 
 
 def test_bernoulli_sampling_is_never_empty() -> None:
     cfg = RunConfig.from_mapping(fast_config(sampling="bernoulli", fraction_train=0.05))
     strategy = make_strategy(cfg)
     partitions = [0, 1, 2, 3, 4]
-    draws = [strategy.sample(r, partitions, 0.05) for r in range(1, 101)]
+    draws = [strategy.participation.sample(r, partitions, 0.05) for r in range(1, 101)]
     assert all(d and set(d) <= set(partitions) and len(d) == len(set(d)) for d in draws)
-    assert draws == [strategy.sample(r, partitions, 0.05) for r in range(1, 101)]
+    assert draws == [strategy.participation.sample(r, partitions, 0.05) for r in range(1, 101)]
     full = make_strategy(cfg.replace(fraction_train=1.0))
-    assert full.sample(7, partitions, 1.0) == partitions
+    assert full.participation.sample(7, partitions, 1.0) == partitions
 
 
 def test_wait_for_nodes_gives_up_when_no_node_connects() -> None:
@@ -247,20 +263,21 @@ def test_wait_for_nodes_gives_up_when_no_node_connects() -> None:
     strategy = make_strategy(cfg)
     start = time.monotonic()
     with pytest.raises(NoNodesError, match="node-wait-timeout=0.5"):
-        strategy.wait_for_nodes(grid)
+        strategy.participation.wait_for_nodes(grid)
     assert 0.4 <= time.monotonic() - start < 3.0
     with pytest.raises(NoNodesError):  # configure_train goes through the same wait
         strategy.configure_train(1, P.to_record(strategy.model), ConfigRecord(), grid)
 
 
 def test_wait_for_nodes_proceeds_with_fewer_nodes_after_the_deadline() -> None:
-    cfg = RunConfig.from_mapping(fast_config(node_wait_timeout=0.5, min_available_nodes=5))
+    cfg = RunConfig.from_mapping(fast_config(node_wait_timeout=0.5, min_available_nodes=5,
+                                             num_partitions=3))
     grid = InProcessGrid(real_client.app, 3, cfg.to_dict())
     offline = max(grid.contexts)
     grid.offline = {offline}
     strategy = make_strategy(cfg)
     start = time.monotonic()
-    nodes = strategy.wait_for_nodes(grid)
+    nodes = strategy.participation.wait_for_nodes(grid)
     assert 0.4 <= time.monotonic() - start < 3.0
     assert nodes == sorted(set(grid.contexts) - {offline})
     messages = list(strategy.configure_train(1, P.to_record(strategy.model), ConfigRecord(), grid))
@@ -271,7 +288,7 @@ def test_wait_for_nodes_returns_at_once_when_enough_nodes() -> None:
     cfg = RunConfig.from_mapping(fast_config(node_wait_timeout=30.0, min_available_nodes=2))
     grid = InProcessGrid(real_client.app, 2, cfg.to_dict())
     start = time.monotonic()
-    assert make_strategy(cfg).wait_for_nodes(grid) == sorted(grid.contexts)
+    assert make_strategy(cfg).participation.wait_for_nodes(grid) == sorted(grid.contexts)
     assert time.monotonic() - start < 0.5
 
 
@@ -300,8 +317,8 @@ def test_fedavg_update_is_the_weighted_model_average(make_message) -> None:
         parse_train_reply(make_message(RecordDict({
             P.MODEL: P.to_record(m),
             P.METRICS: MetricRecord({"num-examples": n, "num-steps": 2, "train-loss": 1.0,
-                                     "partition-id": i}),
-        })), 1000 + i, i, LAYOUT, ())
+                                     "partition-id": i, "nonce": 7}),
+        })), 1000 + i, Expected(i, n, 7, 2, LAYOUT))
         for i, (m, n) in enumerate(zip(locals_, [100, 300]))
     ]
     strategy.update(1, updates, client_weights([100, 300], "weighted"))
@@ -384,14 +401,22 @@ def test_restarted_node_gets_its_partition_back() -> None:
     assert {m.metadata.dst_node_id for m in messages} == {3000, 1001}
 
 
-def test_malformed_evaluate_reply_is_ignored(make_message) -> None:
-    strategy = make_strategy(RunConfig.from_mapping(fast_config(fraction_evaluate=1.0)))
-
-    def reply(**metrics):
-        return make_message(RecordDict({P.METRICS: MetricRecord(metrics)}), message_type="evaluate")
-
-    good = [reply(**{"num-examples": 10, "eval-loss": 1.0, "eval-accuracy": 0.5})]
-    expected = dict(strategy.aggregate_evaluate(1, good))
-    for bad in (reply(**{"num-examples": 10, "eval-loss": 2.0}),
-                reply(**{"num-examples": 10, "eval-loss": float("nan"), "eval-accuracy": 0.1})):
-        assert dict(strategy.aggregate_evaluate(1, good + [bad])) == expected
+def test_malformed_evaluate_reply_is_refused_with_its_reason() -> None:
+    cfg = RunConfig.from_mapping(fast_config(fraction_evaluate=1.0))
+    strategy = make_strategy(cfg)
+    grid = InProcessGrid(real_client.app, 2, cfg.to_dict())
+    messages = strategy.configure_evaluate(1, P.to_record(strategy.model), ConfigRecord(), grid)
+    replies = grid.send_and_receive(messages)
+    expected = dict(strategy.aggregate_evaluate(1, replies))
+    assert 0.0 <= expected["eval-accuracy"] <= 1.0
+    cases = {"eval-accuracy": (1000.0, "'eval-accuracy'=1000.0 is out of range [0, 1]"),
+             "eval-loss": (float("nan"), "'eval-loss'=nan is out of range"),
+             "num-examples": (10**6, "reply claims 1000000 examples")}
+    for key, (value, reason) in cases.items():
+        bad = copy.deepcopy(replies[1])
+        bad.content.metric_records[P.METRICS][key] = value
+        strategy.stats = type(strategy.stats)()
+        assert dict(strategy.aggregate_evaluate(1, [replies[0], bad])) == dict(
+            strategy.aggregate_evaluate(1, [replies[0]]))
+        (refusal,) = [r for r in strategy.stats.rejections if r["stage"] == "evaluate"]
+        assert reason in refusal["reason"] and refusal["partition"] == 1

@@ -1,0 +1,195 @@
+"""Participation: which nodes take part, which partition each holds, and who trains a round.
+
+The server decides identity and weight (ARCHITECTURE.md, "Trust"); a node's word counts
+only where the server checks it:
+
+* N, the number of partitions, is the run config's ``num-partitions``, or (0) the number of
+  nodes connected when the first round starts: never what a node reports;
+* each node is asked once which partition it holds (a ``query`` handshake). A claim is
+  accepted only if it is a whole number in [0, N), the node is configured for the same N, and
+  no other connected node holds that partition (the first valid claim keeps it);
+* the size of each partition is the server's own (it computes the same partition as the
+  nodes); where it cannot know a size, the size a node declares at its handshake is fixed for
+  the rest of the run. Aggregation weights and the expected number of local steps follow.
+
+Sampling is deterministic in (seed, round) over partition ids, so the same seed samples the
+same clients in-process, in simulation and in a deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from common import protocol as P
+from common.config import RunConfig
+from strategies.validation import REASON_CHARS, RejectedReply, parse_handshake_reply
+
+log = logging.getLogger("flwr.flatflower.server")
+
+# (stage, partition id or -1, node id, reason): how a refused reply is reported
+OnRefused = Callable[[str, int, int, str], None]
+
+
+class NoNodesError(RuntimeError):
+    """No usable SuperNode connected, or none passed the handshake, before the deadline."""
+
+
+def new_nonce() -> int:
+    """A fresh random number a reply must echo (replies to earlier messages do not)."""
+    return secrets.randbits(62)
+
+
+def node_of(reply: Message, sent: Iterable[Message]) -> int:
+    """The node a reply belongs to: the destination of the message it answers (error replies
+    may come from the SuperLink itself), else its source."""
+    for msg in sent:
+        if msg.metadata.message_id == reply.metadata.reply_to_message_id:
+            return msg.metadata.dst_node_id
+    return reply.metadata.src_node_id
+
+
+def error_text(reply: Message) -> str:
+    return f"error {reply.error.code}: {str(reply.error.reason)[:REASON_CHARS]}"
+
+
+class Participation:
+    def __init__(self, cfg: RunConfig, partition_sizes: Callable[[int], Sequence[int]] | None = None):
+        """``partition_sizes(N)``: the number of training examples of each of N partitions, as
+        the server computes them (None: taken from the handshakes)."""
+        self.cfg = cfg
+        self.num_partitions: int | None = cfg.num_partitions or None
+        self.sizes: dict[int, int] = {}  # partition id -> number of training examples
+        self.partition_sizes = partition_sizes
+        self.partition_of: dict[int, int] = {}  # node id -> partition id
+
+    # ------------------------------------------------------------------ checkpointable state
+    def state_dict(self) -> dict:
+        return {"num_partitions": self.num_partitions,
+                "sizes": {str(p): n for p, n in sorted(self.sizes.items())}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_partitions = state["num_partitions"]
+        self.sizes = {int(p): int(n) for p, n in state["sizes"].items()}
+
+    # ------------------------------------------------------------------ the federation
+    def fix_size(self, connected: int) -> int:
+        """N (and the partition sizes when the server can compute them), fixed at round 1."""
+        if self.num_partitions is None:
+            self.num_partitions = connected
+            log.info("num-partitions=0: the federation has the %d nodes connected now", connected)
+        if self.partition_sizes is not None and not self.sizes:
+            self.sizes = {p: int(n) for p, n in enumerate(self.partition_sizes(self.num_partitions))}
+        return self.num_partitions
+
+    def num_examples(self, partition_id: int) -> int:
+        return self.sizes[partition_id]
+
+    def num_steps(self, partition_id: int) -> int:
+        """The local steps a client of this partition takes in a round (tau_i)."""
+        cfg = self.cfg
+        if cfg.local_steps > 0:
+            return cfg.local_steps
+        return cfg.local_epochs * math.ceil(self.sizes[partition_id] / cfg.batch_size)
+
+    # ------------------------------------------------------------------ nodes
+    def wait_for_nodes(self, grid: Grid) -> list[int]:
+        """Connected node ids. Before the first round: once ``min-available-nodes`` are up, or
+        whatever is up at the deadline (``node-wait-timeout``); later rounds go on with the
+        nodes that are up (waiting only while none is). NoNodesError if none."""
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.node_wait_timeout
+        wanted = cfg.min_available_nodes if not self.partition_of else 1
+        while True:
+            nodes = sorted(grid.get_node_ids())
+            if len(nodes) >= wanted:
+                return nodes
+            if time.monotonic() >= deadline:
+                if nodes:
+                    log.warning("only %d of %d required nodes connected after %.0fs; going on",
+                                len(nodes), cfg.min_available_nodes, cfg.node_wait_timeout)
+                    return nodes
+                raise NoNodesError(f"no SuperNode connected within node-wait-timeout={cfg.node_wait_timeout}s")
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def handshake(self, grid: Grid, node_ids: list[int], algorithm: str, on_refused: OnRefused) -> None:
+        """Ask the nodes not seen before which partition they hold (one ``query`` each) and
+        accept the valid claims. Nodes no longer connected are forgotten first, so a restarted
+        SuperNode (new node id, same partition) takes its partition back."""
+        self.partition_of = {n: p for n, p in self.partition_of.items() if n in node_ids}
+        new = [n for n in node_ids if n not in self.partition_of]
+        if not new:
+            return
+        n_total = self.fix_size(len(node_ids))
+        nonce = new_nonce()
+        config = ConfigRecord({"run-algorithm": algorithm, "nonce": nonce})
+        msgs = [Message(RecordDict({P.CONFIG: config}), dst_node_id=n, message_type=MessageType.QUERY)
+                for n in new]
+        refusals = []
+
+        def refuse(node: int, pid: int, why: str) -> None:
+            refusals.append(f"node {node}: {why}")
+            on_refused("handshake", pid, node, why)
+
+        for reply in grid.send_and_receive(msgs, timeout=self.cfg.node_wait_timeout):
+            node = node_of(reply, msgs)
+            if node not in new or node in self.partition_of:
+                continue  # not ours to answer, or a second reply
+            if reply.has_error():
+                refuse(node, -1, error_text(reply))
+                continue
+            try:
+                pid, declared = parse_handshake_reply(reply, nonce, n_total)
+            except RejectedReply as why:
+                refuse(node, -1, str(why))
+                continue
+            holder = next((n for n, p in self.partition_of.items() if p == pid), None)
+            if holder is not None:
+                refuse(node, pid, f"claims partition {pid}, which node {holder} holds")
+            elif self.sizes.setdefault(pid, declared) != declared:
+                refuse(node, pid, f"declares {declared} examples, partition {pid} has {self.sizes[pid]}")
+            else:
+                self.partition_of[node] = pid
+        if not self.partition_of:
+            raise NoNodesError("no node passed the partition handshake: "
+                               + ("; ".join(refusals[:4]) or "no node answered"))
+
+    def available(self, grid: Grid, algorithm: str, on_refused: OnRefused) -> dict[int, int]:
+        """partition id -> node id of every connected node that passed the handshake."""
+        nodes = self.wait_for_nodes(grid)
+        self.handshake(grid, nodes, algorithm, on_refused)
+        return {self.partition_of[n]: n for n in nodes if n in self.partition_of}
+
+    def wait_for_partitions(self, grid: Grid, wanted: list[int], timeout: float, algorithm: str,
+                            on_refused: OnRefused) -> dict[int, int]:
+        """partition id -> node id, once every ``wanted`` partition has a connected node (e.g. a
+        restarted SuperNode) or after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            available = self.available(grid, algorithm, on_refused)
+            if all(p in available for p in wanted) or time.monotonic() >= deadline:
+                return available
+            time.sleep(1.0)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, server_round: int, partitions: list[int], fraction: float) -> list[int]:
+        """Partition ids for this round: ``fixed`` = fraction * N rounded half up, without
+        replacement, ``bernoulli`` = each with probability ``fraction`` (redrawn if empty).
+        Seeded by (seed, round) only."""
+        rng = np.random.default_rng([self.cfg.seed, server_round])
+        partitions = sorted(partitions)
+        if self.cfg.sampling == "bernoulli":
+            while True:
+                chosen = [p for p in partitions if rng.random() < fraction]
+                if chosen:
+                    return chosen
+        total = self.num_partitions or len(partitions)
+        size = min(len(partitions), max(1, math.floor(fraction * total + 0.5)))
+        return sorted(int(p) for p in rng.choice(partitions, size=size, replace=False))
