@@ -104,6 +104,15 @@ class FlatStrategy(FlowerFedAvg):
         """Server half of the algorithm: new ``self.model`` (and records) from accepted updates."""
         raise NotImplementedError
 
+    def federation_size(self) -> int:
+        """N, the number of clients in the federation, learned in the partition handshake. The
+        duals and control variates are averaged over it (never over the M replies instead)."""
+        if self.num_partitions is None:
+            raise RuntimeError(
+                f"{self.spec.name}: the federation size N is unknown (no partition handshake yet); "
+                "its server state is averaged over all N clients, so it cannot update without it")
+        return self.num_partitions
+
     # ------------------------------------------------------------------ checkpointable state
     def state_dict(self) -> dict:
         return {
