@@ -80,6 +80,7 @@ class RunConfig:
     fedcm_alpha: float = 0.1
     fedcm_server_step: str = "delta"
     feddyn_alpha: float = 0.1
+    fedspeed_alpha: float = 1.0
     fedgmt_alpha: float = 0.95
     fedgmt_beta: float = 10.0
     fedgmt_gamma: float = 1.0
@@ -180,6 +181,7 @@ class RunConfig:
         check(0.0 <= self.mofedsam_beta <= 1.0, "mofedsam-beta must be in [0, 1]")
         check(0.0 <= self.fedcm_alpha <= 1.0, "fedcm-alpha must be in [0, 1]")
         check(_pos(self.feddyn_alpha), f"feddyn-alpha must be a finite number > 0 (got {self.feddyn_alpha})")
+        check(0.0 <= self.fedspeed_alpha <= 1.0, "fedspeed-alpha must be in [0, 1]")
         for name in ("fedgmt_alpha", "fedgmt_v2_alpha"):
             check(0.0 <= getattr(self, name) < 1.0, f"{_key(name)} must be in [0, 1)")
         check(_pos(self.fedgmt_beta), f"fedgmt-beta must be a finite number > 0 (got {self.fedgmt_beta})")

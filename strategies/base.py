@@ -119,8 +119,18 @@ class FlatStrategy(FlowerFedAvg):
 
     @property
     def num_partitions(self) -> int | None:
-        """N, the number of clients in the federation (known from round 1 on)."""
+        """N, the number of clients in the federation: ``num-partitions``, or fixed at the first
+        handshake (None before it)."""
         return self.participation.num_partitions
+
+    def federation_size(self) -> int:
+        """N, for the server halves that average over all N clients (duals, control
+        variates): never the M replies instead; an error before N is known."""
+        if self.num_partitions is None:
+            raise RuntimeError(
+                f"{self.spec.name}: the federation size N is unknown (no partition handshake yet); "
+                "its server state is averaged over all N clients, so it cannot update without it")
+        return self.num_partitions
 
     # ------------------------------------------------------------------ checkpointable state
     def state_dict(self) -> dict:

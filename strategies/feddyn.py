@@ -26,7 +26,7 @@ class FedDyn(FedAvg):
 
     def dual_divisor(self, num_updates: int) -> int:
         """D: N, the number of clients in the federation."""
-        return self.num_partitions or num_updates
+        return self.federation_size()
 
     def update(self, server_round, updates, weights):
         a, m = self.dual_coefficient(), len(updates)

@@ -19,7 +19,7 @@ class Scaffold(FedAvg):
         self.records[CONTROL] = zeros_like(self.model)  # c^0 = 0, not the model's weights
 
     def update(self, server_round, updates, weights):
-        m, n = len(updates), self.num_partitions or len(updates)
+        m, n = len(updates), self.federation_size()
         control_step = self.aggregate([u.records[CONTROL_DELTA] for u in updates], weights)
         self.records[CONTROL] = add_scaled(self.records[CONTROL], m / n, control_step)
         super().update(server_round, updates, weights)

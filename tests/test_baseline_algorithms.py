@@ -97,22 +97,28 @@ def scaffold_reference(prob, rho=0.0, lesam_rho=None, lesam_first="none"):
     return w, c, ci
 
 
-def lesam_offset(prob, old, w, rho, first):
-    """delta = rho (theta_old - theta^t)/||.||; first round: none -> 0, initial -> theta_old = theta^0."""
+def scaled(prob, d, rho):
+    """rho d/||d||, the global L2 norm."""
+    return rho * d / (norm(d) + EPS)
+
+
+def lesam_offset(prob, old, w, rho, first, perturb=scaled):
+    """delta = perturb(theta_old - theta^t) = rho (theta_old - theta^t)/||.||; first round:
+    none -> 0, initial -> theta_old = theta^0."""
     if old is None:
         if first == "none":
             return prob.zeros()
         old = prob.w0
-    d = old - w
-    return rho * d / (norm(d) + EPS)
+    return perturb(prob, old - w, rho)
 
 
-def fedlesam_reference(prob, rho, base="avg", a=None, first="none"):
+def fedlesam_reference(prob, rho, base="avg", a=None, first="none", perturb=scaled):
     """FedLESAM (Fan et al. 2024; fedtoga notes §2.2): per round the client's perturbation is
     delta_i = rho (theta_i^old - theta^t)/||.||, theta_i^old the global model of its previous
     round (kept after training), one gradient per step g(theta_k + delta_i);
     base "avg": FedAvg step and server; "dyn" (FedLESAM-D, Alg. 3): FedDyn's client and server.
-    Returns (theta, client duals)."""
+    ``perturb`` builds delta_i from theta_i^old - theta^t (the public codes' variants:
+    test_reference_bugs). Returns (theta, client duals)."""
     w, h = prob.w0.copy(), prob.zeros()
     hc = {i: prob.zeros() for i in range(prob.N)}
     old: dict[int, np.ndarray] = {}
@@ -120,7 +126,7 @@ def fedlesam_reference(prob, rho, base="avg", a=None, first="none"):
         eta = prob.round_lr(r)
         models = []
         for i in sampled:
-            offset = lesam_offset(prob, old.get(i), w, rho, first)
+            offset = lesam_offset(prob, old.get(i), w, rho, first, perturb)
             old[i] = w.copy()
             if base == "avg":
                 th = local_sgd(prob, i, w, eta, lambda th, i=i, o=offset: prob.g(i, th + o))
@@ -137,12 +143,14 @@ def fedlesam_reference(prob, rho, base="avg", a=None, first="none"):
     return w, hc
 
 
-def fedsmoo_reference(prob, a, rho):
+def fedsmoo_reference(prob, a, rho, received=lambda v: v, keep_grad=False):
     """FedSMOO (Sun et al. 2023; FedTOGA paper Alg. 2, fedtoga notes §2.1):
     client, per step: S = g(theta_k) - mu_i - s;  sh = rho S/||S||;  mu_i <- mu_i + (sh - s);
             d = g(theta_k + sh) - h_i + a (theta_k - theta^t);  after: h_i <- h_i - a (theta_K - theta^t),
             upload s~_i = mu_i - sh_K
     server  FedDyn (divisor N), then s = rho S/||S||, S = sum_i p_i s~_i  (s^0 = 0).
+    The public codes' variants (test_reference_bugs): ``received`` maps mu_i and s as a client
+    reads them; ``keep_grad`` adds the previous step's d to S (gradients never zeroed).
     Returns (theta, s, client duals, client mu_i)."""
     w, h, s = prob.w0.copy(), prob.zeros(), prob.zeros()
     hc = {i: prob.zeros() for i in range(prob.N)}
@@ -151,12 +159,15 @@ def fedsmoo_reference(prob, a, rho):
         eta = prob.round_lr(r)
         models, uploads = [], []
         for i in sampled:
-            th, last = w.copy(), prob.zeros()
+            th, last, left = w.copy(), prob.zeros(), prob.zeros()
+            mu[i], s_i = received(mu[i]), received(s)
             for _ in range(prob.K):
-                corrected = prob.g(i, th) - mu[i] - s
+                corrected = prob.g(i, th) + left - mu[i] - s_i
                 last = rho * corrected / (norm(corrected) + EPS)
-                mu[i] = mu[i] + (last - s)
-                th = th - eta * (prob.g(i, th + last) - hc[i] + a * (th - w))
+                mu[i] = mu[i] + (last - s_i)
+                d = prob.g(i, th + last) - hc[i] + a * (th - w)
+                left = d if keep_grad else left
+                th = th - eta * d
             hc[i] = hc[i] - a * (th - w)
             uploads.append(mu[i] - last)
             models.append(th)
@@ -167,15 +178,17 @@ def fedsmoo_reference(prob, a, rho):
     return w, s, hc, mu
 
 
-def fedacg_reference(prob, lam, beta):
+def fedacg_reference(prob, lam, beta, shadowed=False):
     """FedACG (Kim et al. 2024, Alg. 1; fednsam notes §5): broadcast x = theta + lam m;
     client d = g(theta_k) + beta (theta_k - x) from x; server Delta = sum p_i (theta_i - x),
-    m <- lam m + Delta, theta <- theta + eta_g m (m^0 = 0). Returns (theta, m)."""
+    m <- lam m + Delta, theta <- theta + eta_g m (m^0 = 0). ``shadowed``: from round 2,
+    m <- lam Delta + Delta (FedNSAM's public server, test_reference_bugs). Returns (theta, m)."""
     w, m = prob.w0.copy(), prob.zeros()
     for r, sampled in enumerate(prob.rounds):
         eta, x = prob.round_lr(r), w + lam * m
         models = [local_sgd(prob, i, x, eta, lambda th, i=i: prob.g(i, th) + beta * (th - x)) for i in sampled]
-        m = lam * m + prob.mean_update(sampled, models, x)
+        delta = prob.mean_update(sampled, models, x)
+        m = lam * (delta if shadowed and r > 0 else m) + delta
         w = w + prob.server_lr * m
     return w, m
 

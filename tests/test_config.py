@@ -66,6 +66,7 @@ INVALID = [
     ({"download": "maybe"}, "download='maybe' is not a valid bool"),
     ({"algorithm": 3}, "algorithm='3' is not one of: fedacg, fedadam, fedavg"),
     ({"fedprox-mu": -0.1}, "fedprox-mu must be a finite number >= 0"),
+    ({"fedspeed-alpha": 1.5}, "fedspeed-alpha must be in [0, 1]"),
     ({"fedlesam-first": "global"}, "fedlesam-first='global' is not one of: initial, none"),
     ({"fedacg-lambda": 1.0}, "fedacg-lambda must be in [0, 1)"),
     ({"fedacg-beta": float("inf")}, "fedacg-beta must be a finite number >= 0 (got inf)"),

@@ -27,6 +27,7 @@ import torch
 
 import client.algorithms.fedtoga as fedtoga_client
 import client.sam as sam
+from client.algorithms.fedspeed import FedSpeedClient
 from common import protocol as P
 from common.datasets import load_dataset
 from strategies.feddyn import FedDyn
@@ -152,9 +153,10 @@ def fedcm_reference(prob, alpha, server_step):
     return w
 
 
-def feddyn_reference(prob, a, rho=0.0):
-    """FedDyn (Acar et al. 2021); FedSpeed (Sun et al. 2023) when rho > 0:
-    client  d = g(theta_k) [FedSpeed: g~(theta_k)] - h_i + a (theta_k - theta^t)
+def feddyn_reference(prob, a, rho=0.0, alpha=1.0):
+    """FedDyn (Acar et al. 2021); FedSpeed (Sun et al. 2023, Alg. 1) when rho > 0:
+    client  d = g(theta_k) - h_i + a (theta_k - theta^t)
+            [FedSpeed: g -> (1 - alpha) g(theta_k) + alpha g~(theta_k), the quasi-gradient]
             h_i <- h_i - a (theta_K - theta^t)    (only when trained; zeros before)
     server  h <- h - a (M/N) u ;  theta <- theta + eta_g (u - h/a).
     Returns (theta, server h, client duals)."""
@@ -166,7 +168,7 @@ def feddyn_reference(prob, a, rho=0.0):
         for i in sampled:
             th = w.copy()
             for _ in range(prob.K):
-                g = prob.sam(i, th, rho) if rho else prob.g(i, th)
+                g = (1 - alpha) * prob.g(i, th) + alpha * prob.sam(i, th, rho) if rho else prob.g(i, th)
                 th = th - eta * (g - hc[i] + a * (th - w))
             hc[i] = hc[i] - a * (th - w)
             models.append(th)
@@ -470,6 +472,40 @@ def test_fedspeed_rho0_equals_feddyn(tmp_path):
     assert finals_equal(a, b)
     c = run(tmp_path, "c", algorithm="fedspeed", rho=0.3, **common)
     assert_differ(a, c)  # guard
+
+
+def test_fedspeed_alpha_is_the_papers_merged_gradient(tmp_path, server_spy):
+    """fedspeed-alpha < 1: FedSpeed Alg. 1's quasi-gradient (1 - alpha) g + alpha g~ in the
+    FedDyn step, against the hand computation."""
+    result = run(tmp_path, "fedspeed", **{**PARTIAL, "algorithm": "fedspeed", "rho": 0.3,
+                                          "feddyn-alpha": 0.4, "fedspeed-alpha": 0.4})
+    prob = Problem(result)
+    w, h, hc = feddyn_reference(prob, a=0.4, rho=0.3, alpha=0.4)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_dual(server_spy), h, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, hc)
+
+
+def test_fedspeed_alpha1_is_the_authors_rule_bit_for_bit(tmp_path, monkeypatch):
+    """The default fedspeed-alpha = 1 is FL-Simulator's rule, the perturbed gradient alone, as
+    FedSpeed ran before the switch existed (0 * g adds zeros)."""
+    common = {"rho": 0.3, "feddyn-alpha": 0.4}
+    a = run(tmp_path, "a", algorithm="fedspeed", **common, **{"fedspeed-alpha": 1.0})
+    monkeypatch.setattr(FedSpeedClient, "loss_gradient",
+                        lambda self, model, x, y: sam.sam_gradient(model, x, y, self.cfg.rho))
+    b = run(tmp_path, "b", algorithm="fedspeed", **common)
+    assert finals_equal(a, b)
+
+
+def test_fedspeed_alpha0_equals_feddyn(tmp_path):
+    """alpha = 0 keeps only the plain gradient: FedDyn, exactly (0 * g~ adds zeros)."""
+    common = {"feddyn-alpha": 0.4}
+    a = run(tmp_path, "a", algorithm="feddyn", **common)
+    b = run(tmp_path, "b", algorithm="fedspeed", rho=0.3, **common, **{"fedspeed-alpha": 0.0})
+    assert finals_equal(a, b)
+    c = run(tmp_path, "c", algorithm="fedspeed", rho=0.3, **common, **{"fedspeed-alpha": 0.4})
+    assert_differ(a, c)  # guard: the mix matters
+    assert_differ(c, run(tmp_path, "d", algorithm="fedspeed", rho=0.3, **common))
 
 
 # ================================================================ 4. FedGMT

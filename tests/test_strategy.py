@@ -27,7 +27,8 @@ from strategies.aggregate import client_weights, weighted_sum
 from strategies.base import NoNodesError
 from strategies.fedavg import FedAvg
 from strategies.mofedsam import MoFedSAM
-from strategies.validation import Expected, RejectedReply, layout_of, parse_train_reply
+from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
+                                   parse_train_reply)
 
 
 def initial_model(cfg: RunConfig, seed: int | None = None) -> OrderedDict:
@@ -324,6 +325,23 @@ def test_fedavg_update_is_the_weighted_model_average(make_message) -> None:
     strategy.update(1, updates, client_weights([100, 300], "weighted"))
     for k in MODEL:  # w + 0.25 * 1 + 0.75 * 2
         assert torch.allclose(strategy.model[k], MODEL[k] + 1.75)
+
+
+@pytest.mark.parametrize("algorithm", ["feddyn", "fedspeed", "fedsmoo", "fedgmt", "scaffold", "fedlesam-s"])
+def test_duals_and_controls_need_the_federation_size(algorithm) -> None:
+    """The server dual (FedDyn family) and control variate (SCAFFOLD family) are averaged over
+    all N clients; without N (no partition handshake) the update is an error, never a silent
+    division by the M replies. With N it goes through."""
+    cfg = RunConfig.from_mapping(fast_config(algorithm=algorithm))
+    strategy = make_strategy(cfg)
+    uploads = {name: OrderedDict((k, torch.ones_like(v)) for k, v in MODEL.items())
+               for name in strategy.spec.up}
+    update = ClientUpdate(1000, 0, 100, 2, 1.0, OrderedDict((k, v + 1) for k, v in MODEL.items()), uploads)
+    with pytest.raises(RuntimeError, match="the federation size N is unknown"):
+        strategy.update(1, [update], [1.0])
+    strategy.participation.num_partitions = 4
+    strategy.update(1, [update], [1.0])
+    assert strategy.federation_size() == 4
 
 
 # ----------------------------------------------------------------------------- checkpointable state

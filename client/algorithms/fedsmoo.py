@@ -29,8 +29,12 @@ class FedSMOOClient(DualClient):
         self.mu = self.stored(PERTURBATION_DUAL) or [torch.zeros_like(p) for p in self.start]
         self.last = [torch.zeros_like(p) for p in self.start]  # s^_K
 
+    def ascent_gradient(self, model, x, y):
+        """(loss, g(theta_k)): the gradient the perturbation S_k is built from."""
+        return loss_and_grad(model, x, y)
+
     def loss_gradient(self, model, x, y):
-        loss, g = loss_and_grad(model, x, y)
+        loss, g = self.ascent_gradient(model, x, y)
         corrected = [gi - mi - si for gi, mi, si in zip(g, self.mu, self.s)]
         self.last = unit_scaled(corrected, self.cfg.rho)
         self.mu = [mi + (pi - si) for mi, pi, si in zip(self.mu, self.last, self.s)]

@@ -11,8 +11,9 @@ Each step, with the broadcast global update Delta^t and the client dual h_i fixe
 
 then h_i <- h_i - a (theta_K - theta^t). ``fedtoga-prox-scale``: a = alpha ("multiplier",
 the notes' reading, §6-A1) or a = 1/alpha ("literal", the (1/alpha) printed in Alg. 1).
-With kappa = beta = 0, "G" and a = feddyn-alpha the client is FedSpeed's (the whole algorithm
-is FedSpeed when the server divides the dual by N too, or under full participation).
+With kappa = beta = 0, "G" and a = feddyn-alpha the client is FedSpeed's at fedspeed-alpha = 1
+(the whole algorithm is FedSpeed when the server divides the dual by N too, or under full
+participation).
 """
 
 from __future__ import annotations
