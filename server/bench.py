@@ -44,6 +44,7 @@ from common.datasets import Split
 from common.models import build_model
 from common.registry import ALGORITHMS
 from common.registry import get as get_spec
+from server.rundir import load_checkpoint, load_tensors
 
 # Variants measured besides each algorithm's defaults: (label, algorithm, run-config overrides).
 VARIANTS = [(name, name, {}) for name in ALGORITHMS] + [
@@ -406,10 +407,10 @@ def bench_memory(settings: Settings, workdir: Path) -> list[dict[str, Any]]:
             with _quiet():
                 run_dir, grid = _fast_run(workdir, name, clients, **{"checkpoint-every": 2})
             per_client = [_state_bytes(ctx.state.array_records) for ctx in grid.contexts.values()]
-            ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+            ckpt = load_checkpoint(run_dir)
             server = sum(t.numel() * t.element_size() for rec in ckpt["strategy"]["records"].values()
                          for t in rec.values())
-            init = torch.load(run_dir / "model_init.pt")
+            init = load_tensors(run_dir / "model_init.pt", "initial model")
             model_bytes = sum(t.numel() * t.element_size() for t in init.values())
             rows.append({
                 "algorithm": name, "clients": clients,

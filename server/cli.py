@@ -257,6 +257,13 @@ def preflight(cfg: RunConfig, num_clients: int) -> None:
         raise UsageError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
     per_round = num_clients if cfg.sampling == "bernoulli" else max(
         1, min(num_clients, math.floor(cfg.fraction_train * num_clients + 0.5)))
+    from strategies.aggregate import Aggregator
+
+    need = Aggregator.from_config(cfg).required()
+    if need > per_round:
+        raise UsageError(f"aggregator {cfg.aggregator} needs at least {need} clients per round "
+                         f"(aggregator-f={cfg.aggregator_f}); {per_round} are sampled "
+                         f"({num_clients} clients, fraction-train={cfg.fraction_train:g})")
     if cfg.min_replies > per_round:
         raise UsageError(f"min-replies={cfg.min_replies} exceeds the {per_round} clients sampled per "
                          f"round ({num_clients} clients, fraction-train={cfg.fraction_train:g}): "

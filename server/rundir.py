@@ -195,8 +195,8 @@ class RunDir:
 
     def save(self, name: str, obj: Any) -> None:
         """torch.save, atomically: a crash or a failed write leaves the previous file."""
-        with writing(self.path / name) as tmp:
-            torch.save(obj, tmp)
+        with writing(self.path / name) as tmp, open(tmp, "wb") as f:
+            torch.save(obj, f)  # through a Python file: a failed write is an OSError with errno
 
     def save_checkpoint(self, cfg: RunConfig, server_round: int, strategy_state: Mapping[str, Any]) -> None:
         self.save(CHECKPOINT, {

@@ -125,7 +125,11 @@ def metric(metrics: Any, key: str, kind: type = float, low: float = -math.inf,
     return value
 
 
-def metrics_of(msg: Message) -> Any:
+def metrics_of(msg: Message, arrays: bool = False) -> Any:
+    """The reply's metrics record; with ``arrays=False`` a reply that carries arrays is refused
+    (handshake and evaluation replies have none to carry)."""
+    if not arrays and msg.content.array_records:
+        raise RejectedReply(f"unexpected array records {sorted(msg.content.array_records)[:5]}")
     if P.METRICS not in msg.content.metric_records:
         raise RejectedReply("reply has no 'metrics' record")
     return msg.content.metric_records[P.METRICS]
@@ -156,7 +160,7 @@ def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> Client
     got = set(content.array_records)
     if got != wanted:
         raise RejectedReply(f"array records {sorted(got)[:5]} do not match the protocol {sorted(wanted)}")
-    metrics = metrics_of(msg)
+    metrics = metrics_of(msg, arrays=True)
     check_identity(metrics, expected)
     steps = metric(metrics, "num-steps", int)
     if steps != expected.num_steps:

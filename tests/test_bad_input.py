@@ -177,6 +177,31 @@ CONFIG_CASES = [
                  "dataset 'cifar10' is not available", id="cifar10-offline-without-files"),
     pytest.param(["--model", "lenet"], "model 'lenet' does not fit dataset 'synthetic'", id="model-does-not-fit-dataset"),
     pytest.param(["--set", "min-replies=10"], "min-replies=10 exceeds the 3 clients sampled per round", id="min-replies-above-clients"),
+    # finite but absurd, and numbers that are not ASCII (issue 13)
+    pytest.param(["--set", "round-timeout=1e308"], "round-timeout must be in (0, 10000000] seconds",
+                 id="round-timeout-overflows"),
+    pytest.param(["--set", "node-wait-timeout=1e308"], "node-wait-timeout must be in (0, 10000000] seconds",
+                 id="node-wait-timeout-overflows"),
+    pytest.param(["--timeout", "1e308"], "--timeout must be in (0, 10000000] seconds", id="timeout-overflows"),
+    pytest.param(["--seed", "18446744073709551616"], "seed must be in [0, 4294967295]", id="seed-beyond-2-64"),
+    pytest.param(["--seed", "4294967296"], "seed must be in [0, 4294967295]", id="seed-beyond-2-32"),
+    pytest.param(["--set", "local-epochs=1000000000000"], "local-epochs=1000000000000 is out of range",
+                 id="local-epochs-beyond-int32"),
+    pytest.param(["--set", "lr=\u0661"], "lr='\u0661' is not a valid float (use ASCII digits)",
+                 id="lr-arabic-indic-digit"),
+    pytest.param(["--set", "lr=\uff10.\uff15"], "is not a valid float (use ASCII digits)", id="lr-full-width"),
+    pytest.param(["--set", "seed=\u0661"], "is not a valid int (use ASCII digits)", id="seed-arabic-indic-digit"),
+    # robust aggregation and the federation's size
+    pytest.param(["--set", "aggregator=average"], "aggregator='average' is not one of:", id="aggregator-unknown"),
+    pytest.param(["--set", "aggregator-trim=0.5"], "aggregator-trim must be in [0, 0.5)", id="aggregator-trim-half"),
+    pytest.param(["--set", "aggregator-f=-1"], "aggregator-f (clients assumed Byzantine) must be >= 0",
+                 id="aggregator-f-negative"),
+    pytest.param(["--set", "aggregator-clip=-1"], "aggregator-clip must be a finite number >= 0",
+                 id="aggregator-clip-negative"),
+    pytest.param(["--set", "aggregator=krum"], "aggregator krum needs at least 5 clients per round",
+                 id="aggregator-krum-too-few-clients"),
+    pytest.param(["--set", "num-partitions=5"], "num-partitions=5 disagrees with --clients 3",
+                 id="num-partitions-disagrees-with-clients"),
 ]
 
 
@@ -235,6 +260,33 @@ def not_a_flatflower_checkpoint(tmp: Path) -> None:
     torch.save({"weights": torch.zeros(3)}, tmp / "run" / "checkpoint.pt")
 
 
+class Payload:
+    """Unpickling this runs code: it would create the file ``pwned`` (snapshot would see it)."""
+
+    def __init__(self, target: Path):
+        self.target = target
+
+    def __reduce__(self):
+        return (Path.touch, (self.target,))
+
+
+def pickle_payload_checkpoint(tmp: Path) -> None:
+    """A checkpoint that is real in every field, plus an object whose unpickling runs code."""
+    ckpt = torch.load(tmp / "run" / "checkpoint.pt", weights_only=True)
+    ckpt["extra"] = Payload(tmp / "pwned")
+    torch.save(ckpt, tmp / "run" / "checkpoint.pt")
+
+
+HELD: list[int] = []
+
+
+def held_by_another_command(tmp: Path) -> None:
+    """Another flatflower command is resuming the run (it holds the directory's lock)."""
+    from server.rundir import claim
+
+    HELD.append(claim(tmp / "run", "busy"))
+
+
 GOOD_PRESET = '[preset]\ndescription = "d"\n\n[config]\ndataset = "synthetic"\nmodel = "logreg"\n'
 NEW = ["--run-dir", "{tmp}/new"]
 RESUME = [*SIM, "--resume", "{tmp}/run"]
@@ -261,6 +313,8 @@ FILE_CASES = [
                  "[preset] clients must be a positive integer, got 0", id="preset-clients-zero"),
     pytest.param(preset(GOOD_PRESET.replace('"d"', '""')), [*SIM, "--preset", "{tmp}/p.toml", *NEW],
                  "[preset] needs a description", id="preset-description-empty"),
+    pytest.param(preset(GOOD_PRESET + 'run-dir = "a\\u0000b"\n'), [*SIM, "--preset", "{tmp}/p.toml"],
+                 "run-dir='a\\x00b' holds control characters", id="preset-value-with-a-nul-byte"),
     # --resume of a damaged or missing run directory
     pytest.param(None, [*SIM, "--resume", "{tmp}/nowhere"], "run directory {tmp}/nowhere does not exist",
                  id="resume-dir-missing"),
@@ -284,6 +338,13 @@ FILE_CASES = [
                  id="resume-checkpoint-foreign"),
     pytest.param(edit_config(lr=0.2), RESUME, "cannot resume with a different configuration: lr: 0.1 -> 0.2",
                  id="resume-config-differs-from-checkpoint"),
+    pytest.param(edit_config(**{"client-state-dir": "/elsewhere"}), RESUME,
+                 "cannot resume with a different configuration: client-state-dir:",
+                 id="resume-client-state-dir-changed"),
+    pytest.param(pickle_payload_checkpoint, RESUME, "holds objects other than tensors, which are never unpickled",
+                 id="resume-checkpoint-with-a-pickle-payload"),
+    pytest.param(held_by_another_command, RESUME, "is being resumed or run by another flatflower command",
+                 id="resume-while-another-resume-runs"),
     # --resume refuses options that would change the run
     pytest.param(None, [*RESUME, "--set", "lr=0.2"], "--set cannot be combined with it", id="resume-with-set"),
     pytest.param(None, [*RESUME, "--algorithm", "fedavg"], "--algorithm cannot be combined with it",
@@ -314,7 +375,11 @@ def test_bad_files(tmp_path, capfd, caplog, finished_run, setup, argv, message):
     shutil.copytree(finished_run, tmp_path / "run")
     if setup:
         setup(tmp_path)
-    check_cli(argv, tmp_path, capfd, caplog, USAGE, message.format(tmp=tmp_path))
+    try:
+        check_cli(argv, tmp_path, capfd, caplog, USAGE, message.format(tmp=tmp_path))
+    finally:
+        while HELD:
+            os.close(HELD.pop())
 
 
 # ------------------------------------------------------- 3. node config, CLI arguments
@@ -373,6 +438,10 @@ ARGPARSE_CASES = [
                  id="clients-not-a-number"),
     pytest.param(["simulate", "--rounds", "2.5"], "argument --rounds/-r: invalid int value: '2.5'",
                  id="rounds-not-an-int"),
+    pytest.param(["simulate", "--rounds", "\u0663"], "argument --rounds/-r: invalid int value:",
+                 id="rounds-arabic-indic-digit"),
+    pytest.param(["simulate", "--fraction", "\uff10.\uff15"], "argument --fraction: invalid float value:",
+                 id="fraction-full-width"),
     pytest.param(["simulate", "--engine", "threads"], "argument --engine: invalid choice: 'threads'",
                  id="engine-unknown"),
     pytest.param(["simulate", "--no-such-flag"], "unrecognized arguments: --no-such-flag", id="flag-unknown"),

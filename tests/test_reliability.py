@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run(tmp_path, name, faults=None, client=None, clients=3, **overrides):
     """An in-process run; ``faults`` maps partition id -> inject-fault value."""
-    overrides = {"algorithm": "feddyn", **overrides}
+    overrides = {"algorithm": "feddyn", "num_partitions": clients, **overrides}
     cfg = RunConfig.from_mapping(fast_config(run_dir=str(tmp_path / name), **overrides))
     grid = InProcessGrid(client or client_app, clients, cfg.to_dict())
     for pid, fault in (faults or {}).items():
@@ -159,6 +159,57 @@ def test_missing_or_corrupt_checkpoint_is_a_clear_error(tmp_path):
         load_checkpoint(tmp_path)
 
 
+QUICK = ["simulate", "--engine", "inprocess", "--clients", "3", "--dataset", "synthetic", "--model",
+         "logreg", "--partition", "iid", "--rounds", "2", "--set", "local-steps=1"]
+
+
+def one_error_line(capfd) -> str:
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_a_full_disk_is_one_error_line_and_the_last_checkpoint_resumes(tmp_path, capfd):
+    """ENOSPC (writes into /dev/full) while saving the final model: exit 1, one line; the
+    checkpoint of the last round is intact, and the resume finishes the run."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "model_final.pt.tmp").symlink_to("/dev/full")
+    assert cli([*QUICK, "--run-dir", str(run_dir)]) == 1
+    line = one_error_line(capfd)
+    assert f"cannot write {run_dir / 'model_final.pt'}: No space left on device" in line
+    assert not (run_dir / "model_final.pt.tmp").exists()
+    assert load_checkpoint(run_dir)["round"] == 2
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+    assert cli(["simulate", "--engine", "inprocess", "--resume", str(run_dir)]) == 0
+    assert (run_dir / "model_final.pt").is_file()
+
+
+def test_an_unwritable_file_is_one_error_line_naming_it():
+    from server.rundir import RunWriteError, write_json
+
+    with pytest.raises(RunWriteError, match=r"^cannot write /proc/flatflower/x.json: "):
+        write_json(Path("/proc/flatflower/x.json"), {})  # /proc refuses new files, even to root
+
+
+def test_a_run_whose_every_round_fails_exits_1_with_its_reason(tmp_path, capfd):
+    """lr=1e38: every client's loss overflows after its first step, every round is skipped."""
+    assert cli([*QUICK, "--set", "lr=1e38", "--set", "local-steps=3", "--run-dir", str(tmp_path / "r")]) == 1
+    assert "every round (1-2) was skipped" in one_error_line(capfd)
+    assert not (tmp_path / "r" / "model_final.pt").exists()
+
+
+def test_a_run_directory_in_use_is_refused_by_the_server(tmp_path):
+    from server.rundir import hold_lock
+
+    cfg = RunConfig.from_mapping(fast_config(run_dir=str(tmp_path / "r")))
+    (tmp_path / "r").mkdir()
+    with hold_lock(tmp_path / "r" / ".lock", "held by the test"):
+        with pytest.raises(RunDirError, match="is in use by another flatflower run or resume"):
+            run_server(InProcessGrid(client_app, 2, cfg.to_dict()), cfg)
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
 def test_state_mirror_reads_the_state_before_the_round_and_prunes(tmp_path):
     mirror = StateMirror(tmp_path, 3, checkpoint_every=1)
     for rnd in (1, 4, 5, 6, 9):
@@ -224,14 +275,17 @@ def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_p
 
 # ---------------------------------------------------------------- real processes on loopback
 def _deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = None,
-              kill: str = "", restart: int | None = None, tls: bool = False, node_configs=None):
-    """Run ``config`` on a real SuperLink + ``nodes`` SuperNodes; after row ``kill_after`` of
-    metrics.jsonl, SIGKILL process ``kill`` (and restart SuperNode ``restart``)."""
+              kill: str = "", restart: int | None = None, tls: bool = False, node_configs=None,
+              app: Path = ROOT):
+    """Run ``config`` on a real SuperLink + ``nodes`` SuperNodes (Flower App ``app``); after
+    row ``kill_after`` of metrics.jsonl, SIGKILL process ``kill`` (and restart SuperNode
+    ``restart``)."""
     from server.federation import COMPLETED, LocalFederation
 
     run_dir = tmp_path / name
     (run_dir / "logs").mkdir(parents=True)
     cfg = RunConfig.from_mapping({**config, "run-dir": str(run_dir), "min-available-nodes": nodes,
+                                  "num-partitions": nodes,
                                   "client-state-dir": str(run_dir / "client-state")})
     done, restarts = [], []
 
@@ -250,7 +304,7 @@ def _deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None =
 
     with LocalFederation(nodes, tmp_path / f"{name}-work", run_dir / "logs", tls=tls,
                          node_configs=node_configs) as fed:
-        run_id = fed.submit(ROOT, cfg.to_dict())
+        run_id = fed.submit(app, cfg.to_dict())
         row = fed.wait(run_id, 500, poll=0.5, on_poll=on_poll)
         fed.save_log(run_id, run_dir / "logs" / "run.log")
     assert row["status"] == COMPLETED, row
@@ -276,11 +330,42 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
     assert rows[2]["failed_partitions"] == [2]  # round 2: lost at the deadline
     log = (run_dir / "logs" / "run.log").read_text()
     assert "round 2: client 2 (node" in log and "(client lost)" in log
-    assert "rejected reply of client 1" in log and "NaN" in log
+    assert "train reply of client 1" in log and "refused" in log and "NaN" in log
     _, inproc = run(tmp_path, "inp", {1: "nan", 2: "raise@2"}, **{k.replace("-", "_"): v for k, v in {
         **DEPLOYED, "algorithm": "fedsam", "num-server-rounds": 2}.items()})
     assert same(torch.load(run_dir / "model_final.pt"), inproc)  # as if the NaN client were absent
     assert all(r["test_accuracy"] > rows[0]["test_accuracy"] + 0.1 for r in rows[1:])  # it learns
+
+
+@pytest.mark.integration
+def test_a_killed_superlink_is_one_error_line_and_the_checkpoint_resumes(tmp_path):
+    """SIGKILL of the SuperLink mid-run: `flatflower local` stops everything it started, exits 1
+    with one `error:` line (no traceback), and the run resumes from its last checkpoint."""
+    from server.federation import _children
+
+    before = flower_pids()
+    run_dir = tmp_path / "r"
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "local", "--clients", "2", "--rounds", "4", "--dataset",
+         "digits", "--set", "local-epochs=1", "--run-dir", str(run_dir)],
+        cwd=ROOT, stdout=out.open("w"), stderr=err.open("w"), env=os.environ.copy())
+    deadline = time.monotonic() + 300
+    while '"round": 1' not in ((run_dir / "metrics.jsonl").read_text()
+                               if (run_dir / "metrics.jsonl").exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, out.read_text() + err.read_text()
+        time.sleep(0.2)
+    superlink = [p for p in _children(proc.pid)
+                 if b"flower-superlink" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    os.kill(superlink[0], signal.SIGKILL)
+    assert proc.wait(300) == 1
+    lines = [line for line in err.read_text().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: superlink exited with code -9"), lines
+    assert "Traceback" not in out.read_text()
+    assert flower_pids() - before == set(), "Flower processes left behind"
+    assert load_checkpoint(run_dir)["round"] >= 1
+    assert cli(["simulate", "--engine", "inprocess", "--resume", str(run_dir)]) == 0
+    assert [r["round"] for r in metrics(run_dir)] == list(range(5))
 
 
 @pytest.mark.integration

@@ -130,7 +130,8 @@ def test_hosts_are_detected_as_dns_or_ip(host, kind):
 
 
 @pytest.mark.parametrize("host, message", [
-    ("fl.example.org:9092", "without a port"), ("bad host", "neither"), ("", "neither")])
+    ("fl.example.org:9092", "without a port"), ("bad host", "neither"), ("", "neither"),
+    ("*", "wildcard names are refused"), ("*.example.org", "wildcard names are refused")])
 def test_bad_hosts_are_refused(tmp_path, host, message):
     with pytest.raises(CertError, match=message):
         generate_certs(tmp_path / "c", 1, [host])
@@ -175,6 +176,36 @@ def test_cli_bad_certs_input_is_one_line(tmp_path, capsys):
     assert err == ["error: --nodes must be in [1, 10000]",
                    "error: --host 'a.b:9092' is neither an IP address nor a DNS name "
                    "(give the host without a port)"]
+
+
+def test_cli_refuses_absurd_lifetimes_in_one_line_and_writes_nothing(tmp_path, capsys):
+    assert cli(["certs", str(tmp_path / "c"), "--nodes", "1", "--days", "3000000"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --days must be in [1, ")
+    assert "certificates end by year 9999" in err[0] and not (tmp_path / "c").exists()
+
+
+def test_certs_never_write_through_a_symlink(tmp_path, capsys):
+    """A planted symlink (to a file the attacker wants overwritten) is refused, with --force
+    too; so is an output directory that is a symlink."""
+    out, victim = tmp_path / "c", tmp_path / "victim"
+    victim.write_text("precious")
+    assert cli(["certs", str(out), "--nodes", "1"]) == 0
+    (out / "ca.crt").unlink()
+    (out / "ca.crt").symlink_to(victim)
+    assert cli(["certs", str(out), "--nodes", "1", "--force"]) == 2
+    assert "is a symbolic link; refusing to write through it" in capsys.readouterr().err
+    assert victim.read_text() == "precious"
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    assert cli(["certs", str(tmp_path / "link"), "--nodes", "1"]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err and not (tmp_path / "elsewhere").exists()
+
+
+def test_printed_superlink_command_keeps_the_control_api_on_loopback(tmp_path, capsys):
+    assert cli(["certs", str(tmp_path / "c"), "--nodes", "1", "--host", "a.example.org"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "flower-superlink" in x]
+    assert "--host 127.0.0.1 " in line and "--fleet-api-address 0.0.0.0:9092" in line
+    assert "--host 0.0.0.0" not in line
 
 
 def test_write_node_key(tmp_path):

@@ -1,0 +1,243 @@
+"""A malicious ClientApp, for tests only (never part of the product).
+
+It runs the real ClientApp, then tampers with the reply. Which partitions misbehave, and
+how, is given in-process by :func:`malicious_app` and in a deployment by the node-config key
+``attack`` that the module-level :data:`app` reads (a Flower App whose ``clientapp`` is
+``malicious:app``). An attack spec is one or more attack names joined by ``+``; each name
+belongs to one stage (``query`` = the partition handshake, ``train``, ``evaluate``). Names
+with a number take it after a colon: ``sign-flip:4.5``, ``scale:50``, ``steal:0``.
+
+``fuzz:SEED`` sends a randomly malformed reply at every stage (its first handshake is a lie,
+later ones are honest half of the time, so that it gets to train; see :func:`fuzz`); what it sent is logged in :data:`SENT`
+(in-process runs read it back).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import random
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+import client.app as honest
+from common import protocol as P
+
+Tamper = Callable[[Message, Message, Context, float], Message]
+SENT: list[dict] = []  # every malformed reply of a fuzzing client: {"node", "stage", "round", "kind"}
+
+
+# ---------------------------------------------------------------------------- building blocks
+def npy(value: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, value, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def lying_array(arr: Array, data: bytes) -> Array:
+    """An Array whose header still says ``arr``'s dtype and shape, with other data."""
+    return Array(dtype=arr.dtype, shape=tuple(arr.shape), stype=arr.stype, data=data)
+
+
+def with_first_array(reply: Message, make: Callable[[Array], Array]) -> Message:
+    """The reply with the first array of its model record replaced by ``make(array)``."""
+    record = reply.content.array_records[P.MODEL]
+    key = next(iter(record.keys()))
+    arrays = {k: (make(v) if k == key else v) for k, v in record.items()}
+    reply.content[P.MODEL] = ArrayRecord(arrays)
+    return reply
+
+
+def with_metric(reply: Message, key: str, value) -> Message:
+    """The reply with metric ``key`` set to ``value`` (None: removed). A value a MetricRecord
+    cannot hold makes the client send its metrics as a ConfigRecord of the same name."""
+    metrics = dict(reply.content.metric_records[P.METRICS])
+    if value is None:
+        metrics.pop(key, None)
+    else:
+        metrics[key] = value
+    del reply.content[P.METRICS]
+    try:
+        reply.content[P.METRICS] = MetricRecord(metrics)
+    except Exception:  # noqa: BLE001 - whatever Flower refuses
+        reply.content[P.METRICS] = ConfigRecord(metrics)
+    return reply
+
+
+def scaled_update(reply: Message, msg: Message, factor: float) -> Message:
+    """Model w + factor (w_i - w): a well-formed reply whose update is scaled (or flipped)."""
+    start = P.from_record(msg.content[P.MODEL])
+    local = P.from_record(reply.content[P.MODEL])
+    reply.content[P.MODEL] = P.to_record({k: start[k] + factor * (v - start[k]) for k, v in local.items()})
+    return reply
+
+
+def replay(reply: Message, msg: Message, context: Context) -> Message:
+    """This node's first train reply again, every round (kept in ``context.state``, so it
+    works in a deployment too, where each message runs in a new ClientApp process)."""
+    if "replay-model" not in context.state:
+        context.state["replay-model"] = reply.content.array_records[P.MODEL]
+        context.state["replay-metrics"] = reply.content.metric_records[P.METRICS]
+    content = RecordDict({P.MODEL: context.state["replay-model"],
+                          P.METRICS: context.state["replay-metrics"]})
+    for name, record in reply.content.array_records.items():
+        if name != P.MODEL:
+            content[name] = record
+    return Message(copy.deepcopy(content), reply_to=msg)
+
+
+# ---------------------------------------------------------------------------- named attacks
+ATTACKS: dict[str, tuple[str, Tamper]] = {
+    # train: what arrives is not what the header claims
+    "data-lie": ("train", lambda r, m, c, x: with_first_array(
+        r, lambda a: lying_array(a, npy(np.array([1e30], dtype=np.float32))))),
+    "shape-lie": ("train", lambda r, m, c, x: with_first_array(
+        r, lambda a: lying_array(a, npy(np.zeros((3, 3), dtype=np.float32))))),
+    "complex-nan": ("train", lambda r, m, c, x: with_first_array(
+        r, lambda a: lying_array(a, npy(np.full(tuple(a.shape), np.nan + 1j * np.nan))))),
+    "not-numpy": ("train", lambda r, m, c, x: with_first_array(
+        r, lambda a: lying_array(a, b"\x93NUMPY garbage" + bytes(range(40))))),
+    "oversized": ("train", lambda r, m, c, x: with_first_array(
+        r, lambda a: lying_array(a, npy(np.zeros(10**6, dtype=np.float32))))),
+    # train: metrics that claim weight
+    "num-examples-list": ("train", lambda r, m, c, x: with_metric(r, "num-examples", [10, 20])),
+    "num-examples-huge": ("train", lambda r, m, c, x: with_metric(r, "num-examples", 1.797e308)),
+    "weight-inflation": ("train", lambda r, m, c, x: with_metric(r, "num-examples", 10**9)),
+    "steps-inflation": ("train", lambda r, m, c, x: with_metric(r, "num-steps", 10**6)),
+    # train: well-formed replies that poison
+    "sign-flip": ("train", lambda r, m, c, x: scaled_update(r, m, -x)),
+    "scale": ("train", lambda r, m, c, x: scaled_update(r, m, x)),
+    "replay": ("train", lambda r, m, c, x: replay(r, m, c)),
+    # the handshake
+    "no-metrics": ("query", lambda r, m, c, x: Message(RecordDict(), reply_to=m)),
+    "list-partition": ("query", lambda r, m, c, x: with_metric(r, "partition-id", [0, 1])),
+    "one-partition": ("query", lambda r, m, c, x: with_metric(
+        with_metric(r, "num-partitions", 1), "partition-id", 0)),
+    "steal": ("query", lambda r, m, c, x: with_metric(r, "partition-id", int(x))),
+    "huge-partition": ("query", lambda r, m, c, x: with_metric(r, "partition-id", 1_000_000)),
+    # evaluation
+    "accuracy-1000": ("evaluate", lambda r, m, c, x: with_metric(r, "eval-accuracy", 1000.0)),
+}
+
+
+def parse(spec: str) -> dict[str, tuple[Tamper, float]]:
+    """stage -> (tamper, its number) for an attack spec such as ``data-lie+accuracy-1000``."""
+    out = {}
+    for part in filter(None, spec.split("+")):
+        name, _, arg = part.partition(":")
+        if name == "fuzz":
+            for stage in ("query", "train", "evaluate"):
+                out[stage] = (fuzz, float(arg or 0))
+            continue
+        stage, tamper = ATTACKS[name]
+        out[stage] = (tamper, float(arg) if arg else 1.0)
+    return out
+
+
+# ---------------------------------------------------------------------------- fuzzing
+def _array_mutations(rng: random.Random) -> Callable[[Array], Array]:
+    def mutate(a: Array) -> Array:
+        kind = rng.choice(["one-element", "other-shape", "complex", "float64", "int", "garbage",
+                           "empty", "truncated", "nan", "inf", "stype", "pickle-like", "huge"])
+        shape = tuple(a.shape)
+        data = {
+            "one-element": lambda: npy(np.array([rng.uniform(-1e30, 1e30)], dtype=np.float32)),
+            "other-shape": lambda: npy(np.zeros(tuple(s + 1 for s in shape), dtype=np.float32)),
+            "complex": lambda: npy(np.zeros(shape, dtype=np.complex64)),
+            "float64": lambda: npy(np.zeros(shape, dtype=np.float64)),
+            "int": lambda: npy(np.zeros(shape, dtype=np.int32)),
+            "garbage": lambda: rng.randbytes(rng.randint(0, 64)),
+            "empty": lambda: b"",
+            "truncated": lambda: a.data[: len(a.data) // 2],
+            "nan": lambda: npy(np.full(shape, np.nan, dtype=np.float32)),
+            "inf": lambda: npy(np.full(shape, -np.inf, dtype=np.float32)),
+            "stype": lambda: a.data,
+            "pickle-like": lambda: b"\x80\x04\x95" + rng.randbytes(30),
+            "huge": lambda: npy(np.zeros(int(np.prod(shape)) * 4 + 1000, dtype=np.float32)),
+        }[kind]()
+        stype = "torch.Tensor" if kind == "stype" else a.stype
+        return Array(dtype=a.dtype, shape=shape, stype=stype, data=data)
+    return mutate
+
+
+def fuzz(reply: Message, msg: Message, context: Context, seed: float) -> Message:
+    """A randomly malformed version of ``reply`` (every choice is invalid for the server)."""
+    stage = msg.metadata.message_type
+    rnd = int(msg.content[P.CONFIG].get("server-round", 0)) if P.CONFIG in msg.content.config_records else 0
+    rng = random.Random(f"{seed}-{context.node_id}-{stage}-{rnd}-{len(SENT)}")
+    lied = any(s["node"] == context.node_id and s["stage"] == "query" for s in SENT)
+    if stage == "query" and lied and rng.random() < 0.5:
+        return reply  # after a first lie, an honest handshake now and then lets it train
+    metric_lies = {
+        "query": ["partition-id", "num-partitions", "num-examples", "nonce"],
+        "train": ["partition-id", "num-examples", "num-steps", "train-loss", "nonce"],
+        "evaluate": ["partition-id", "num-examples", "eval-loss", "eval-accuracy", "nonce"],
+    }[stage]
+    bad_values = [None, [1, 2], -1, 10**12, float("nan"), float("inf"), -0.5, 1.5, 2**62, 1e300, True]
+    choices = ["metric", "no-metrics", "extra-record"]
+    if stage == "train":
+        choices += ["array", "array", "array", "missing-key", "extra-key", "missing-record"]
+    kind = rng.choice(choices)
+    if kind == "metric":
+        key = rng.choice(metric_lies)
+        current = reply.content.metric_records[P.METRICS].get(key)
+        value = rng.choice([v for v in bad_values if v != current and not _harmless(key, v)])
+        reply = with_metric(reply, key, value)
+        kind = f"metric {key}={value!r}"
+    elif kind == "no-metrics":
+        del reply.content[P.METRICS]
+    elif kind == "extra-record":
+        reply.content["surprise"] = ArrayRecord({"x": Array(np.zeros(3, dtype=np.float32))})
+    elif kind == "array":
+        reply = with_first_array(reply, _array_mutations(rng))
+    elif kind == "missing-key":
+        record = reply.content.array_records[P.MODEL]
+        reply.content[P.MODEL] = ArrayRecord({k: v for i, (k, v) in enumerate(record.items()) if i})
+    elif kind == "extra-key":
+        record = dict(reply.content.array_records[P.MODEL])
+        record["extra.weight"] = Array(np.zeros(2, dtype=np.float32))
+        reply.content[P.MODEL] = ArrayRecord(record)
+    elif kind == "missing-record":
+        del reply.content[P.MODEL]
+    SENT.append({"node": context.node_id, "stage": stage, "round": rnd, "kind": kind})
+    return reply
+
+
+def _harmless(key: str, value) -> bool:
+    """Values a valid reply may hold for ``key`` (the fuzzer must only send invalid ones)."""
+    if key in ("train-loss", "eval-loss"):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
+            and 0 <= value < float("inf")
+    if key == "eval-accuracy":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+    return False
+
+
+# ---------------------------------------------------------------------------- the ClientApps
+def _tampered(handler, stage: str, attacks: Callable[[Context], str]):
+    def run(msg: Message, context: Context) -> Message:
+        reply = handler(msg, context)
+        chosen = parse(attacks(context)).get(stage)
+        return chosen[0](reply, msg, context, chosen[1]) if chosen else reply
+    return run
+
+
+def client_app(attacks: Callable[[Context], str]) -> ClientApp:
+    """The real ClientApp whose replies ``attacks(context)`` (an attack spec) tampers with."""
+    app = ClientApp()
+    app.train()(_tampered(honest.train, "train", attacks))
+    app.evaluate()(_tampered(honest.evaluate, "evaluate", attacks))
+    app.query()(_tampered(honest.query, "query", attacks))
+    return app
+
+
+def malicious_app(attacks: Mapping[int, str]) -> ClientApp:
+    """In-process: partition id -> attack spec."""
+    return client_app(lambda context: attacks.get(int(context.node_config["partition-id"]), ""))
+
+
+app = client_app(lambda context: str(context.node_config.get("attack", "")))
+"""In a deployment: each SuperNode's ``--node-config "... attack='data-lie'"``."""

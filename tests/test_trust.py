@@ -1,0 +1,181 @@
+"""The server trusts nothing a client says (ARCHITECTURE.md, "Trust").
+
+Each case of issue 13 is an attack by one client (tests/malicious.py): over the in-process
+grid, the attacker's replies are refused with a reason and the final model is that of a run
+in which the attacker simply fails; handshake lies leave the other nodes untouched; one real
+loopback deployment shows the same over Flower's transport.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import fast_config
+
+from common.config import RunConfig
+from server.inprocess import InProcessGrid
+from server.run import run_server
+from test_integration import flower_pids, metrics
+from test_reliability import DEPLOYED, ROOT, _deployed, run, same
+
+import malicious
+from client.app import app as client_app
+
+ATTACKER = 3  # of partitions 0..3
+CONFIG = {"algorithm": "scaffold", "num_server_rounds": 3}  # SCAFFOLD: an upload record too
+
+
+def attacked(tmp_path, name, attacks: dict[int, str], clients: int = 4, **overrides):
+    """An in-process run in which partition p behaves as ``attacks[p]`` (tests/malicious.py)."""
+    return run(tmp_path, name, client=malicious.malicious_app(attacks), clients=clients,
+               **{**CONFIG, "fraction_evaluate": 1.0, **overrides})
+
+
+def refusals(rows: list[dict], stage: str, partition: int | None = None) -> list[dict]:
+    return [r for row in rows for r in row.get("rejections", [])
+            if r["stage"] == stage and (partition is None or r["partition"] == partition)]
+
+
+@pytest.fixture(scope="module")
+def without_attacker(tmp_path_factory):
+    """The model of the same run in which the attacker's training fails every round."""
+    return run(tmp_path_factory.mktemp("ref"), "fails", {ATTACKER: "raise"}, clients=4,
+               **{**CONFIG, "fraction_evaluate": 1.0})[1]
+
+
+TRAIN_ATTACKS = {  # attack -> what the refusal says
+    "data-lie": "is float32[1], expected float32[10, 20]",
+    "shape-lie": "is float32[3, 3], expected float32[10, 20]",
+    "complex-nan": "is complex128[10, 20], expected float32[10, 20]",
+    "not-numpy": "unreadable: ValueError",
+    "oversized": "holds 4000128 bytes, more than float32[10, 20] needs",
+    "num-examples-list": "'num-examples'=[10, 20] is not a whole number",
+    "num-examples-huge": "'num-examples'=1.797e+308 is not a whole number",
+    "weight-inflation": "reply claims 1000000000 examples, partition 3 has",
+    "steps-inflation": "reply claims 1000000 local steps, the round asks for 2",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(TRAIN_ATTACKS))
+def test_a_train_reply_that_lies_is_refused_and_the_model_is_that_of_a_run_without_it(
+        tmp_path, attack, without_attacker):
+    rows, final = attacked(tmp_path, attack, {ATTACKER: attack})
+    for row in rows[1:]:
+        (refusal,) = refusals([row], "train")
+        assert refusal["partition"] == ATTACKER and TRAIN_ATTACKS[attack] in refusal["reason"]
+        assert row["rejected_partitions"] == [ATTACKER] and row["skipped"] == 0
+    assert all(torch.isfinite(v).all() for v in final.values())
+    assert same(final, without_attacker)
+
+
+def test_two_clients_claiming_overflowing_sizes_cannot_crash_the_round(tmp_path):
+    """num-examples 1.797e308 from two clients used to overflow the weight sum."""
+    rows, final = attacked(tmp_path, "two", {2: "num-examples-huge", 3: "num-examples-huge"})
+    assert all(r["rejected_partitions"] == [2, 3] and r["skipped"] == 0 for r in rows[1:])
+    assert all(torch.isfinite(v).all() for v in final.values())
+
+
+def test_a_replayed_reply_is_refused_from_the_round_after(tmp_path):
+    rows, _ = attacked(tmp_path, "replay", {ATTACKER: "replay"})
+    assert rows[1]["rejected_partitions"] == []  # its first reply is its real one
+    for row in rows[2:]:
+        (refusal,) = refusals([row], "train", ATTACKER)
+        assert "does not echo this message's nonce" in refusal["reason"]
+
+
+HANDSHAKE_ATTACKS = {
+    "no-metrics": "reply has no 'metrics' record",
+    "list-partition": "'partition-id'=[0, 1] is not a whole number",
+    "one-partition": "node is configured for num-partitions=1, the run has 4",
+    "huge-partition": "'partition-id'=1000000 is out of range [0, 3]",
+    "steal:0": "claims partition 0, which node 1000 holds",
+}
+
+
+@pytest.fixture(scope="module")
+def attacker_offline(tmp_path_factory):
+    """The model of the same run with the attacker's node offline from the start."""
+    tmp = tmp_path_factory.mktemp("offline")
+    cfg = RunConfig.from_mapping(fast_config(run_dir=str(tmp / "r"), num_partitions=4,
+                                             **CONFIG, fraction_evaluate=1.0))
+    grid = InProcessGrid(client_app, 4, cfg.to_dict())
+    grid.offline = {1000 + ATTACKER}
+    run_server(grid, cfg)
+    return torch.load(tmp / "r" / "model_final.pt")
+
+
+@pytest.mark.parametrize("attack", sorted(HANDSHAKE_ATTACKS))
+def test_a_handshake_lie_shuts_out_only_the_liar(tmp_path, attack, attacker_offline):
+    """N comes from the run config and each partition from a checked claim: the liar is
+    refused (asked again each round), the other nodes train as if it were not there."""
+    rows, final = attacked(tmp_path, attack.replace(":", "-"), {ATTACKER: attack})
+    for row in rows[1:]:
+        assert row["sampled_partitions"] == [0, 1, 2]
+        assert row["rejected_partitions"] == [] and row["skipped"] == 0
+        found = refusals([row], "handshake")
+        assert found and all(HANDSHAKE_ATTACKS[attack] in r["reason"] for r in found)
+        assert all(r["node"] == 1000 + ATTACKER for r in found)
+    assert same(final, attacker_offline)
+
+
+def test_a_handshake_size_that_differs_from_the_servers_is_refused(tmp_path, attacker_offline):
+    """The server computes every partition's size; a node whose data differs is left out."""
+    def shrink(reply, msg, context, x):
+        return malicious.with_metric(reply, "num-examples", 7)
+
+    malicious.ATTACKS["shrink"] = ("query", shrink)
+    try:
+        rows, final = attacked(tmp_path, "shrink", {ATTACKER: "shrink"})
+    finally:
+        del malicious.ATTACKS["shrink"]
+    assert all("declares 7 examples, partition 3 has" in r["reason"]
+               for r in refusals(rows, "handshake"))
+    assert same(final, attacker_offline)
+
+
+def test_an_impossible_evaluation_is_refused(tmp_path):
+    rows, _ = attacked(tmp_path, "eval", {ATTACKER: "accuracy-1000"})
+    clean, _ = attacked(tmp_path, "clean", {})
+    for row, ref in zip(rows[1:], clean[1:]):
+        (refusal,) = refusals([row], "evaluate")
+        assert refusal["partition"] == ATTACKER and "'eval-accuracy'=1000.0 is out of range" in refusal["reason"]
+        assert 0.0 <= row["eval_accuracy"] <= 1.0 and ref["eval_accuracy"] <= 1.0
+
+
+# ---------------------------------------------------------------- over Flower's transport
+def malicious_app_dir(tmp_path: Path) -> Path:
+    """A copy of this Flower App whose ClientApp is tests/malicious.py (for its SuperNodes)."""
+    app = tmp_path / "app"
+    for package in ("client", "common", "server", "strategies"):
+        shutil.copytree(ROOT / package, app / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "tests" / "malicious.py", app / "malicious.py")
+    toml = (ROOT / "pyproject.toml").read_text()
+    assert 'clientapp = "client.app:app"' in toml
+    (app / "pyproject.toml").write_text(toml.replace('clientapp = "client.app:app"',
+                                                     'clientapp = "malicious:app"'))
+    shutil.copy(ROOT / "README.md", app / "README.md")
+    return app
+
+
+@pytest.mark.integration
+def test_a_deployed_attacker_is_refused_over_the_real_transport(tmp_path):
+    """3 SuperNodes on loopback; node 2 sends the header-lie array, replays, and reports an
+    impossible accuracy. Every lie is refused with its reason, and the final model is that of
+    the in-process run of the same attack."""
+    before = flower_pids()
+    config = {**DEPLOYED, "algorithm": "fedsam", "num-server-rounds": 2, "fraction-evaluate": 1.0}
+    attack = "data-lie+accuracy-1000"
+    _, run_dir = _deployed(tmp_path, "dep", config, 3, node_configs={2: {"attack": attack}},
+                           app=malicious_app_dir(tmp_path))
+    assert flower_pids() - before == set(), "Flower processes left behind"
+    rows = metrics(run_dir)
+    for row in rows[1:]:
+        assert [r["partition"] for r in refusals([row], "train")] == [2]
+        assert [r["partition"] for r in refusals([row], "evaluate")] == [2]
+        assert "expected float32" in refusals([row], "train")[0]["reason"]
+    _, inproc = run(tmp_path, "inp", client=malicious.malicious_app({2: attack}), clients=3,
+                    **{k.replace("-", "_"): v for k, v in config.items()})
+    assert same(torch.load(run_dir / "model_final.pt"), inproc)
