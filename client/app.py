@@ -16,7 +16,7 @@ from flwr.clientapp import ClientApp
 from client.faults import Fault
 from client.node import NodeSettings
 from client.state import StateMirror
-from client.train import local_train, round_generator
+from client.train import build_rule, local_train, round_generator, rule_outputs
 from common import protocol as P
 from common import registry
 from common.config import RunConfig
@@ -86,12 +86,12 @@ def train(msg: Message, context: Context) -> Message:
     mirror = _mirror(cfg, node)
     state = mirror.load_before(server_round) if mirror else _read_state(context)
     lr = cfg.round_lr(server_round)
-    rule = spec.client_class()(cfg, model, broadcast, state, lr=lr,
-                               initial_weights=lambda: _initial_weights(cfg, node))
+    rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
     result = local_train(
         model, data, rule, cfg, lr,
         round_generator(cfg.seed, server_round, node.partition_id),
     )
+    uploads, new_state = rule_outputs(rule, layout, model)
     content = RecordDict(
         {
             P.MODEL: P.to_record(fault.corrupt(server_round, P.from_record(msg.content[P.MODEL]),
@@ -107,10 +107,9 @@ def train(msg: Message, context: Context) -> Message:
             ),
         }
     )
-    for name, tensors in rule.uploads(model).items():
+    for name, tensors in uploads.items():
         content[name] = P.to_record(tensors)
     # Commit client state last: only a successful call changes it.
-    new_state = rule.new_state(model)
     if mirror and new_state:
         mirror.save(server_round, {**state, **new_state})
     for name, tensors in new_state.items():

@@ -1,25 +1,30 @@
-"""The one local training loop every algorithm uses.
+"""The one local training loop every algorithm uses (the engine for one model).
 
-Per step: the algorithm gives a direction d (its gradient, SAM gradient, corrections...);
-d becomes the parameters' .grad, is optionally clipped (global norm), and one
-``torch.optim.SGD`` step applies lr, weight decay and client momentum. With momentum and
-weight decay 0 and no clipping the step is exactly w <- w - lr * d.
+Per step: the rule gives a direction d (its gradient, SAM gradient, corrections...) from the
+weights and a :class:`client.batch.ModelBatch`; d becomes the parameters' .grad, is
+optionally clipped (global norm), and one ``torch.optim.SGD`` step applies lr, weight decay
+and client momentum. With momentum and weight decay 0 and no clipping the step is exactly
+w <- w - lr * d.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from client.algorithms.base import ClientAlgorithm
-from client.sam import trainable
+from client.algorithms.base import ClientRule
+from client.batch import ModelBatch, trainable
+from client.layout import Layout
+from common import registry
 from common.config import RunConfig
 from common.datasets import Split
+
+Named = "OrderedDict[str, torch.Tensor]"
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,29 @@ class LocalResult:
     num_examples: int
     num_steps: int
     mean_loss: float
+
+
+def build_rule(cfg: RunConfig, model: nn.Module, broadcast: Mapping[str, Named],
+               state: Mapping[str, Named], lr: float,
+               initial: Callable[[], Named] | None = None) -> tuple[ClientRule, Layout]:
+    """The run's client rule for ``model`` (its weights: w^t), with the broadcast records and
+    this client's stored state (named tensors), and the layout that maps both ways."""
+    layout = Layout(model)
+    spec = registry.get(cfg.algorithm)
+    rule = spec.client_class()(
+        cfg.params, [p.detach() for p in trainable(model)],
+        {name: layout.aligned(broadcast[name]) for name in spec.down},
+        {name: layout.aligned(tensors) for name, tensors in state.items()}, lr,
+        initial=(lambda: layout.aligned(initial())) if initial else None)
+    return rule, layout
+
+
+def rule_outputs(rule: ClientRule, layout: Layout, model: nn.Module) -> tuple[dict, dict]:
+    """(uploads, new state) after training, as named records (uploads with every key of the
+    model, as the server checks them)."""
+    w = [p.detach() for p in trainable(model)]
+    uploads = {name: layout.full_record(t) for name, t in rule.uploads(w).items()}
+    return uploads, {name: layout.named(t) for name, t in rule.new_state(w).items()}
 
 
 def round_generator(seed: int, server_round: int, partition_id: int) -> torch.Generator:
@@ -66,7 +94,7 @@ def autocast(cfg: RunConfig, device: torch.device):
 def local_train(
     model: nn.Module,
     data: Split,
-    rule: ClientAlgorithm,
+    rule: ClientRule,
     cfg: RunConfig,
     lr: float,
     generator: torch.Generator,
@@ -85,7 +113,8 @@ def local_train(
         x, y = data.get(idx)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(cfg, device):
-            loss, direction = rule.direction(model, x, y)
+            loss, direction = rule.direction([p.detach() for p in params], ModelBatch(model, x, y))
+        loss = float(loss)
         if not math.isfinite(loss):
             raise FloatingPointError(f"local loss became {loss} at step {len(losses) + 1}")
         for p, d in zip(params, direction):

@@ -1,9 +1,11 @@
 """Typed, validated run configuration.
 
-One flat set of keys, shared by the ServerApp, every ClientApp and the CLI. Flower hands it
-over as ``context.run_config`` (``[tool.flwr.app.config]`` fused with ``flwr run -c``
-overrides); the Python simulation API hands over nothing, so every default also lives here
-(``tests/test_config.py`` keeps this table and pyproject.toml equal).
+The general keys (data, participation, local training, reliability, output) shared by the
+ServerApp, every ClientApp and the CLI, plus the run's algorithm's own params
+(``cfg.params``: common/params.py, declared beside each client half). Flower hands them over
+as ``context.run_config`` (``[tool.flwr.app.config]`` fused with ``flwr run -c`` overrides);
+the Python simulation API hands over nothing, so every default also lives here and in the
+params classes (tests keep them and pyproject.toml equal).
 """
 
 from __future__ import annotations
@@ -74,68 +76,51 @@ class RunConfig:
     clip_norm: float = 0.0
     amp: str = "off"
     eval_batch_size: int = 512
-    # SAM family (shared radius) and per-algorithm hyperparameters (docs/algorithms.md)
-    rho: float = 0.1
-    mofedsam_beta: float = 0.1
-    fedcm_alpha: float = 0.1
-    fedcm_server_step: str = "delta"
-    feddyn_alpha: float = 0.1
-    fedspeed_alpha: float = 1.0
-    fedgmt_alpha: float = 0.95
-    fedgmt_beta: float = 10.0
-    fedgmt_gamma: float = 1.0
-    fedgmt_tau: float = 3.0
-    fedgmt_v2_alpha: float = 0.5
-    fedgmt_v2_init: str = "initial"
-    fednsam_lambda: float = 0.85
-    fedtoga_alpha: float = 0.1
-    fedtoga_prox_scale: str = "multiplier"
-    fedtoga_kappa: float = 1.0
-    fedtoga_beta: float = 0.9
-    fedtoga_perturbation: str = "G"
-    fedtoga_dual_divisor: str = "M"
-    fedtoga_delta_scale: str = "literal"
-    fedprox_mu: float = 0.01
-    fedlesam_first: str = "none"
-    fedacg_lambda: float = 0.85
-    fedacg_beta: float = 0.01
-    fedopt_eta: float = 0.01
-    fedopt_beta1: float = 0.9
-    fedopt_beta2: float = 0.99
-    fedopt_tau: float = 0.001
     # output
     run_dir: str = ""
+    # the algorithm's own hyperparameters (``<namespace>.<key>``), parsed by its spec
+    params: Any = dataclasses.field(default=None, metadata={"internal": True})
 
     # ------------------------------------------------------------------ building
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None = None) -> RunConfig:
-        """Build from run-config keys (``num-server-rounds``); unset keys keep defaults."""
+        """Build from run-config keys (``num-server-rounds``, ``fedtoga.alpha``); unset keys
+        keep their defaults. Keys of other algorithms are accepted (Flower's run config holds
+        every default) and ignored; the run's algorithm's params are parsed and checked."""
+        from common import registry
+
         values = dict(values or {})
-        by_key = {_key(f.name): f for f in fields(cls)}
-        unknown = sorted(k for k in values if k not in by_key)
+        by_key = general_fields()
+        known = set(by_key) | set(registry.algorithm_keys())
+        unknown = sorted(k for k in values if k not in known)
         if unknown:
             raise ConfigError(
                 f"unknown run-config key(s): {', '.join(unknown)}. "
-                f"Valid keys: {', '.join(sorted(by_key))}"
+                f"Valid keys: {', '.join(sorted(known))}"
             )
-        kwargs = {by_key[k].name: _coerce(k, v, by_key[k].type) for k, v in values.items()}
+        kwargs = {by_key[k].name: _coerce(k, v, by_key[k].type) for k, v in values.items() if k in by_key}
         cfg = cls(**kwargs)
-        cfg.validate()
+        spec = registry.ALGORITHMS.get(cfg.algorithm)
+        if spec is not None:
+            cfg = dataclasses.replace(cfg, params=spec.params_class().parse(values, _coerce))
+        cfg.validate(others=_other_algorithms_problems(values, cfg))
         return cfg
 
     def replace(self, **changes: Any) -> RunConfig:
-        """A validated copy with some fields changed (snake_case names)."""
-        cfg = dataclasses.replace(self, **changes)
-        cfg.validate()
-        return cfg
+        """A validated copy with some general fields changed (snake_case names); the params
+        are kept, or take the new algorithm's defaults when ``algorithm`` changes."""
+        return RunConfig.from_mapping({**self.to_dict(), **{_key(k): v for k, v in changes.items()}})
 
     def to_dict(self) -> dict[str, Any]:
-        """Run-config keys -> values (what ``flwr run -c`` and config.json hold)."""
-        return {_key(f.name): getattr(self, f.name) for f in fields(self)}
+        """Run-config keys -> values (what ``flwr run -c`` and config.json hold): the general
+        keys and the run's algorithm's params."""
+        general = {k: getattr(self, f.name) for k, f in general_fields().items()}
+        return {**general, **(self.params.to_dict() if self.params is not None else {})}
 
     # ---------------------------------------------------------------- validation
-    def validate(self) -> None:
-        """Raise ConfigError listing every invalid value."""
+    def validate(self, others: list[str] | None = None) -> None:
+        """Raise ConfigError listing every invalid value (``others``: problems found in keys of
+        other algorithms given with it)."""
         from common import datasets, models, partition, registry
 
         problems: list[str] = []
@@ -160,14 +145,7 @@ class RunConfig:
         choice("aggregator", AGGREGATORS)
         choice("too_few_replies", ("skip", "retry"))
         choice("amp", ("off", "bf16"))
-        choice("fedcm_server_step", ("delta", "literal"))
-        choice("fedgmt_v2_init", ("initial", "global"))
-        choice("fedtoga_prox_scale", ("multiplier", "literal"))
-        choice("fedtoga_perturbation", ("G", "N", "fusion"))
-        choice("fedtoga_dual_divisor", ("M", "N"))
-        choice("fedtoga_delta_scale", ("literal", "per-lr"))
-        choice("fedlesam_first", ("none", "initial"))
-        for f in fields(self):
+        for f in general_fields().values():
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
                 problems.append(f"{_key(f.name)}={value} is out of range (at most {MAX_INT})")
@@ -177,31 +155,7 @@ class RunConfig:
         check(0 <= self.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}] (got {self.seed})")
         check(_pos(self.lr), f"lr must be a finite number > 0 (got {self.lr})")
         check(_pos(self.lr_decay) and self.lr_decay <= 1.0, "lr-decay must be in (0, 1]")
-        check(_nonneg(self.rho), f"rho must be a finite number >= 0 (got {self.rho})")
-        check(0.0 <= self.mofedsam_beta <= 1.0, "mofedsam-beta must be in [0, 1]")
-        check(0.0 <= self.fedcm_alpha <= 1.0, "fedcm-alpha must be in [0, 1]")
-        check(_pos(self.feddyn_alpha), f"feddyn-alpha must be a finite number > 0 (got {self.feddyn_alpha})")
-        check(0.0 <= self.fedspeed_alpha <= 1.0, "fedspeed-alpha must be in [0, 1]")
-        for name in ("fedgmt_alpha", "fedgmt_v2_alpha"):
-            check(0.0 <= getattr(self, name) < 1.0, f"{_key(name)} must be in [0, 1)")
-        check(_pos(self.fedgmt_beta), f"fedgmt-beta must be a finite number > 0 (got {self.fedgmt_beta})")
-        check(_nonneg(self.fedgmt_gamma), f"fedgmt-gamma must be a finite number >= 0 (got {self.fedgmt_gamma})")
-        check(_pos(self.fedgmt_tau), f"fedgmt-tau must be a finite number > 0 (got {self.fedgmt_tau})")
-        check(0.0 <= self.fednsam_lambda < 1.0, "fednsam-lambda must be in [0, 1)")
-        check(_pos(self.fedtoga_alpha), f"fedtoga-alpha must be a finite number > 0 (got {self.fedtoga_alpha})")
-        check(_nonneg(self.fedtoga_kappa), f"fedtoga-kappa must be a finite number >= 0 (got {self.fedtoga_kappa})")
-        check(_nonneg(self.fedtoga_beta), f"fedtoga-beta must be a finite number >= 0 (got {self.fedtoga_beta})")
-        check(_nonneg(self.fedprox_mu), f"fedprox-mu must be a finite number >= 0 (got {self.fedprox_mu})")
-        check(0.0 <= self.fedacg_lambda < 1.0, "fedacg-lambda must be in [0, 1)")
-        check(_nonneg(self.fedacg_beta), f"fedacg-beta must be a finite number >= 0 (got {self.fedacg_beta})")
-        check(_pos(self.fedopt_eta), f"fedopt-eta must be a finite number > 0 (got {self.fedopt_eta})")
-        for name in ("fedopt_beta1", "fedopt_beta2"):
-            check(0.0 <= getattr(self, name) < 1.0, f"{_key(name)} must be in [0, 1)")
-        check(_pos(self.fedopt_tau), f"fedopt-tau must be a finite number > 0 (got {self.fedopt_tau})")
         check(_pos(self.server_lr), f"server-lr must be a finite number > 0 (got {self.server_lr})")
-        check(self.algorithm not in ("fedadam", "fedyogi") or self.server_lr == 1.0,
-              f"server-lr={self.server_lr} has no effect on {self.algorithm}: its server step size "
-              "is fedopt-eta")
         check(
             0.0 < self.fraction_train <= 1.0,
             f"fraction-train must be in (0, 1] (got {self.fraction_train})",
@@ -238,6 +192,9 @@ class RunConfig:
         check(_nonneg(self.weight_decay), "weight-decay must be a finite number >= 0")
         check(0.0 <= self.momentum < 1.0, "momentum must be in [0, 1)")
         check(_nonneg(self.clip_norm), "clip-norm must be a finite number >= 0 (0 = no clipping)")
+        if self.params is not None:
+            problems += self.params.problems(self)
+        problems += others or []
         if problems:
             raise ConfigError("invalid run config: " + "; ".join(problems))
 
@@ -251,11 +208,6 @@ class RunConfig:
         sweep fixes it so that every seed and algorithm trains on the same partition."""
         return self.seed if self.partition_seed < 0 else self.partition_seed
 
-    def fedtoga_coefficient(self) -> float:
-        """FedTOGA's a, the prox weight and dual step: alpha ("multiplier", notes §6-A1) or
-        1/alpha ("literal", as printed in Alg. 1)."""
-        return self.fedtoga_alpha if self.fedtoga_prox_scale == "multiplier" else 1.0 / self.fedtoga_alpha
-
     def resolved_model(self) -> str:
         """The model name, with ``auto`` replaced by the dataset's default model."""
         from common.datasets import DEFAULT_MODEL
@@ -265,6 +217,32 @@ class RunConfig:
 
 def _key(field_name: str) -> str:
     return field_name.replace("_", "-")
+
+
+def _other_algorithms_problems(values: Mapping[str, Any], cfg: RunConfig) -> list[str]:
+    """Bad values given for keys the run's algorithm does not use are still reported."""
+    from typing import get_type_hints
+
+    from common import registry
+    from common.params import field_problem
+
+    own = cfg.params.fields() if cfg.params is not None else {}
+    out = []
+    for k, (cls, f) in registry.algorithm_fields().items():
+        if k in values and k not in own:
+            try:
+                value = _coerce(k, values[k], get_type_hints(cls)[f.name].__name__)
+            except ConfigError as err:
+                out.append(str(err))
+                continue
+            if problem := field_problem(k, f, value):
+                out.append(problem)
+    return out
+
+
+def general_fields() -> dict[str, dataclasses.Field]:
+    """Run-config key -> field of the general keys (not the algorithm's params)."""
+    return {_key(f.name): f for f in fields(RunConfig) if not f.metadata.get("internal")}
 
 
 def _pos(x: float) -> bool:
@@ -309,6 +287,18 @@ def _coerce(key: str, value: Any, type_name: Any) -> Any:
         raise ConfigError(f"{key}={value!r} is not a valid {type_name}") from None
 
 
+def flat_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested TOML tables -> dotted run-config keys (``{"sam": {"rho": 0.1}}`` -> ``sam.rho``),
+    as Flower flattens ``[tool.flwr.app.config]``."""
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if isinstance(v, Mapping):
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def cli_int(text: str) -> int:
     """argparse type: a whole number written in ASCII digits (``int("١")`` is 1 to Python)."""
     return int(_ascii_number(text))
@@ -339,6 +329,7 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
         import tomli as tomllib
 
     out: dict[str, Any] = {}
+    known = defaults()
     for item in items:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
@@ -349,10 +340,14 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw  # a bare word such as fedsam
-        if isinstance(DEFAULTS.get(key), str) and not isinstance(value, str):
+        if isinstance(known.get(key), str) and not isinstance(value, str):
             value = raw.strip('"\'')  # text keys keep the text: run-dir=2024-01-01
         out[key] = value
     return out
 
 
-DEFAULTS = {_key(f.name): f.default for f in fields(RunConfig)}
+def defaults() -> dict[str, Any]:
+    """Every run-config key -> its default: the general keys and every algorithm's."""
+    from common import registry
+
+    return {**{k: f.default for k, f in general_fields().items()}, **registry.algorithm_keys()}

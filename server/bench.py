@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from client.batch import ModelBatch
 from common.config import RunConfig, cli_int
 from common.datasets import Split
 from common.models import build_model
@@ -48,7 +49,7 @@ from server.rundir import load_checkpoint, load_tensors
 
 # Variants measured besides each algorithm's defaults: (label, algorithm, run-config overrides).
 VARIANTS = [(name, name, {}) for name in ALGORITHMS] + [
-    ("fedtoga (N)", "fedtoga", {"fedtoga-perturbation": "N"}),
+    ("fedtoga (N)", "fedtoga", {"fedtoga.perturbation": "N"}),
 ]
 EXPECTED_OVERRIDES = {"fedtoga (N)": 1.0}  # passes of a variant whose config changes them
 MEMORY_CLIENTS_QUICK, MEMORY_CLIENTS_FULL = (2, 4), (4, 8, 16)
@@ -78,15 +79,15 @@ class Settings:
 
 # ---------------------------------------------------------------------------- compute
 class PassCounter:
-    """Counts torch.autograd.grad calls (every gradient pass of our client halves goes
-    through client.sam.loss_and_grad -> torch.autograd.grad) and forwards of one model."""
+    """Counts gradient passes (every one a client rule asks for goes through its batch,
+    client.batch.ModelBatch) and forwards of one model."""
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.grads, self.forwards = model, 0, 0
 
     @contextlib.contextmanager
     def counting(self):
-        original = torch.autograd.grad
+        original = ModelBatch._grad
 
         def grad(*args, **kwargs):
             self.grads += 1
@@ -96,11 +97,11 @@ class PassCounter:
             self.forwards += 1
 
         handle = self.model.register_forward_pre_hook(hook)
-        torch.autograd.grad = grad
+        ModelBatch._grad = grad
         try:
             yield self
         finally:
-            torch.autograd.grad = original
+            ModelBatch._grad = original
             handle.remove()
 
 
@@ -131,7 +132,7 @@ def _algorithm_seconds(name: str, overrides: dict, settings: Settings, x, y, ini
                        device) -> tuple[float, int, int, int]:
     """Seconds per step of ``name`` in our real local loop (client.train.local_train), after a
     warm-up round that gives the client its state; and the passes counted in the timed round."""
-    from client.train import local_train
+    from client.train import build_rule, local_train, rule_outputs
 
     cfg = RunConfig.from_mapping({"algorithm": name, "local-steps": settings.steps,
                                   "batch-size": settings.batch_size, "local-epochs": 1, **overrides})
@@ -143,7 +144,7 @@ def _algorithm_seconds(name: str, overrides: dict, settings: Settings, x, y, ini
     state: dict = {}
     for timed in (False, True):
         model.load_state_dict(init)
-        rule = spec.client_class()(cfg, model, broadcast, state, lr=cfg.lr, initial_weights=lambda: init)
+        rule, layout = build_rule(cfg, model, broadcast, state, cfg.lr, lambda: init)
         counter = PassCounter(model)
         gen = torch.Generator().manual_seed(0)
         _sync(device)
@@ -152,8 +153,7 @@ def _algorithm_seconds(name: str, overrides: dict, settings: Settings, x, y, ini
             result = local_train(model, data, rule, cfg, cfg.lr, gen)
         _sync(device)
         seconds = (time.perf_counter() - t0) / result.num_steps
-        rule.uploads(model)
-        state = {**state, **rule.new_state(model)}
+        state = {**state, **rule_outputs(rule, layout, model)[1]}
     return seconds, result.num_steps, counter.grads, counter.forwards
 
 
@@ -209,7 +209,7 @@ def _pure_training_seconds(cfg: RunConfig, clients: int) -> float:
         split = client_split(cfg, pid, clients)
         model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
         model.load_state_dict(init)
-        rule = FedAvgClient(cfg, model, {}, {})
+        rule = FedAvgClient(cfg.params, [p.detach() for p in model.parameters()], {}, {}, cfg.lr)
         t0 = time.perf_counter()
         local_train(model, split, rule, cfg, cfg.lr, round_generator(cfg.seed, 1, pid))
         total += time.perf_counter() - t0
@@ -245,8 +245,8 @@ def _plain_flower_fedavg_seconds(cfg: RunConfig, clients: int) -> list[float]:
         model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
         rnd = int(msg.content["config"]["server-round"])
-        result = local_train(model, split, FedAvgClient(cfg, model, {}, {}), cfg, cfg.lr,
-                             round_generator(cfg.seed, rnd, pid))
+        rule = FedAvgClient(cfg.params, [p.detach() for p in model.parameters()], {}, {}, cfg.lr)
+        result = local_train(model, split, rule, cfg, cfg.lr, round_generator(cfg.seed, rnd, pid))
         return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
                                    "metrics": MetricRecord({"num-examples": result.num_examples})}),
                        reply_to=msg)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError, RunConfig, flat_keys
 
 try:
     import tomllib
@@ -89,7 +89,7 @@ def load_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Prese
             raise PresetError(f"{path}: missing [{table}] table")
         if not isinstance(data[table], dict):
             raise PresetError(f"{path}: {table} must be a table ([{table}])")
-    meta, config = data["preset"], data["config"]
+    meta, config = data["preset"], flat_keys(data["config"])
 
     unknown = sorted(set(meta) - set(PRESET_KEYS))
     if unknown:

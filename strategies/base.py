@@ -82,6 +82,7 @@ class FlatStrategy(FlowerFedAvg):
         )
         self.fraction_evaluate = cfg.fraction_evaluate
         self.cfg = cfg
+        self.params = cfg.params  # the algorithm's hyperparameters (common/params.py)
         self.spec = spec or get_spec(cfg.algorithm)
         self.model: OrderedDict = OrderedDict((k, v.clone()) for k, v in initial_model.items())
         self.layout = layout_of(self.model)

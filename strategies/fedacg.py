@@ -20,7 +20,7 @@ from strategies.fednsam import FedNSAM
 
 class FedACG(FedNSAM):
     def momentum_coefficient(self) -> float:
-        return self.cfg.fedacg_lambda
+        return self.params.lam
 
     def start_point(self):
         return add_scaled(self.model, self.momentum_coefficient(), self.records[MOMENTUM])

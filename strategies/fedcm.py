@@ -7,7 +7,7 @@ sent to the clients next round (Delta^0 = 0). The papers' normalisation is
 -(1/(eta_l K S)) sum_i Delta_i; with tau_i = each client's actual number of local steps the
 two agree when all clients take K steps (MoFedSAM notes §6 A1-A2).
 
-Model step, ``fedcm-server-step``:
+Model step, ``fedcm.server-step`` (client.algorithms.fedcm.GlobalUpdateParams):
   * ``delta`` (default, the notes' recommended reading and the FL-Simulator code):
     w^{r+1} = w^r + eta_g sum_i p_i (w_i - w^r), i.e. model averaging at eta_g = 1;
   * ``literal`` (Alg. 2 as printed): w^{r+1} = w^r - eta_g Delta^{r+1}; equals ``delta`` only
@@ -35,7 +35,7 @@ class FedCM(FedAvg):
     def update(self, server_round, updates, weights):
         lr = self.cfg.round_lr(server_round)
         self.records[GLOBAL_UPDATE] = global_update(self.model, updates, weights, lr, self.aggregate)
-        if self.cfg.fedcm_server_step == "literal":
+        if self.params.server_step == "literal":
             self.model = add_scaled(self.model, -self.cfg.server_lr, self.records[GLOBAL_UPDATE])
         else:
             self.model = add_scaled(self.model, self.cfg.server_lr, self.mean_delta(updates, weights))

@@ -22,7 +22,7 @@ class FedDyn(FedAvg):
         self.records[DUAL] = zeros_like(self.model)  # h^0 = 0 (server state, not broadcast)
 
     def dual_coefficient(self) -> float:
-        return self.cfg.feddyn_alpha
+        return self.params.alpha
 
     def dual_divisor(self, num_updates: int) -> int:
         """D: N, the number of clients in the federation."""

@@ -23,7 +23,7 @@ from strategies.feddyn import FedDyn
 
 class FedGMTv2(FedDyn):
     def dual_coefficient(self) -> float:
-        return 1.0 / self.cfg.fedgmt_beta
+        return 1.0 / self.params.beta
 
 
 class FedGMT(FedGMTv2):
@@ -33,6 +33,6 @@ class FedGMT(FedGMTv2):
 
     def update(self, server_round, updates, weights):
         super().update(server_round, updates, weights)
-        alpha, ema = self.cfg.fedgmt_alpha, self.records[EMA_MODEL]
+        alpha, ema = self.params.alpha, self.records[EMA_MODEL]
         self.records[EMA_MODEL] = OrderedDict(
             (k, alpha * ema[k] + (1.0 - alpha) * v) for k, v in self.model.items())

@@ -19,7 +19,7 @@ class FedNSAM(FedAvg):
         self.records[MOMENTUM] = zeros_like(self.model)
 
     def momentum_coefficient(self) -> float:
-        return self.cfg.fednsam_lambda
+        return self.params.lam
 
     def update(self, server_round, updates, weights):
         lam = self.momentum_coefficient()

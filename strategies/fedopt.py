@@ -8,7 +8,8 @@ as Flower's FedAdam/FedYogi; the paper allows any v^{-1} >= tau^2):
           = v - (1 - beta2) Delta^2 sign(v - Delta^2)               (Yogi)
     w     = w + eta m / (sqrt(v) + tau)
 
-eta = ``fedopt-eta`` (server-lr is not used), beta1/beta2/tau = ``fedopt-beta1/-beta2/-tau``.
+eta = ``fedopt.eta`` (server-lr is not used), beta1/beta2/tau = ``fedopt.beta1/.beta2/.tau``
+(client.algorithms.fedopt.FedOptParams).
 No bias correction, as in the paper's Alg. 2 (Flower's FedAdam scales eta by
 sqrt(1 - beta2^(t+1)) / (1 - beta1^(t+1)); FedYogi has none in either).
 """
@@ -30,21 +31,21 @@ class FedAdam(FedAvg):
         self.records[ADAPTIVE_V] = zeros_like(self.model)
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
-        b2 = self.cfg.fedopt_beta2
+        b2 = self.params.beta2
         return b2 * v + (1.0 - b2) * d2
 
     def update(self, server_round, updates, weights):
-        cfg = self.cfg
+        p = self.params
         delta = self.mean_delta(updates, weights)
         m, v = self.records[ADAPTIVE_M], self.records[ADAPTIVE_V]
-        m = OrderedDict((k, cfg.fedopt_beta1 * m[k] + (1.0 - cfg.fedopt_beta1) * d) for k, d in delta.items())
+        m = OrderedDict((k, p.beta1 * m[k] + (1.0 - p.beta1) * d) for k, d in delta.items())
         v = OrderedDict((k, self.second_moment(v[k], d * d)) for k, d in delta.items())
         self.records[ADAPTIVE_M], self.records[ADAPTIVE_V] = m, v
         self.model = OrderedDict(
-            (k, w + cfg.fedopt_eta * m[k] / (torch.sqrt(v[k]) + cfg.fedopt_tau))
+            (k, w + p.eta * m[k] / (torch.sqrt(v[k]) + p.tau))
             for k, w in self.model.items())
 
 
 class FedYogi(FedAdam):
     def second_moment(self, v, d2):
-        return v - (1.0 - self.cfg.fedopt_beta2) * d2 * torch.sign(v - d2)
+        return v - (1.0 - self.params.beta2) * d2 * torch.sign(v - d2)

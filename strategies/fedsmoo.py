@@ -23,4 +23,4 @@ class FedSMOO(FedDyn):
     def update(self, server_round, updates, weights):
         super().update(server_round, updates, weights)
         mean = self.aggregate([u.records[PERTURBATION_CORRECTION] for u in updates], weights)
-        self.records[GLOBAL_PERTURBATION] = scale(mean, self.cfg.rho / (global_norm(mean) + EPS))
+        self.records[GLOBAL_PERTURBATION] = scale(mean, self.params.rho / (global_norm(mean) + EPS))

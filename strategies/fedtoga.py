@@ -1,10 +1,10 @@
 """FedTOGA server (Li et al., final version, Alg. 1 "Server execute"), on the FedDyn server:
 
-    h^{t+1}     = h^t - (a/D) sum_{i in S} (theta_i - theta^t)   D = M (printed) or N: ``fedtoga-dual-divisor``
-    Delta^{t+1} = -(1/(M K)) sum_{i in S} (theta_i - theta^t)     (÷ eta_l too: ``fedtoga-delta-scale = per-lr``)
+    h^{t+1}     = h^t - (a/D) sum_{i in S} (theta_i - theta^t)   D = M (printed) or N: ``fedtoga.dual-divisor``
+    Delta^{t+1} = -(1/(M K)) sum_{i in S} (theta_i - theta^t)     (÷ eta_l too: ``fedtoga.delta-scale = per-lr``)
     theta^{t+1} = mean_i theta_i - h^{t+1}/a
 
-with a = alpha or 1/alpha (``fedtoga-prox-scale``, see client.algorithms.fedtoga). Delta is
+with a = alpha or 1/alpha (``fedtoga.prox-scale``, see client.algorithms.fedtoga). Delta is
 broadcast with theta (2 models down, 1 up); Delta^0 = 0. K is each client's own number of
 steps tau_i, and 1/M is the aggregation weight p_i.
 """
@@ -23,12 +23,12 @@ class FedTOGA(FedDyn):
         self.records[GLOBAL_UPDATE] = zeros_like(self.model)  # Delta^0 = 0
 
     def dual_coefficient(self) -> float:
-        return self.cfg.fedtoga_coefficient()
+        return self.params.coefficient()
 
     def dual_divisor(self, num_updates: int) -> int:
-        return num_updates if self.cfg.fedtoga_dual_divisor == "M" else super().dual_divisor(num_updates)
+        return num_updates if self.params.dual_divisor == "M" else super().dual_divisor(num_updates)
 
     def update(self, server_round, updates, weights):
-        lr = self.cfg.round_lr(server_round) if self.cfg.fedtoga_delta_scale == "per-lr" else 1.0
+        lr = self.cfg.round_lr(server_round) if self.params.delta_scale == "per-lr" else 1.0
         self.records[GLOBAL_UPDATE] = global_update(self.model, updates, weights, lr, self.aggregate)
         super().update(server_round, updates, weights)

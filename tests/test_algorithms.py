@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from client.sam import loss_and_grad, sam_gradient, trainable
+from client.batch import ModelBatch, trainable
+from client.sam import sam_gradient
 from common.datasets import load_dataset
 from server.inprocess import run_inprocess
 
@@ -121,42 +122,42 @@ def test_fedavg_matches_pseudocode(tmp_path, server_lr):
 
 
 def test_fedsam_matches_pseudocode(tmp_path):
-    result = run(tmp_path, "fedsam", algorithm="fedsam", rho=0.5, aggregation="uniform")
+    result = run(tmp_path, "fedsam", algorithm="fedsam", **{"sam.rho": 0.5}, aggregation="uniform")
     assert_matches(result, reference(result, "fedsam", rho=0.5, weighting="uniform"))
 
 
 @pytest.mark.parametrize("step", ["delta", "literal"])
 def test_mofedsam_matches_pseudocode(tmp_path, step):
-    result = run(tmp_path, "mofedsam", algorithm="mofedsam", rho=0.2,
-                 **{"mofedsam-beta": 0.3, "fedcm-server-step": step, "server-lr": 0.8})
+    result = run(tmp_path, "mofedsam", algorithm="mofedsam", **{"sam.rho": 0.2},
+                 **{"mofedsam.beta": 0.3, "fedcm.server-step": step, "server-lr": 0.8})
     assert_matches(result, reference(result, "mofedsam", rho=0.2, beta=0.3, server_lr=0.8, step=step))
 
 
 def test_fedsam_differs_from_fedavg_when_rho_positive(tmp_path):
     """Guards the identities below against a SAM that silently does nothing."""
     a = run(tmp_path, "a", algorithm="fedavg")["final"]
-    b = run(tmp_path, "b", algorithm="fedsam", rho=0.5)["final"]
+    b = run(tmp_path, "b", algorithm="fedsam", **{"sam.rho": 0.5})["final"]
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
 # ---------------------------------------------------------------- identities (bit for bit)
 def test_fedsam_rho0_equals_fedavg(tmp_path):
     a = run(tmp_path, "a", algorithm="fedavg")["final"]
-    b = run(tmp_path, "b", algorithm="fedsam", rho=0.0)["final"]
+    b = run(tmp_path, "b", algorithm="fedsam", **{"sam.rho": 0.0})["final"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_mofedsam_beta1_equals_fedsam(tmp_path):
-    a = run(tmp_path, "a", algorithm="fedsam", rho=0.3)["final"]
-    b = run(tmp_path, "b", algorithm="mofedsam", rho=0.3, **{"mofedsam-beta": 1.0})["final"]
+    a = run(tmp_path, "a", algorithm="fedsam", **{"sam.rho": 0.3})["final"]
+    b = run(tmp_path, "b", algorithm="mofedsam", **{"sam.rho": 0.3}, **{"mofedsam.beta": 1.0})["final"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_mofedsam_literal_step_equals_delta_step_when_lr_times_k_is_1(tmp_path):
     """Notes §6 A2: the literal Alg. 2 server step is model averaging iff eta_l * K = 1."""
-    common = {"algorithm": "mofedsam", "rho": 0.1, "lr": 0.25, "local-steps": 4}
+    common = {"algorithm": "mofedsam", "sam.rho": 0.1, "lr": 0.25, "local-steps": 4}
     a = run(tmp_path, "a", **common)["final"]
-    b = run(tmp_path, "b", **common, **{"fedcm-server-step": "literal"})["final"]
+    b = run(tmp_path, "b", **common, **{"fedcm.server-step": "literal"})["final"]
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 
@@ -171,7 +172,7 @@ def test_sam_restores_weights_bit_exactly():
     model = _tiny_model()
     x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
     before = [p.detach().clone() for p in model.parameters()]
-    sam_gradient(model, x, y, rho=0.7)
+    sam_gradient(ModelBatch(model, x, y), rho=0.7)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -180,14 +181,14 @@ def test_sam_uses_global_norm_and_same_batch():
     model = _tiny_model()
     x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
     rho = 0.4
-    _, g = loss_and_grad(model, x, y)
+    _, g = ModelBatch(model, x, y).grad()
     norm = torch.sqrt(sum((gi ** 2).sum() for gi in g))
     shifted = _tiny_model()
     with torch.no_grad():
         for p, gi in zip(trainable(shifted), g):
             p.add_(rho * gi / norm)
-    _, expected = loss_and_grad(shifted, x, y)
-    _, got = sam_gradient(model, x, y, rho)
+    _, expected = ModelBatch(shifted, x, y).grad()
+    _, got = sam_gradient(ModelBatch(model, x, y), rho)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     # a per-layer normalisation would give a different answer on this model
@@ -195,5 +196,5 @@ def test_sam_uses_global_norm_and_same_batch():
     with torch.no_grad():
         for p, gi in zip(trainable(per_layer), g):
             p.add_(rho * gi / gi.norm())
-    _, wrong = loss_and_grad(per_layer, x, y)
+    _, wrong = ModelBatch(per_layer, x, y).grad()
     assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(got, wrong))

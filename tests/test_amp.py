@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from client.sam import sam_gradient, trainable
+from client.batch import ModelBatch, trainable
+from client.sam import sam_gradient
 from client.train import autocast
 from common.config import RunConfig
 from server.inprocess import run_inprocess
@@ -20,11 +21,11 @@ def test_sam_under_bf16_autocast_restores_weights_and_keeps_float32_gradients():
     before = [p.detach().clone() for p in trainable(model)]
     cfg = RunConfig.from_mapping({"amp": "bf16"})
     with autocast(cfg, torch.device("cpu")):
-        loss, grads = sam_gradient(model, x, y, rho=0.05)
+        loss, grads = sam_gradient(ModelBatch(model, x, y), rho=0.05)
         assert model(x).dtype == torch.bfloat16  # the forward really runs in bf16
     assert all(torch.equal(a, b) for a, b in zip(before, trainable(model)))
     assert all(g.dtype == torch.float32 for g in grads)
-    _, exact = sam_gradient(model, x, y, rho=0.05)
+    _, exact = sam_gradient(ModelBatch(model, x, y), rho=0.05)
     error = torch.sqrt(sum(((g - e) ** 2).sum() for g, e in zip(grads, exact)))
     norm = torch.sqrt(sum((e ** 2).sum() for e in exact))
     assert float(error / norm) < 0.15  # bf16 keeps ~3 significant digits (here 7%)

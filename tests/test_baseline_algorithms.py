@@ -14,10 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-import client.algorithms.fedlesam as fedlesam_client
-import client.algorithms.fedprox as fedprox_client
-import client.algorithms.fedsmoo as fedsmoo_client
-import client.algorithms.scaffold as scaffold_client
 from common import protocol as P
 from common.config import ConfigError, RunConfig
 from test_algorithms import run
@@ -68,7 +64,7 @@ def scaffold_reference(prob, rho=0.0, lesam_rho=None, lesam_first="none"):
     """SCAFFOLD, option II (Karimireddy et al. 2020, Alg. 1; reference-codebases notes §2):
     client  d = g(y_k) - c_i + c;  c_i+ = c_i - c + (x - y_K)/(K eta);  upload c_i+ - c_i
     server  x <- x + eta_g u;  c <- c + (M/N) sum_i p_i (c_i+ - c_i)      (c = c_i = 0 at start)
-    FedGAMMA (``rho``): g -> the SAM gradient g(y + rho g/||g||).
+    FedGAMMA (``sam.rho``): g -> the SAM gradient g(y + rho g/||g||).
     FedLESAM-S (``lesam_rho``): g -> g(y + delta_i), delta_i from the client's previous global model.
     Returns (x, c, client c_i)."""
     w, c = prob.w0.copy(), prob.zeros()
@@ -218,7 +214,7 @@ def assert_state(result, prob, record, expected):
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
 def test_fedprox_matches_pseudocode(tmp_path, partial):
     extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8}
-    result = run(tmp_path, "fedprox", algorithm="fedprox", **{"fedprox-mu": 0.7}, **extra)
+    result = run(tmp_path, "fedprox", algorithm="fedprox", **{"fedprox.mu": 0.7}, **extra)
     prob = Problem(result)
     matches(result, prob, fedprox_reference(prob, mu=0.7))
 
@@ -226,9 +222,9 @@ def test_fedprox_matches_pseudocode(tmp_path, partial):
 def test_fedprox_mu0_equals_fedavg(tmp_path):
     """mu = 0: 0 * (w - w^t) adds zeros to the gradient. Exact."""
     a = run(tmp_path, "a", algorithm="fedavg")
-    b = run(tmp_path, "b", algorithm="fedprox", **{"fedprox-mu": 0.0})
+    b = run(tmp_path, "b", algorithm="fedprox", **{"fedprox.mu": 0.0})
     assert finals_equal(a, b)
-    assert_differ(a, run(tmp_path, "c", algorithm="fedprox", **{"fedprox-mu": 0.7}))
+    assert_differ(a, run(tmp_path, "c", algorithm="fedprox", **{"fedprox.mu": 0.7}))
 
 
 # ================================================================ SCAFFOLD / FedGAMMA
@@ -238,7 +234,7 @@ def test_scaffold_family_matches_pseudocode(tmp_path, strategy_spy, algorithm, r
     """Option II control variates, c^0 = c_i^0 = 0, server c over all N; lr decay so that
     c_i's 1/(K eta) must use the round's eta. Server c and clients' c_i checked too."""
     extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8}
-    result = run(tmp_path, algorithm, algorithm=algorithm, rho=rho, **{"lr-decay": 0.8}, **extra)
+    result = run(tmp_path, algorithm, algorithm=algorithm, **{"sam.rho": rho}, **{"lr-decay": 0.8}, **extra)
     prob = Problem(result)
     if partial:
         assert_partial(prob)
@@ -252,9 +248,9 @@ def test_scaffold_family_matches_pseudocode(tmp_path, strategy_spy, algorithm, r
 def test_fedgamma_rho0_equals_scaffold(tmp_path):
     """rho = 0: the SAM offset is zero and the same gradient is recomputed. Exact."""
     a = run(tmp_path, "a", algorithm="scaffold", **PARTIAL)
-    b = run(tmp_path, "b", algorithm="fedgamma", rho=0.0, **PARTIAL)
+    b = run(tmp_path, "b", algorithm="fedgamma", **{"sam.rho": 0.0}, **PARTIAL)
     assert finals_equal(a, b)
-    assert_differ(a, run(tmp_path, "c", algorithm="fedgamma", rho=0.3, **PARTIAL))
+    assert_differ(a, run(tmp_path, "c", algorithm="fedgamma", **{"sam.rho": 0.3}, **PARTIAL))
 
 
 def test_scaffold_first_round_is_fedavg_and_later_rounds_are_not(tmp_path):
@@ -273,7 +269,7 @@ def test_fedsmoo_matches_pseudocode(tmp_path, strategy_spy, partial):
     """Alg. 2: corrected perturbation, mu_i across rounds, s~_i upload, normalised s, FedDyn
     duals. Server s, clients' mu_i and h_i checked too."""
     extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.9}
-    result = run(tmp_path, "fedsmoo", algorithm="fedsmoo", rho=0.3, **{"feddyn-alpha": 0.4}, **extra)
+    result = run(tmp_path, "fedsmoo", algorithm="fedsmoo", **{"sam.rho": 0.3}, **{"feddyn.alpha": 0.4}, **extra)
     prob = Problem(result)
     w, s, hc, mu = fedsmoo_reference(prob, a=0.4, rho=0.3)
     matches(result, prob, w)
@@ -285,10 +281,10 @@ def test_fedsmoo_matches_pseudocode(tmp_path, strategy_spy, partial):
 
 def test_fedsmoo_rho0_equals_feddyn(tmp_path):
     """rho = 0: the perturbation, s and mu_i stay zero; FedDyn exactly."""
-    a = run(tmp_path, "a", algorithm="feddyn", **{"feddyn-alpha": 0.4}, **PARTIAL)
-    b = run(tmp_path, "b", algorithm="fedsmoo", rho=0.0, **{"feddyn-alpha": 0.4}, **PARTIAL)
+    a = run(tmp_path, "a", algorithm="feddyn", **{"feddyn.alpha": 0.4}, **PARTIAL)
+    b = run(tmp_path, "b", algorithm="fedsmoo", **{"sam.rho": 0.0}, **{"feddyn.alpha": 0.4}, **PARTIAL)
     assert finals_equal(a, b)
-    assert_differ(a, run(tmp_path, "c", algorithm="fedsmoo", rho=0.3, **{"feddyn-alpha": 0.4}, **PARTIAL))
+    assert_differ(a, run(tmp_path, "c", algorithm="fedsmoo", **{"sam.rho": 0.3}, **{"feddyn.alpha": 0.4}, **PARTIAL))
 
 
 # ================================================================ FedLESAM, -D, -S
@@ -297,7 +293,7 @@ def test_fedsmoo_rho0_equals_feddyn(tmp_path):
 def test_fedlesam_family_matches_pseudocode(tmp_path, algorithm, first):
     """Under partial participation a client's theta_i^old is the global model of ITS last
     round, not the previous round's; both readings of a first round."""
-    cfg = {"algorithm": algorithm, "rho": 0.3, "feddyn-alpha": 0.4, "fedlesam-first": first, **PARTIAL,
+    cfg = {"algorithm": algorithm, "sam.rho": 0.3, "feddyn.alpha": 0.4, "fedlesam.first": first, **PARTIAL,
            "num-server-rounds": 4}
     result = run(tmp_path, algorithm, **cfg)
     prob = Problem(result)
@@ -314,31 +310,31 @@ def test_fedlesam_family_matches_pseudocode(tmp_path, algorithm, first):
 
 
 @pytest.mark.parametrize("algorithm,base,extra", [
-    ("fedlesam", "fedavg", {}), ("fedlesam-d", "feddyn", {"feddyn-alpha": 0.4}),
+    ("fedlesam", "fedavg", {}), ("fedlesam-d", "feddyn", {"feddyn.alpha": 0.4}),
     ("fedlesam-s", "scaffold", {})])
 def test_fedlesam_rho0_equals_its_base(tmp_path, algorithm, base, extra):
     """rho = 0: zero perturbation (first rounds: none), the base algorithm exactly."""
     a = run(tmp_path, "a", algorithm=base, **extra, **PARTIAL)
-    b = run(tmp_path, "b", algorithm=algorithm, rho=0.0, **extra, **PARTIAL)
+    b = run(tmp_path, "b", algorithm=algorithm, **{"sam.rho": 0.0}, **extra, **PARTIAL)
     assert finals_equal(a, b)
-    assert_differ(a, run(tmp_path, "c", algorithm=algorithm, rho=0.3, **extra, **PARTIAL))
+    assert_differ(a, run(tmp_path, "c", algorithm=algorithm, **{"sam.rho": 0.3}, **extra, **PARTIAL))
 
 
 def test_fedlesam_first_round_choice_matters_only_after_round_one(tmp_path):
     """'none' vs 'initial' differ once a client is first sampled after round 1 (theta^0 !=
     theta^t); with one round both are 'no perturbation' (theta^0 = theta^1)."""
-    one = {"num-server-rounds": 1, "rho": 0.3}
-    assert finals_equal(run(tmp_path, "n1", algorithm="fedlesam", **one, **{"fedlesam-first": "none"}),
-                        run(tmp_path, "i1", algorithm="fedlesam", **one, **{"fedlesam-first": "initial"}))
-    assert_differ(run(tmp_path, "n", algorithm="fedlesam", rho=0.3, **PARTIAL, **{"fedlesam-first": "none"}),
-                  run(tmp_path, "i", algorithm="fedlesam", rho=0.3, **PARTIAL, **{"fedlesam-first": "initial"}))
+    one = {"num-server-rounds": 1, "sam.rho": 0.3}
+    assert finals_equal(run(tmp_path, "n1", algorithm="fedlesam", **one, **{"fedlesam.first": "none"}),
+                        run(tmp_path, "i1", algorithm="fedlesam", **one, **{"fedlesam.first": "initial"}))
+    assert_differ(run(tmp_path, "n", algorithm="fedlesam", **{"sam.rho": 0.3}, **PARTIAL, **{"fedlesam.first": "none"}),
+                  run(tmp_path, "i", algorithm="fedlesam", **{"sam.rho": 0.3}, **PARTIAL, **{"fedlesam.first": "initial"}))
 
 
 # ================================================================ FedACG
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
 def test_fedacg_matches_pseudocode(tmp_path, strategy_spy, partial):
     extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8}
-    result = run(tmp_path, "fedacg", algorithm="fedacg", **{"fedacg-lambda": 0.6, "fedacg-beta": 0.5}, **extra)
+    result = run(tmp_path, "fedacg", algorithm="fedacg", **{"fedacg.lambda": 0.6, "fedacg.beta": 0.5}, **extra)
     prob = Problem(result)
     w, m = fedacg_reference(prob, lam=0.6, beta=0.5)
     matches(result, prob, w)
@@ -349,16 +345,16 @@ def test_fedacg_identities(tmp_path):
     """lambda = beta = 0 is FedAvg; lambda = 0 is FedProx with mu = beta. Exact: the
     look-ahead adds 0 * m, the momentum is 0 * m + Delta."""
     avg = run(tmp_path, "avg", algorithm="fedavg")
-    assert finals_equal(avg, run(tmp_path, "a0", algorithm="fedacg", **{"fedacg-lambda": 0.0, "fedacg-beta": 0.0}))
-    prox = run(tmp_path, "prox", algorithm="fedprox", **{"fedprox-mu": 0.5})
-    assert finals_equal(prox, run(tmp_path, "a1", algorithm="fedacg", **{"fedacg-lambda": 0.0, "fedacg-beta": 0.5}))
-    assert_differ(prox, run(tmp_path, "a2", algorithm="fedacg", **{"fedacg-lambda": 0.6, "fedacg-beta": 0.5}))
+    assert finals_equal(avg, run(tmp_path, "a0", algorithm="fedacg", **{"fedacg.lambda": 0.0, "fedacg.beta": 0.0}))
+    prox = run(tmp_path, "prox", algorithm="fedprox", **{"fedprox.mu": 0.5})
+    assert finals_equal(prox, run(tmp_path, "a1", algorithm="fedacg", **{"fedacg.lambda": 0.0, "fedacg.beta": 0.5}))
+    assert_differ(prox, run(tmp_path, "a2", algorithm="fedacg", **{"fedacg.lambda": 0.6, "fedacg.beta": 0.5}))
 
 
 # ================================================================ FedAdam / FedYogi
 @pytest.mark.parametrize("algorithm", ["fedadam", "fedyogi"])
 def test_fedopt_matches_pseudocode(tmp_path, strategy_spy, algorithm):
-    hp = {"fedopt-eta": 0.05, "fedopt-beta1": 0.8, "fedopt-beta2": 0.95, "fedopt-tau": 0.01}
+    hp = {"fedopt.eta": 0.05, "fedopt.beta1": 0.8, "fedopt.beta2": 0.95, "fedopt.tau": 0.01}
     result = run(tmp_path, algorithm, algorithm=algorithm, **hp, **PARTIAL)
     prob = Problem(result)
     w, m, v = fedopt_reference(prob, 0.05, 0.8, 0.95, 0.01, yogi=algorithm == "fedyogi")
@@ -368,7 +364,7 @@ def test_fedopt_matches_pseudocode(tmp_path, strategy_spy, algorithm):
 
 
 def test_fedadam_and_fedyogi_differ(tmp_path):
-    hp = {"fedopt-eta": 0.05, **PARTIAL}
+    hp = {"fedopt.eta": 0.05, **PARTIAL}
     assert_differ(run(tmp_path, "a", algorithm="fedadam", **hp), run(tmp_path, "y", algorithm="fedyogi", **hp),
                   min_diff=1e-6)
 
@@ -392,8 +388,8 @@ def test_fedopt_equals_flowers_own_strategy(algorithm):
     flower.current_arrays = {k: v.copy() for k, v in model.items()}
     for t in range(1, 4 if algorithm == "fedyogi" else 2):
         scale = np.sqrt(1 - b2 ** (t + 1)) / (1 - b1 ** (t + 1)) if algorithm == "fedadam" else 1.0
-        cfg = RunConfig.from_mapping({"algorithm": algorithm, "fedopt-eta": eta * scale, "fedopt-beta1": b1,
-                                      "fedopt-beta2": b2, "fedopt-tau": tau})
+        cfg = RunConfig.from_mapping({"algorithm": algorithm, "fedopt.eta": eta * scale, "fedopt.beta1": b1,
+                                      "fedopt.beta2": b2, "fedopt.tau": tau})
         if t == 1:
             ours = (FedYogi if algorithm == "fedyogi" else FedAdam)(
                 cfg, {k: torch.from_numpy(v.copy()) for k, v in model.items()})
@@ -431,15 +427,14 @@ def test_fedopt_refuses_a_server_lr(tmp_path):
 
 
 # ================================================================ gradient passes per step
-@pytest.mark.parametrize("algorithm,per_step,modules", [
-    ("fedprox", 1, [fedprox_client]), ("scaffold", 1, [scaffold_client]), ("fedgamma", 2, [scaffold_client]),
-    ("fedsmoo", 2, [fedsmoo_client]), ("fedlesam", 1, [fedlesam_client]), ("fedlesam-d", 1, [fedlesam_client]),
-    ("fedlesam-s", 1, [fedlesam_client, scaffold_client]), ("fedacg", 1, [fedprox_client])])
-def test_gradient_passes_per_step(tmp_path, monkeypatch, algorithm, per_step, modules):
+@pytest.mark.parametrize("algorithm,per_step", [
+    ("fedprox", 1), ("scaffold", 1), ("fedgamma", 2), ("fedsmoo", 2), ("fedlesam", 1),
+    ("fedlesam-d", 1), ("fedlesam-s", 1), ("fedacg", 1)])
+def test_gradient_passes_per_step(tmp_path, monkeypatch, algorithm, per_step):
     """fedtoga notes §2.3 / §5: FedLESAM needs one gradient per step (its perturbation needs
     no ascent gradient), FedGAMMA and FedSMOO two. Rounds 2-3, so FedLESAM's perturbation is
-    active; counted at client.sam.loss_and_grad and wherever a client module imported it."""
-    calls = count_gradient_passes(monkeypatch, modules)
+    active; counted at the batch (ModelBatch._grad)."""
+    calls = count_gradient_passes(monkeypatch)
     k, rounds, clients = 4, 3, 3
-    run(tmp_path, algorithm, algorithm=algorithm, rho=0.2, **{"local-steps": k, "num-server-rounds": rounds})
+    run(tmp_path, algorithm, algorithm=algorithm, **{"sam.rho": 0.2}, **{"local-steps": k, "num-server-rounds": rounds})
     assert calls["n"] == rounds * clients * k * per_step

@@ -93,7 +93,7 @@ def test_fedsmoo_global_perturbation_is_the_normalised_mean_correction(tmp_path)
                 for k in sent_s[0]}
         norm = torch.sqrt(sum((v.double() ** 2).sum() for v in mean.values()))
         for k, s in sent_s[r + 1].items():
-            torch.testing.assert_close(s, (cfg.rho * mean[k] / norm).float(), rtol=0, atol=1e-6)
+            torch.testing.assert_close(s, (cfg.params.rho * mean[k] / norm).float(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("algorithm", ["fedlesam", "fedlesam-d", "fedlesam-s"])
@@ -115,7 +115,7 @@ def test_fedacg_sends_the_look_ahead_model_and_evaluates_the_global_one(tmp_path
     assert all(torch.equal(sent_models[0][k], init[k]) for k in init)
     # theta^{r+1} = theta^r + m^{r+1} and x^{r+1} = theta^{r+1} + lambda m^{r+1} (eta_g = 1):
     # rebuild theta and m from the replies and compare with what was sent
-    lam, theta, m = cfg.fedacg_lambda, dict(init), {k: torch.zeros_like(v) for k, v in init.items()}
+    lam, theta, m = cfg.params.lam, dict(init), {k: torch.zeros_like(v) for k, v in init.items()}
     for r, (_, _, sent, got) in enumerate(grid.rounds[:-1]):
         sizes = {node: got[node].metric_records[P.METRICS]["num-examples"] for node in got}
         total = sum(sizes.values())

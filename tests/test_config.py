@@ -14,15 +14,20 @@ except ModuleNotFoundError:  # Python 3.10
 import pytest
 from conftest import fast_config
 
-from common.config import DEFAULTS, ConfigError, RunConfig, parse_assignments
+from common.config import ConfigError, RunConfig, defaults, flat_keys, general_fields, parse_assignments
+from common.registry import ALGORITHMS
 from common.datasets import DATASETS
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
 def app_config() -> dict:
+    """[tool.flwr.app.config], flattened as Flower does (``sam.rho``)."""
     with open(PYPROJECT, "rb") as f:
-        return tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+        return flat_keys(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
+
+
+DEFAULTS = defaults()
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -35,8 +40,19 @@ def test_defaults_equal_pyproject_key_by_key() -> None:
 
 
 def test_pyproject_config_is_a_valid_run_config() -> None:
-    assert RunConfig.from_mapping(app_config()) == RunConfig()
-    assert RunConfig.from_mapping({}) == RunConfig() == RunConfig.from_mapping(None)
+    assert RunConfig.from_mapping(app_config()) == RunConfig.from_mapping({}) == RunConfig.from_mapping(None)
+
+
+def test_a_key_a_family_shares_has_one_declaration() -> None:
+    """``sam.rho`` (and every shared key) means one thing, with one default and one check,
+    in every algorithm that has it: the field objects are the very same."""
+    declared: dict[str, set] = {}
+    for spec in ALGORITHMS.values():
+        for key, field in spec.params_class().fields().items():
+            declared.setdefault(key, set()).add((field.default, field.metadata["meaning"]))
+    assert all(len(v) == 1 for v in declared.values()), {k: v for k, v in declared.items() if len(v) > 1}
+    assert all("." in key for key in declared), "algorithm keys are namespaced"
+    assert not set(declared) & set(general_fields()), "the general config knows no algorithm key"
 
 
 # ----------------------------------------------------------------------------- validation
@@ -46,7 +62,7 @@ INVALID = [
     ({"lr": -0.1}, "lr must be a finite number > 0"),
     ({"lr": float("nan")}, "lr must be a finite number > 0 (got nan)"),
     ({"lr": "nan"}, "lr must be a finite number > 0 (got nan)"),
-    ({"rho": -0.01}, "rho must be a finite number >= 0"),
+    ({"sam.rho": -0.01}, "sam.rho must be a finite number >= 0"),
     ({"fraction-train": 0.0}, "fraction-train must be in (0, 1]"),
     ({"fraction-train": 1.5}, "fraction-train must be in (0, 1]"),
     ({"fraction-evaluate": -0.1}, "fraction-evaluate must be in [0, 1]"),
@@ -65,16 +81,16 @@ INVALID = [
     ({"num-server-rounds": 1.5}, "num-server-rounds=1.5 is not a valid int"),
     ({"download": "maybe"}, "download='maybe' is not a valid bool"),
     ({"algorithm": 3}, "algorithm='3' is not one of: fedacg, fedadam, fedavg"),
-    ({"fedprox-mu": -0.1}, "fedprox-mu must be a finite number >= 0"),
-    ({"fedspeed-alpha": 1.5}, "fedspeed-alpha must be in [0, 1]"),
-    ({"fedlesam-first": "global"}, "fedlesam-first='global' is not one of: initial, none"),
-    ({"fedacg-lambda": 1.0}, "fedacg-lambda must be in [0, 1)"),
-    ({"fedacg-beta": float("inf")}, "fedacg-beta must be a finite number >= 0 (got inf)"),
-    ({"fedopt-eta": 0.0}, "fedopt-eta must be a finite number > 0"),
-    ({"fedopt-beta2": 1.0}, "fedopt-beta2 must be in [0, 1)"),
-    ({"fedopt-tau": 0.0}, "fedopt-tau must be a finite number > 0"),
+    ({"fedprox.mu": -0.1}, "fedprox.mu must be a finite number >= 0"),
+    ({"fedspeed.alpha": 1.5}, "fedspeed.alpha must be in [0, 1]"),
+    ({"fedlesam.first": "global"}, "fedlesam.first must be one of: initial, none (got 'global')"),
+    ({"fedacg.lambda": 1.0}, "fedacg.lambda must be in [0, 1)"),
+    ({"fedacg.beta": float("inf")}, "fedacg.beta must be a finite number >= 0 (got inf)"),
+    ({"fedopt.eta": 0.0}, "fedopt.eta must be a finite number > 0"),
+    ({"fedopt.beta2": 1.0}, "fedopt.beta2 must be in [0, 1)"),
+    ({"fedopt.tau": 0.0}, "fedopt.tau must be a finite number > 0"),
     ({"algorithm": "fedadam", "server-lr": 0.5},
-     "server-lr=0.5 has no effect on fedadam: its server step size is fedopt-eta"),
+     "server-lr=0.5 has no effect on fedadam: its server step size is fedopt.eta"),
 ]
 
 
@@ -95,9 +111,9 @@ def test_unknown_key_message_lists_the_valid_keys() -> None:
 
 def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(ConfigError) as err:
-        RunConfig.from_mapping({"lr": 0.0, "rho": -1.0, "batch-size": 0})
+        RunConfig.from_mapping({"lr": 0.0, "sam.rho": -1.0, "batch-size": 0})
     message = str(err.value)
-    assert "lr must be a finite number > 0" in message and "rho must be a finite number >= 0" in message
+    assert "lr must be a finite number > 0" in message and "sam.rho must be a finite number >= 0" in message
     assert "batch-size must be >= 1" in message
 
 
@@ -141,7 +157,7 @@ def test_parse_assignments_reads_toml_scalars_and_bare_words() -> None:
     values = parse_assignments([
         "num-server-rounds=5",
         "lr = 0.05",
-        "rho=1e-2",
+        "sam.rho=1e-2",
         'dataset="fashion-mnist"',
         "algorithm=mofedsam",
         "download=false",
@@ -149,7 +165,7 @@ def test_parse_assignments_reads_toml_scalars_and_bare_words() -> None:
         "run-dir=a=b",
     ])
     assert values == {
-        "num-server-rounds": 5, "lr": 0.05, "rho": 0.01, "dataset": "fashion-mnist",
+        "num-server-rounds": 5, "lr": 0.05, "sam.rho": 0.01, "dataset": "fashion-mnist",
         "algorithm": "mofedsam", "download": False, "data-dir": "/tmp/some dir", "run-dir": "a=b",
     }
     assert type(values["num-server-rounds"]) is int and type(values["lr"]) is float
@@ -201,9 +217,11 @@ def test_resolved_model_auto_per_dataset(dataset: str) -> None:
 
 def test_to_dict_from_mapping_round_trip() -> None:
     cfg = RunConfig.from_mapping(fast_config(algorithm="mofedsam", lr=0.05, download=False,
-                                             run_dir="runs/x", fraction_train=0.5))
+                                             run_dir="runs/x", fraction_train=0.5,
+                                             **{"mofedsam.beta": 0.4}))
     values = cfg.to_dict()
-    assert sorted(values) == sorted(DEFAULTS)
+    assert sorted(values) == sorted([*general_fields(), *ALGORITHMS["mofedsam"].params_class().fields()])
+    assert values["mofedsam.beta"] == 0.4 and cfg.params.beta == 0.4
     assert values["local-steps"] == 2 and values["algorithm"] == "mofedsam"
     assert RunConfig.from_mapping(values) == cfg
     # as written to config.json and read back
@@ -211,5 +229,7 @@ def test_to_dict_from_mapping_round_trip() -> None:
 
 
 def test_defaults_mapping_matches_dataclass() -> None:
-    assert DEFAULTS == RunConfig().to_dict()
+    for algorithm in ALGORITHMS:
+        values = RunConfig.from_mapping({"algorithm": algorithm}).to_dict()
+        assert all(DEFAULTS[k] == v for k, v in values.items() if k != "algorithm"), algorithm
     assert all(not (isinstance(v, float) and math.isnan(v)) for v in DEFAULTS.values())

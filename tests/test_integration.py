@@ -84,7 +84,7 @@ def test_inprocess_real_apps_learn_and_fill_run_dir(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--algorithm", "fedbogus"], ", ".join(sorted(ALGORITHMS))),
     (["--set", "lr=-1"], "lr must be a finite number > 0"),
-    (["--set", "rho=-0.1"], "rho must be a finite number >= 0"),
+    (["--set", "sam.rho=-0.1"], "sam.rho must be a finite number >= 0"),
     (["--fraction", "0"], "fraction-train must be in (0, 1]"),
     (["--dataset", "imagenet"], "is not one of"),
     (["--set", "nonsense=1"], "unknown run-config key"),

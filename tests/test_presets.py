@@ -35,10 +35,10 @@ source = "nowhere, Table 0"
 clients = 6
 
 [config]
-algorithm = "fedavg"
+algorithm = "fedsam"
 dataset = "synthetic"
 lr = 0.05
-rho = 0.3
+sam.rho = 0.3
 num-server-rounds = 3
 """
 
@@ -71,7 +71,7 @@ def test_load_by_path_equals_load_by_name():
     by_name = load_preset("fedtoga-cifar10-lenet-dir0.1")
     by_path = load_preset(str(PRESET_DIR / "fedtoga-cifar10-lenet-dir0.1.toml"))
     assert by_name == by_path
-    assert by_name.clients == 100 and by_name.config["fedtoga-beta"] == 0.9
+    assert by_name.clients == 100 and by_name.config["fedtoga.beta"] == 0.9
 
 
 # ------------------------------------------------------------------ precedence and --clients
@@ -84,13 +84,13 @@ def test_precedence_preset_then_set_then_flags(tmp_path):
     path = write_preset(tmp_path, GOOD)
     run_dir = ["--run-dir", str(tmp_path / "run")]
     cfg, _ = resolved(["--preset", str(path), *run_dir])
-    assert (cfg.algorithm, cfg.lr, cfg.rho, cfg.num_server_rounds) == ("fedavg", 0.05, 0.3, 3)
+    assert (cfg.algorithm, cfg.lr, cfg.params.rho, cfg.num_server_rounds) == ("fedsam", 0.05, 0.3, 3)
     cfg, _ = resolved(["--preset", str(path), "--set", "lr=0.2", "--set", "num-server-rounds=5",
                        *run_dir])
-    assert (cfg.lr, cfg.rho, cfg.num_server_rounds) == (0.2, 0.3, 5)  # --set beats the preset
+    assert (cfg.lr, cfg.params.rho, cfg.num_server_rounds) == (0.2, 0.3, 5)  # --set beats the preset
     cfg, _ = resolved(["--preset", str(path), "--set", "num-server-rounds=5", "--rounds", "7",
-                       "--algorithm", "fedsam", *run_dir])
-    assert (cfg.num_server_rounds, cfg.algorithm, cfg.rho) == (7, "fedsam", 0.3)  # flags beat both
+                       "--algorithm", "mofedsam", *run_dir])
+    assert (cfg.num_server_rounds, cfg.algorithm, cfg.params.rho) == (7, "mofedsam", 0.3)  # flags beat both
 
 
 def test_clients_default_from_preset(tmp_path):

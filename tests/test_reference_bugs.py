@@ -29,16 +29,15 @@ import pytest
 import torch
 
 import client.algorithms.fedlesam as fedlesam_client
-import client.algorithms.fedsmoo as fedsmoo_client
 import client.sam as sam
-from client.algorithms.base import ClientAlgorithm
 from client.algorithms.feddyn import DualClient
 from client.algorithms.fedprox import FedACGClient, FedProxClient
 from client.algorithms.fedsmoo import FedSMOOClient
 from client.algorithms.fedspeed import FedSpeedClient
 from client.algorithms.scaffold import ScaffoldClient
-from client.sam import loss_and_grad, trainable
-from client.train import local_train
+from client.batch import ModelBatch, cross_entropy, trainable
+from client.layout import Layout
+from client.train import build_rule, local_train, rule_outputs
 from common import protocol as P
 from common.config import RunConfig
 from common.datasets import Split, load_dataset
@@ -56,14 +55,14 @@ A, RHO = 0.4, 0.3  # feddyn-alpha and rho of the cases below
 
 CASES = {  # algorithm -> (run config, the paper's reference giving the final model)
     "scaffold": ({}, lambda p: scaffold_reference(p)[0]),
-    "fedprox": ({"fedprox-mu": 0.7}, lambda p: fedprox_reference(p, mu=0.7)),
-    "feddyn": ({"feddyn-alpha": A}, lambda p: feddyn_reference(p, a=A)[0]),
-    "fedspeed": ({"rho": RHO, "feddyn-alpha": A}, lambda p: feddyn_reference(p, a=A, rho=RHO)[0]),
-    "fedacg": ({"fedacg-lambda": 0.6, "fedacg-beta": 0.5}, lambda p: fedacg_reference(p, lam=0.6, beta=0.5)[0]),
-    "fedlesam": ({"rho": RHO}, lambda p: fedlesam_reference(p, rho=RHO)[0]),
-    "fedlesam-d": ({"rho": RHO, "feddyn-alpha": A},
+    "fedprox": ({"fedprox.mu": 0.7}, lambda p: fedprox_reference(p, mu=0.7)),
+    "feddyn": ({"feddyn.alpha": A}, lambda p: feddyn_reference(p, a=A)[0]),
+    "fedspeed": ({"sam.rho": RHO, "feddyn.alpha": A}, lambda p: feddyn_reference(p, a=A, rho=RHO)[0]),
+    "fedacg": ({"fedacg.lambda": 0.6, "fedacg.beta": 0.5}, lambda p: fedacg_reference(p, lam=0.6, beta=0.5)[0]),
+    "fedlesam": ({"sam.rho": RHO}, lambda p: fedlesam_reference(p, rho=RHO)[0]),
+    "fedlesam-d": ({"sam.rho": RHO, "feddyn.alpha": A},
                    lambda p: fedlesam_reference(p, rho=RHO, base="dyn", a=A)[0]),
-    "fedsmoo": ({"rho": RHO, "feddyn-alpha": A}, lambda p: fedsmoo_reference(p, a=A, rho=RHO)[0]),
+    "fedsmoo": ({"sam.rho": RHO, "feddyn.alpha": A}, lambda p: fedsmoo_reference(p, a=A, rho=RHO)[0]),
 }
 
 
@@ -189,9 +188,9 @@ def unsquared_dual(monkeypatch):
     clientlesamd.py; not stored), after PFLlib's clientdyn.py: the prox term is
     (a/2) torch.norm(w - w^t, 2), un-squared; its gradient (a/2)(w - w^t)/||w - w^t|| is 0 at
     w = w^t (torch's subgradient) and a unit vector times a/2 elsewhere."""
-    def direction(self, model, x, y):
-        loss, g = self.loss_gradient(model, x, y)
-        diff = [p.detach() - p0 for p, p0 in zip(trainable(model), self.start)]
+    def direction(self, w, batch):
+        loss, g = self.gradient(w, batch)
+        diff = [p - p0 for p, p0 in zip(w, self.start)]
         size = float(torch.sqrt(sum((d ** 2).sum() for d in diff))) + 1e-12
         a = self.prox_coefficient()
         return loss, [gi - hi + (a / 2) * d / size for gi, hi, d in zip(g, self.dual, diff)]
@@ -204,19 +203,19 @@ def restored_by_subtraction(monkeypatch):
     system/utils/fedspeed_utils.py, LESAM in lesam_utils.py, not stored; the same code as
     woodenchild95/FL-Simulator @502bec6 optimizer/ESAM.py second_step). (w + e) - e != w in
     float32: ~1e-8 stays in the weights."""
-    def gradient_at(model, x, y, offset):
-        params = trainable(model)
+    def grad(self, offset=None, objective=cross_entropy):
+        if offset is None:
+            return self._grad(objective)
         with torch.no_grad():
-            for p, o in zip(params, offset):
+            for p, o in zip(self.params, offset):
                 p.add_(o)
-        result = loss_and_grad(model, x, y)
+        result = self._grad(objective)
         with torch.no_grad():
-            for p, o in zip(params, offset):
+            for p, o in zip(self.params, offset):
                 p.sub_(o)
         return result
 
-    for module in (sam, fedsmoo_client, fedlesam_client):
-        monkeypatch.setattr(module, "gradient_at", gradient_at)
+    monkeypatch.setattr(ModelBatch, "grad", grad)
 
 
 def test_feddyn_prox_is_the_squared_norm(tmp_path, monkeypatch):
@@ -242,15 +241,16 @@ def test_restore_rounding_is_a_kick_of_a_half_at_step_one(monkeypatch):
     """Step 1 of a FedSpeed round under FL-SAM's two mechanisms: the weights come back off by a
     residual r with 0 < ||r|| < 1e-6, and the direction differs from the SAM gradient (the dual
     is 0 in round 1) by exactly (a/2) r/||r||, of norm a/2."""
-    cfg = RunConfig.from_mapping({"algorithm": "fedspeed", "rho": RHO, "feddyn-alpha": A})
+    cfg = RunConfig.from_mapping({"algorithm": "fedspeed", "sam.rho": RHO, "feddyn.alpha": A})
     data = load_dataset("synthetic").train
     x, y = data.x[:64], data.y[:64]
     model = build_model("logreg", tuple(x.shape[1:]), 10, seed=3)
     start = [p.detach().clone() for p in trainable(model)]
-    _, g_sam = sam.sam_gradient(model, x, y, RHO)
+    _, g_sam = sam.sam_gradient(ModelBatch(model, x, y), RHO)
     unsquared_dual(monkeypatch)
     restored_by_subtraction(monkeypatch)
-    _, kicked = FedSpeedClient(cfg, model, {}, {}).direction(model, x, y)
+    rule = FedSpeedClient(cfg.params, start, {}, {}, cfg.lr)
+    _, kicked = rule.direction([p.detach() for p in trainable(model)], ModelBatch(model, x, y))
     residual = [p.detach() - s for p, s in zip(trainable(model), start)]
     assert 0 < float(sam.global_norm(residual)) < 1e-6
     kick = [k - g for k, g in zip(kicked, g_sam)]
@@ -265,13 +265,13 @@ def no_zero_grad(monkeypatch):
     before a step's first backward, so the ascent gradient is g(w_k) plus what .grad still
     holds, the previous step's descent direction d_{k-1} (the model is fresh each round:
     serverbase.py send_models deep-copies it, so step 1 is clean)."""
-    def direction(self, model, x, y):
-        loss, d = DualClient.direction(self, model, x, y)  # looked up now: composes with unsquared_dual
+    def direction(self, w, batch):
+        loss, d = DualClient.direction(self, w, batch)  # looked up now: composes with unsquared_dual
         self.left_in_grad = d
         return loss, d
 
-    def ascent_gradient(self, model, x, y):
-        loss, g = loss_and_grad(model, x, y)
+    def ascent_gradient(self, w, batch):
+        loss, g = batch.grad()
         left = getattr(self, "left_in_grad", None)
         return loss, g if left is None else [gi + li for gi, li in zip(g, left)]
 
@@ -293,10 +293,10 @@ def test_fl_simulator_clips_before_adding_the_weight_decay_part(tmp_path, monkey
     def fl_simulator(monkeypatch):
         original = DualClient.direction
 
-        def direction(self, model, x, y):
-            loss, d = original(self, model, x, y)
+        def direction(self, w, batch):
+            loss, d = original(self, w, batch)
             a = self.prox_coefficient()
-            return loss, [di - a * p.detach() for di, p in zip(d, trainable(model))]
+            return loss, [di - a * p for di, p in zip(d, w)]
 
         monkeypatch.setattr(DualClient, "direction", direction)
 
@@ -325,9 +325,9 @@ def test_scaffold_control_variates_start_at_zero_not_the_weights(tmp_path, monke
 def test_scaffold_correction_changes_the_step(tmp_path, monkeypatch):
     """junkangLiu0/FedNSAM @3c0681c main_FedNSAM.py update_scaf: the correction <p, c - c_i> is
     added to the loss via ``lossh.item()``, so it carries no gradient and SCAFFOLD is FedAvg."""
-    def detached(self, model, x, y):
+    def detached(self, w, batch):
         self.steps += 1
-        return self.local_gradient(model, x, y)
+        return self.gradient(w, batch)
 
     bug_size(tmp_path, monkeypatch, "scaffold", replaces(ScaffoldClient, "direction", detached))
 
@@ -347,18 +347,19 @@ def test_scaffold_divides_by_all_local_steps_not_batches_per_epoch(monkeypatch):
         torch.nn.init.zeros_(model.bias)
         x0 = [p.detach().clone() for p in trainable(model)]
         c = OrderedDict((n, torch.full_like(p, 0.01)) for n, p in model.named_parameters())
-        rule = ScaffoldClient(cfg, model, {P.CONTROL: c}, {}, lr=0.1)
+        rule, layout = build_rule(cfg, model, {P.CONTROL: c}, {}, 0.1)
+        assert isinstance(rule, ScaffoldClient)
         local_train(model, data, rule, cfg, 0.1, torch.Generator().manual_seed(0))
         expected = [-0.01 + (a - p.detach()) / (4 * 0.1) for a, p in zip(x0, trainable(model))]
-        got = rule.new_state(model)[P.CLIENT_CONTROL]
+        got = rule_outputs(rule, layout, model)[1][P.CLIENT_CONTROL]
         return max(float((g - e).abs().max()) for g, e in zip(got.values(), expected))
 
     assert control_error() < FLOAT32_FLOOR
     original = ScaffoldClient.new_control
 
-    def per_epoch(self, model):
+    def per_epoch(self, w):
         self.steps //= cfg.local_epochs  # the miscount
-        return original(self, model)
+        return original(self, w)
 
     monkeypatch.setattr(ScaffoldClient, "new_control", per_epoch)
     assert control_error() > 10 * FLOAT32_FLOOR
@@ -371,10 +372,10 @@ def test_fedacg_prox_term_has_a_gradient(tmp_path, monkeypatch):
     bug_size(tmp_path, monkeypatch, "fedacg", replaces(FedACGClient, "prox_weight", lambda self: 0.0))
 
 
-def unsquared_prox(self, model, x, y):
+def unsquared_prox(self, w, batch):
     """Gradient of mu ||w - w^t||_2 (torch.norm, not squared): a unit vector times mu."""
-    loss, g = loss_and_grad(model, x, y)
-    diff = [p.detach() - p0 for p, p0 in zip(trainable(model), self.start)]
+    loss, g = batch.grad()
+    diff = [p - p0 for p, p0 in zip(w, self.start)]
     size = self.prox_weight() / (float(torch.sqrt(sum((d ** 2).sum() for d in diff))) + 1e-12)
     return loss, [gi + size * d for gi, d in zip(g, diff)]
 
@@ -393,8 +394,8 @@ def test_fedprox_prox_term_is_not_zero(tmp_path, monkeypatch):
 def test_feddyn_step_pulls_towards_the_global_model(tmp_path, monkeypatch):
     """KarhouTam/FL-bench @06e658b src/client/feddyn.py: the linear term a<w, h_i - w^t> without
     adding a to the weight decay leaves -a w^t in the gradient and drops the +a w pull."""
-    def buggy(self, model, x, y):
-        loss, g = self.loss_gradient(model, x, y)
+    def buggy(self, w, batch):
+        loss, g = self.gradient(w, batch)
         a = self.prox_coefficient()
         return loss, [gi - hi - a * p0 for gi, hi, p0 in zip(g, self.dual, self.start)]
 
@@ -405,19 +406,19 @@ def test_feddyn_step_pulls_towards_the_global_model(tmp_path, monkeypatch):
 def test_client_state_comes_back_in_the_same_element_order(tmp_path, monkeypatch):
     """The bug class of FL-Simulator #13 (state stored flat and restored in the wrong order),
     not one repository's line: here the client's c_i (W is 10 x 20) read back transposed."""
-    original = ClientAlgorithm.aligned
+    original = Layout.aligned
 
     def transposed(self, tensors):
         return [t.t().reshape(t.shape) if t.dim() == 2 else t for t in original(self, tensors)]
 
-    bug_size(tmp_path, monkeypatch, "scaffold", replaces(ClientAlgorithm, "aligned", transposed))
+    bug_size(tmp_path, monkeypatch, "scaffold", replaces(Layout, "aligned", transposed))
 
 
 def test_fedsmoo_mu_persists_between_a_clients_rounds(tmp_path, monkeypatch):
     """kumar-devesh/fedsmoo @d196fb9 (adap/flower PR #2433 draft): mu_i kept in a client
     attribute that Flower recreates every round, so it restarts at 0."""
-    def forgetful(self, model):
-        return DualClient.new_state(self, model)  # h_i only; mu_i dropped
+    def forgetful(self, w):
+        return DualClient.new_state(self, w)  # h_i only; mu_i dropped
 
     bug_size(tmp_path, monkeypatch, "fedsmoo", replaces(FedSMOOClient, "new_state", forgetful))
 
@@ -431,19 +432,18 @@ def test_fedlesam_uses_each_clients_own_previous_model(tmp_path, monkeypatch):
     last_seen: dict[str, list] = {}
     original = fedlesam_client.LocalEstimate.__init__
 
-    def global_update(self, cfg, model, broadcast, state, **kwargs):
-        received = [p.detach().clone() for p in trainable(model)]
+    def global_update(self, params, start, broadcast, state, lr, initial=None):
+        received = [t.clone() for t in start]
         current = last_seen.get("current")
         if current is None or not all(torch.equal(a, b) for a, b in zip(current, received)):
             last_seen["previous"], last_seen["current"] = current, received  # a new round began
         previous = last_seen.get("previous")
         state = dict(state)
         if previous is not None:
-            state[P.PREVIOUS_GLOBAL] = OrderedDict(
-                (n, t) for n, t in zip([n for n, p in model.named_parameters()], previous))
+            state[P.PREVIOUS_GLOBAL] = previous
         else:
             state.pop(P.PREVIOUS_GLOBAL, None)
-        original(self, cfg, model, broadcast, state, **kwargs)
+        original(self, params, start, broadcast, state, lr, initial)
 
     bug_size(tmp_path, monkeypatch, "fedlesam", replaces(fedlesam_client.LocalEstimate, "__init__", global_update))
 

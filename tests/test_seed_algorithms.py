@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-import client.algorithms.fedtoga as fedtoga_client
-import client.sam as sam
+from client.batch import ModelBatch
+from client.sam import sam_gradient
 from client.algorithms.fedspeed import FedSpeedClient
 from common import protocol as P
 from common.datasets import load_dataset
@@ -342,7 +342,7 @@ def server_dual(seen) -> np.ndarray:
 def test_fedcm_matches_pseudocode(tmp_path, step):
     """FedCM client mixing and server Delta in gradient units (MoFedSAM notes §1.3, §6 A1-A2),
     with a decaying lr so Delta's 1/(eta_r K) must use the round's eta."""
-    cfg = {"algorithm": "fedcm", "fedcm-alpha": 0.3, "fedcm-server-step": step,
+    cfg = {"algorithm": "fedcm", "fedcm.alpha": 0.3, "fedcm.server-step": step,
            "server-lr": 0.8, "lr-decay": 0.7, "num-server-rounds": 3}
     result = run(tmp_path, "fedcm", **cfg)
     prob = Problem(result)
@@ -351,7 +351,7 @@ def test_fedcm_matches_pseudocode(tmp_path, step):
 
 def test_fedcm_partial_participation_matches_pseudocode(tmp_path):
     """FedCM with 2 of 4 clients per round: p_i over the M clients that trained."""
-    result = run(tmp_path, "fedcm", **{**PARTIAL, "algorithm": "fedcm", "fedcm-alpha": 0.4})
+    result = run(tmp_path, "fedcm", **{**PARTIAL, "algorithm": "fedcm", "fedcm.alpha": 0.4})
     prob = Problem(result)
     assert_partial(prob)
     matches(result, prob, fedcm_reference(prob, alpha=0.4, server_step="delta"))
@@ -360,10 +360,10 @@ def test_fedcm_partial_participation_matches_pseudocode(tmp_path):
 def test_fedcm_equals_mofedsam_with_rho0(tmp_path):
     """MoFedSAM eq. 6 with rho = 0 is FedCM (mixing weight mofedsam-beta = fedcm-alpha).
     Exact: SAM with rho = 0 adds a zero offset and recomputes the same gradient."""
-    a = run(tmp_path, "a", algorithm="fedcm", **{"fedcm-alpha": 0.3})
-    b = run(tmp_path, "b", algorithm="mofedsam", rho=0.0, **{"mofedsam-beta": 0.3})
+    a = run(tmp_path, "a", algorithm="fedcm", **{"fedcm.alpha": 0.3})
+    b = run(tmp_path, "b", algorithm="mofedsam", **{"sam.rho": 0.0}, **{"mofedsam.beta": 0.3})
     assert finals_equal(a, b)
-    c = run(tmp_path, "c", algorithm="mofedsam", rho=0.3, **{"mofedsam-beta": 0.3})
+    c = run(tmp_path, "c", algorithm="mofedsam", **{"sam.rho": 0.3}, **{"mofedsam.beta": 0.3})
     assert_differ(a, c)  # guard: rho > 0 matters
 
 
@@ -371,9 +371,9 @@ def test_fedcm_alpha1_equals_fedavg(tmp_path):
     """FedCM with alpha = 1 is FedAvg (the broadcast Delta gets weight 0). Exact: 1.0 * g = g
     and 0 * Delta adds zeros; the 'delta' server step is FedAvg's."""
     a = run(tmp_path, "a", algorithm="fedavg")
-    b = run(tmp_path, "b", algorithm="fedcm", **{"fedcm-alpha": 1.0})
+    b = run(tmp_path, "b", algorithm="fedcm", **{"fedcm.alpha": 1.0})
     assert finals_equal(a, b)
-    c = run(tmp_path, "c", algorithm="fedcm", **{"fedcm-alpha": 0.5})
+    c = run(tmp_path, "c", algorithm="fedcm", **{"fedcm.alpha": 0.5})
     assert_differ(a, c)  # guard: alpha < 1 matters (from round 2, Delta != 0)
 
 
@@ -382,7 +382,7 @@ def test_fedcm_alpha1_equals_fedavg(tmp_path):
 def test_feddyn_matches_pseudocode(tmp_path, server_spy, aggregation):
     """FedDyn, full participation, non-default a and server lr: model, server dual h and the
     clients' duals h_i (read from the nodes' context.state) all match."""
-    cfg = {"algorithm": "feddyn", "feddyn-alpha": 0.3, "server-lr": 0.7, "aggregation": aggregation,
+    cfg = {"algorithm": "feddyn", "feddyn.alpha": 0.3, "server-lr": 0.7, "aggregation": aggregation,
            "num-server-rounds": 3}
     result = run(tmp_path, "feddyn", **cfg)
     prob = Problem(result)
@@ -396,7 +396,7 @@ def test_feddyn_partial_participation_matches_pseudocode(tmp_path, server_spy):
     """FedDyn with 2 of 4 clients: the server dual step is a (M/N) u (divisor N = 4, so the
     1/N of FedDyn's h^{t+1} = h^t - (a/N) sum_{i in S}(theta_i - theta^t) when uniform); clients
     that sit a round out keep h_i, and a client's h_i carries over to its next round."""
-    result = run(tmp_path, "feddyn", **{**PARTIAL, "algorithm": "feddyn", "feddyn-alpha": 0.4})
+    result = run(tmp_path, "feddyn", **{**PARTIAL, "algorithm": "feddyn", "feddyn.alpha": 0.4})
     prob = Problem(result)
     assert_partial(prob)
     w, h, hc = feddyn_reference(prob, a=0.4)
@@ -412,7 +412,7 @@ def test_feddyn_server_dual_telescopes(tmp_path, server_spy):
     atol 1e-6: float32 accumulation vs a float64 sum."""
     a = 0.3
     result = run(tmp_path, "feddyn", algorithm="feddyn", aggregation="uniform",
-                 **{"feddyn-alpha": a, "num-server-rounds": 3})
+                 **{"feddyn.alpha": a, "num-server-rounds": 3})
     us = server_spy["u_uniform"]
     assert len(us) == 3 and server_spy["M"] == [3, 3, 3]
     np.testing.assert_allclose(server_dual(server_spy), -a * sum(us), rtol=0, atol=1e-6)
@@ -431,7 +431,7 @@ def test_feddyn_server_dual_is_mean_of_all_client_duals_under_partial_participat
     """With divisor N and uniform p_i, h = -(a/N) sum_r sum_{i in S_r}(theta_i - theta^r)
     = (1/N) sum_{all i} h_i, never-sampled clients counting as 0 (fedtoga notes §1.5,
     fedgmt notes §1 'in the analysis u^t = (1/M) sum_m u_m^t')."""
-    result = run(tmp_path, "feddyn", **{**PARTIAL, "algorithm": "feddyn", "feddyn-alpha": 0.4,
+    result = run(tmp_path, "feddyn", **{**PARTIAL, "algorithm": "feddyn", "feddyn.alpha": 0.4,
                                         "aggregation": "uniform"})
     prob = Problem(result)
     assert_partial(prob)
@@ -443,8 +443,8 @@ def test_feddyn_server_dual_is_mean_of_all_client_duals_under_partial_participat
 # ================================================================ 3. FedSpeed
 def test_fedspeed_matches_pseudocode(tmp_path, server_spy):
     """FedSpeed = FedDyn around the local SAM gradient g~ (FedSpeed as in FL-Simulator)."""
-    result = run(tmp_path, "fedspeed", algorithm="fedspeed", rho=0.3,
-                 **{"feddyn-alpha": 0.3, "server-lr": 0.9})
+    result = run(tmp_path, "fedspeed", algorithm="fedspeed", **{"sam.rho": 0.3},
+                 **{"feddyn.alpha": 0.3, "server-lr": 0.9})
     prob = Problem(result)
     w, h, hc = feddyn_reference(prob, a=0.3, rho=0.3)
     matches(result, prob, w)
@@ -453,8 +453,8 @@ def test_fedspeed_matches_pseudocode(tmp_path, server_spy):
 
 
 def test_fedspeed_partial_participation_matches_pseudocode(tmp_path, server_spy):
-    result = run(tmp_path, "fedspeed", **{**PARTIAL, "algorithm": "fedspeed", "rho": 0.3,
-                                          "feddyn-alpha": 0.4})
+    result = run(tmp_path, "fedspeed", **{**PARTIAL, "algorithm": "fedspeed", "sam.rho": 0.3,
+                                          "feddyn.alpha": 0.4})
     prob = Problem(result)
     assert_partial(prob)
     w, h, hc = feddyn_reference(prob, a=0.4, rho=0.3)
@@ -466,19 +466,19 @@ def test_fedspeed_partial_participation_matches_pseudocode(tmp_path, server_spy)
 def test_fedspeed_rho0_equals_feddyn(tmp_path):
     """rho = 0 turns FedSpeed into FedDyn. Exact: the zero SAM offset leaves the weights
     untouched and the same gradient is recomputed; the servers are the same code."""
-    common = {"feddyn-alpha": 0.3}
+    common = {"feddyn.alpha": 0.3}
     a = run(tmp_path, "a", algorithm="feddyn", **common)
-    b = run(tmp_path, "b", algorithm="fedspeed", rho=0.0, **common)
+    b = run(tmp_path, "b", algorithm="fedspeed", **{"sam.rho": 0.0}, **common)
     assert finals_equal(a, b)
-    c = run(tmp_path, "c", algorithm="fedspeed", rho=0.3, **common)
+    c = run(tmp_path, "c", algorithm="fedspeed", **{"sam.rho": 0.3}, **common)
     assert_differ(a, c)  # guard
 
 
 def test_fedspeed_alpha_is_the_papers_merged_gradient(tmp_path, server_spy):
     """fedspeed-alpha < 1: FedSpeed Alg. 1's quasi-gradient (1 - alpha) g + alpha g~ in the
     FedDyn step, against the hand computation."""
-    result = run(tmp_path, "fedspeed", **{**PARTIAL, "algorithm": "fedspeed", "rho": 0.3,
-                                          "feddyn-alpha": 0.4, "fedspeed-alpha": 0.4})
+    result = run(tmp_path, "fedspeed", **{**PARTIAL, "algorithm": "fedspeed", "sam.rho": 0.3,
+                                          "feddyn.alpha": 0.4, "fedspeed.alpha": 0.4})
     prob = Problem(result)
     w, h, hc = feddyn_reference(prob, a=0.4, rho=0.3, alpha=0.4)
     matches(result, prob, w)
@@ -489,23 +489,23 @@ def test_fedspeed_alpha_is_the_papers_merged_gradient(tmp_path, server_spy):
 def test_fedspeed_alpha1_is_the_authors_rule_bit_for_bit(tmp_path, monkeypatch):
     """The default fedspeed-alpha = 1 is FL-Simulator's rule, the perturbed gradient alone, as
     FedSpeed ran before the switch existed (0 * g adds zeros)."""
-    common = {"rho": 0.3, "feddyn-alpha": 0.4}
-    a = run(tmp_path, "a", algorithm="fedspeed", **common, **{"fedspeed-alpha": 1.0})
-    monkeypatch.setattr(FedSpeedClient, "loss_gradient",
-                        lambda self, model, x, y: sam.sam_gradient(model, x, y, self.cfg.rho))
+    common = {"sam.rho": 0.3, "feddyn.alpha": 0.4}
+    a = run(tmp_path, "a", algorithm="fedspeed", **common, **{"fedspeed.alpha": 1.0})
+    monkeypatch.setattr(FedSpeedClient, "gradient",
+                        lambda self, w, batch: sam_gradient(batch, self.params.rho))
     b = run(tmp_path, "b", algorithm="fedspeed", **common)
     assert finals_equal(a, b)
 
 
 def test_fedspeed_alpha0_equals_feddyn(tmp_path):
     """alpha = 0 keeps only the plain gradient: FedDyn, exactly (0 * g~ adds zeros)."""
-    common = {"feddyn-alpha": 0.4}
+    common = {"feddyn.alpha": 0.4}
     a = run(tmp_path, "a", algorithm="feddyn", **common)
-    b = run(tmp_path, "b", algorithm="fedspeed", rho=0.3, **common, **{"fedspeed-alpha": 0.0})
+    b = run(tmp_path, "b", algorithm="fedspeed", **{"sam.rho": 0.3}, **common, **{"fedspeed.alpha": 0.0})
     assert finals_equal(a, b)
-    c = run(tmp_path, "c", algorithm="fedspeed", rho=0.3, **common, **{"fedspeed-alpha": 0.4})
+    c = run(tmp_path, "c", algorithm="fedspeed", **{"sam.rho": 0.3}, **common, **{"fedspeed.alpha": 0.4})
     assert_differ(a, c)  # guard: the mix matters
-    assert_differ(c, run(tmp_path, "d", algorithm="fedspeed", rho=0.3, **common))
+    assert_differ(c, run(tmp_path, "d", algorithm="fedspeed", **{"sam.rho": 0.3}, **common))
 
 
 # ================================================================ 4. FedGMT
@@ -513,7 +513,7 @@ def test_fedspeed_alpha0_equals_feddyn(tmp_path):
 def test_fedgmt_matches_pseudocode(tmp_path, server_spy, partial):
     """FedGMT Alg. 1 (fedgmt notes §2.1-2.2): CE + gamma tau^2 KL to the server's EMA, linear
     dual term, no prox; server FedDyn with a = 1/beta over all N clients; then the EMA."""
-    hp = {"fedgmt-beta": 2.0, "fedgmt-gamma": 0.7, "fedgmt-tau": 2.0, "fedgmt-alpha": 0.6}
+    hp = {"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "fedgmt.alpha": 0.6}
     extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8}
     result = run(tmp_path, "fedgmt", algorithm="fedgmt", **hp, **extra)
     prob = Problem(result)
@@ -533,13 +533,13 @@ def test_fedgmt_server_ema(tmp_path, server_spy):
     line 18): after R rounds e = alpha^R theta^0 + sum_t (1-alpha) alpha^(R-t) theta^t."""
     alpha = 0.6
     result = run(tmp_path, "fedgmt", algorithm="fedgmt",
-                 **{"fedgmt-beta": 2.0, "fedgmt-gamma": 0.7, "fedgmt-tau": 2.0, "fedgmt-alpha": alpha})
+                 **{"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "fedgmt.alpha": alpha})
     prob = Problem(result)
     ema = server_spy["strategy"].records[P.EMA_MODEL]  # before the next run replaces the spy's strategy
     got = Problem.flat(v.double().numpy() for v in ema.values())
     # theta^1 is the one-round run's final model (same seed, same sampling)
     one = run(tmp_path, "one", algorithm="fedgmt",
-              **{"fedgmt-beta": 2.0, "fedgmt-gamma": 0.7, "fedgmt-tau": 2.0, "fedgmt-alpha": alpha,
+              **{"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "fedgmt.alpha": alpha,
                  "num-server-rounds": 1})
     theta1 = Problem.flat(v.double().numpy() for v in one["final"].values())
     theta2 = Problem.flat(v.double().numpy() for v in result["final"].values())
@@ -552,13 +552,13 @@ def test_fedgmt_gamma0_is_ce_plus_linear_dual_without_prox(tmp_path, server_spy)
     eq. 12, §2.2 'no proximal term in FedGMT'). Matches the gamma = 0 reference, and differs
     from FedDyn with feddyn-alpha = 1/beta, which is the same but for the prox term."""
     beta = 2.0
-    result = run(tmp_path, "fedgmt", algorithm="fedgmt", **{"fedgmt-beta": beta, "fedgmt-gamma": 0.0,
+    result = run(tmp_path, "fedgmt", algorithm="fedgmt", **{"fedgmt.beta": beta, "fedgmt.gamma": 0.0,
                                                               "num-server-rounds": 3})
     prob = Problem(result)
     w, h, hc, _ = fedgmt_reference(prob, beta=beta, gamma=0.0, tau=3.0, alpha=0.95)
     matches(result, prob, w)
     assert_client_duals(result, prob, hc)
-    dyn = run(tmp_path, "feddyn", algorithm="feddyn", **{"feddyn-alpha": 1 / beta, "num-server-rounds": 3})
+    dyn = run(tmp_path, "feddyn", algorithm="feddyn", **{"feddyn.alpha": 1 / beta, "num-server-rounds": 3})
     assert_differ(result, dyn)
 
 
@@ -570,8 +570,8 @@ def test_fedgmt_v2_matches_pseudocode_partial(tmp_path, server_spy, init):
     no server EMA. Partial participation so that e_m goes stale between a client's rounds,
     and clients first sampled in a later round start from theta^0 ("initial") or from that
     round's theta^t ("global"). The clients' stored e_m are checked too."""
-    hp = {"fedgmt-beta": 2.0, "fedgmt-gamma": 0.7, "fedgmt-tau": 2.0, "fedgmt-v2-alpha": 0.4,
-          "fedgmt-v2-init": init}
+    hp = {"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "fedgmt-v2.alpha": 0.4,
+          "fedgmt-v2.init": init}
     result = run(tmp_path, "v2", algorithm="fedgmt-v2", **hp, **PARTIAL)
     prob = Problem(result)
     assert_partial(prob)
@@ -587,10 +587,10 @@ def test_fedgmt_v2_matches_pseudocode_partial(tmp_path, server_spy, init):
 def test_fedgmt_v2_init_matters(tmp_path):
     """Guard for the test above: "initial" and "global" differ (a client first sampled after
     round 1 starts from theta^0 vs theta^t)."""
-    hp = {"algorithm": "fedgmt-v2", "fedgmt-beta": 2.0, "fedgmt-gamma": 0.7, "fedgmt-tau": 2.0,
-          "fedgmt-v2-alpha": 0.4, **PARTIAL}
-    a = run(tmp_path, "a", **hp, **{"fedgmt-v2-init": "initial"})
-    b = run(tmp_path, "b", **hp, **{"fedgmt-v2-init": "global"})
+    hp = {"algorithm": "fedgmt-v2", "fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0,
+          "fedgmt-v2.alpha": 0.4, **PARTIAL}
+    a = run(tmp_path, "a", **hp, **{"fedgmt-v2.init": "initial"})
+    b = run(tmp_path, "b", **hp, **{"fedgmt-v2.init": "global"})
     assert_differ(a, b)
 
 
@@ -601,13 +601,13 @@ def test_fedgmt_v2_equals_fedgmt_under_full_participation(tmp_path):
     approximation of v1 when clients skip rounds.
     atol 1e-6, not exact: in round 1 v2 uses alpha theta^0 + (1-alpha) theta^0, which float32
     rounds differently from theta^0 itself."""
-    hp = {"fedgmt-beta": 2.0, "fedgmt-gamma": 0.7, "fedgmt-tau": 2.0, "num-server-rounds": 3}
-    a = run(tmp_path, "a", algorithm="fedgmt", **hp, **{"fedgmt-alpha": 0.6})
+    hp = {"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "num-server-rounds": 3}
+    a = run(tmp_path, "a", algorithm="fedgmt", **hp, **{"fedgmt.alpha": 0.6})
     b = run(tmp_path, "b", algorithm="fedgmt-v2", **hp,
-            **{"fedgmt-v2-alpha": 0.6, "fedgmt-v2-init": "initial"})
+            **{"fedgmt-v2.alpha": 0.6, "fedgmt-v2.init": "initial"})
     assert_close_models(a, b)
     c = run(tmp_path, "c", algorithm="fedgmt-v2", **hp,
-            **{"fedgmt-v2-alpha": 0.2, "fedgmt-v2-init": "initial"})
+            **{"fedgmt-v2.alpha": 0.2, "fedgmt-v2.init": "initial"})
     assert_differ(a, c)  # guard: the EMA coefficient matters
 
 
@@ -617,7 +617,7 @@ def test_fednsam_matches_pseudocode(tmp_path, partial):
     """FedNSAM (fednsam notes §1.3): one gradient per step at theta_k + lam m - rho m/||m||,
     server momentum m <- lam m + u, theta <- theta + eta_g m; 3 rounds so the offset is
     non-zero in two of them."""
-    hp = {"algorithm": "fednsam", "fednsam-lambda": 0.6, "rho": 0.15}
+    hp = {"algorithm": "fednsam", "fednsam.lambda": 0.6, "sam.rho": 0.15}
     extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8, "aggregation": "uniform"}
     result = run(tmp_path, "fednsam", **hp, **extra)
     prob = Problem(result)
@@ -628,17 +628,17 @@ def test_fednsam_lambda0_rho0_equals_fedavg(tmp_path):
     """lam = rho = 0: zero offset and m = u, i.e. FedAvg. Exact: the offset is 0 * m - 0 * m/..,
     added to the weights as zeros; m = 0 * m + 1.0 * u."""
     a = run(tmp_path, "a", algorithm="fedavg", **{"server-lr": 0.8})
-    b = run(tmp_path, "b", algorithm="fednsam", rho=0.0, **{"fednsam-lambda": 0.0, "server-lr": 0.8})
+    b = run(tmp_path, "b", algorithm="fednsam", **{"sam.rho": 0.0}, **{"fednsam.lambda": 0.0, "server-lr": 0.8})
     assert finals_equal(a, b)
     # guards: each parameter on its own matters (from round 2, once m != 0)
-    c = run(tmp_path, "c", algorithm="fednsam", rho=0.0, **{"fednsam-lambda": 0.5, "server-lr": 0.8})
-    d = run(tmp_path, "d", algorithm="fednsam", rho=0.3, **{"fednsam-lambda": 0.0, "server-lr": 0.8})
+    c = run(tmp_path, "c", algorithm="fednsam", **{"sam.rho": 0.0}, **{"fednsam.lambda": 0.5, "server-lr": 0.8})
+    d = run(tmp_path, "d", algorithm="fednsam", **{"sam.rho": 0.3}, **{"fednsam.lambda": 0.0, "server-lr": 0.8})
     assert_differ(a, c)
     assert_differ(a, d)
 
 
 # ================================================================ 7. FedTOGA
-TOGA = {"fedtoga-alpha": 0.3, "fedtoga-kappa": 0.7, "fedtoga-beta": 0.4, "rho": 0.2}
+TOGA = {"fedtoga.alpha": 0.3, "fedtoga.kappa": 0.7, "fedtoga.beta": 0.4, "sam.rho": 0.2}
 
 
 @pytest.mark.parametrize("perturbation,prox_scale,divisor,delta_scale,partial", [
@@ -653,9 +653,9 @@ def test_fedtoga_matches_pseudocode(tmp_path, server_spy, perturbation, prox_sca
     """FedTOGA (fedtoga notes §1.3 per-step terms, §1.4 perturbation variants, §1.5 server,
     §1.10 pseudocode with its switches), with lr decay so that 'per-lr' divides by the
     round's eta."""
-    cfg = {"algorithm": "fedtoga", **TOGA, "fedtoga-perturbation": perturbation,
-           "fedtoga-prox-scale": prox_scale, "fedtoga-dual-divisor": divisor,
-           "fedtoga-delta-scale": delta_scale, "lr-decay": 0.8,
+    cfg = {"algorithm": "fedtoga", **TOGA, "fedtoga.perturbation": perturbation,
+           "fedtoga.prox-scale": prox_scale, "fedtoga.dual-divisor": divisor,
+           "fedtoga.delta-scale": delta_scale, "lr-decay": 0.8,
            **(PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.9})}
     result = run(tmp_path, "fedtoga", **cfg)
     prob = Problem(result)
@@ -684,16 +684,16 @@ def test_fedtoga_kappa0_beta0_equals_fedspeed(tmp_path, participation):
     ablation '+Dynamic Regularization' = FedSpeed-like) with a = fedtoga-alpha = feddyn-alpha, as
     long as the dual divisors agree: full participation (M = N) or divisor N.
     Exact: 0 * Delta adds zeros, v = g gives the same SAM offset, and the server is FedDyn's."""
-    extra = {} if participation == "full" else {**PARTIAL, "fedtoga-dual-divisor": "N"}
-    a = run(tmp_path, "a", algorithm="fedspeed", rho=0.2, **{"feddyn-alpha": 0.3},
+    extra = {} if participation == "full" else {**PARTIAL, "fedtoga.dual-divisor": "N"}
+    a = run(tmp_path, "a", algorithm="fedspeed", **{"sam.rho": 0.2}, **{"feddyn.alpha": 0.3},
             **{k: v for k, v in extra.items() if not k.startswith("fedtoga")})
-    b = run(tmp_path, "b", algorithm="fedtoga", rho=0.2,
-            **{"fedtoga-alpha": 0.3, "fedtoga-kappa": 0.0, "fedtoga-beta": 0.0}, **extra)
+    b = run(tmp_path, "b", algorithm="fedtoga", **{"sam.rho": 0.2},
+            **{"fedtoga.alpha": 0.3, "fedtoga.kappa": 0.0, "fedtoga.beta": 0.0}, **extra)
     assert finals_equal(a, b)
     # guards: kappa alone and beta alone each matter (from round 2, once Delta != 0)
-    common = {"algorithm": "fedtoga", "rho": 0.2, "fedtoga-alpha": 0.3, **extra}
-    c = run(tmp_path, "c", **common, **{"fedtoga-kappa": 0.7, "fedtoga-beta": 0.0})
-    d = run(tmp_path, "d", **common, **{"fedtoga-kappa": 0.0, "fedtoga-beta": 0.4})
+    common = {"algorithm": "fedtoga", "sam.rho": 0.2, "fedtoga.alpha": 0.3, **extra}
+    c = run(tmp_path, "c", **common, **{"fedtoga.kappa": 0.7, "fedtoga.beta": 0.0})
+    d = run(tmp_path, "d", **common, **{"fedtoga.kappa": 0.0, "fedtoga.beta": 0.4})
     assert_differ(a, c)
     assert_differ(a, d)
 
@@ -701,9 +701,9 @@ def test_fedtoga_kappa0_beta0_equals_fedspeed(tmp_path, participation):
 def test_fedtoga_divisor_M_differs_from_fedspeed_under_partial_participation(tmp_path):
     """With the printed divisor M (fedtoga notes §1.5, §6-A2) the accumulated dual is N/M times
     FedDyn's under partial participation, so kappa = beta = 0 is no longer FedSpeed."""
-    a = run(tmp_path, "a", algorithm="fedspeed", rho=0.2, **{"feddyn-alpha": 0.3}, **PARTIAL)
-    b = run(tmp_path, "b", algorithm="fedtoga", rho=0.2, **PARTIAL,
-            **{"fedtoga-alpha": 0.3, "fedtoga-kappa": 0.0, "fedtoga-beta": 0.0, "fedtoga-dual-divisor": "M"})
+    a = run(tmp_path, "a", algorithm="fedspeed", **{"sam.rho": 0.2}, **{"feddyn.alpha": 0.3}, **PARTIAL)
+    b = run(tmp_path, "b", algorithm="fedtoga", **{"sam.rho": 0.2}, **PARTIAL,
+            **{"fedtoga.alpha": 0.3, "fedtoga.kappa": 0.0, "fedtoga.beta": 0.0, "fedtoga.dual-divisor": "M"})
     assert_differ(a, b)
 
 
@@ -712,11 +712,11 @@ def test_fedtoga_N_equals_G_with_one_local_step(tmp_path):
     Delta, exactly as G (fedtoga notes §1.4, §6-A5). Exact: the same code branch runs. With
     K > 1, N's ascent direction is last step's g~ and the runs differ."""
     common = {"algorithm": "fedtoga", **TOGA, "num-server-rounds": 3}
-    g1 = run(tmp_path, "g1", **common, **{"local-steps": 1, "fedtoga-perturbation": "G"})
-    n1 = run(tmp_path, "n1", **common, **{"local-steps": 1, "fedtoga-perturbation": "N"})
+    g1 = run(tmp_path, "g1", **common, **{"local-steps": 1, "fedtoga.perturbation": "G"})
+    n1 = run(tmp_path, "n1", **common, **{"local-steps": 1, "fedtoga.perturbation": "N"})
     assert finals_equal(g1, n1)
-    g3 = run(tmp_path, "g3", **common, **{"fedtoga-perturbation": "G"})
-    n3 = run(tmp_path, "n3", **common, **{"fedtoga-perturbation": "N"})
+    g3 = run(tmp_path, "g3", **common, **{"fedtoga.perturbation": "G"})
+    n3 = run(tmp_path, "n3", **common, **{"fedtoga.perturbation": "N"})
     assert_differ(g3, n3)
 
 
@@ -724,27 +724,23 @@ def test_fedtoga_N_equals_G_with_one_local_step(tmp_path):
                                                    ("fusion", lambda k: 2 * k)])
 def test_fedtoga_gradient_passes(tmp_path, monkeypatch, perturbation, per_step):
     """Cost per local round (fedtoga notes §1.4 table): G and fusion take 2 gradient passes per
-    step (2K), N takes 1 per step after k = 0 (K + 1). Counted by wrapping loss_and_grad where
-    fedtoga.py calls it and where client.sam.gradient_at calls it."""
-    calls = count_gradient_passes(monkeypatch, [fedtoga_client])
+    step (2K), N takes 1 per step after k = 0 (K + 1), counted at the batch."""
+    calls = count_gradient_passes(monkeypatch)
     k, rounds, clients = 4, 2, 3
     run(tmp_path, perturbation, algorithm="fedtoga", **TOGA,
-        **{"fedtoga-perturbation": perturbation, "local-steps": k})
+        **{"fedtoga.perturbation": perturbation, "local-steps": k})
     assert calls["n"] == rounds * clients * per_step(k)
 
 
-def count_gradient_passes(monkeypatch, modules) -> dict:
-    """Counts calls of client.sam.loss_and_grad (every gradient pass), also where a client
-    module imported it by name; the count is in the returned dict's "n"."""
+def count_gradient_passes(monkeypatch) -> dict:
+    """Counts gradient (forward + backward) passes: every one a rule asks of its batch goes
+    through ModelBatch._grad. The count is in the returned dict's "n"."""
     calls = {"n": 0}
-    original = sam.loss_and_grad
+    original = ModelBatch._grad
 
     def counting(*args, **kwargs):
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sam, "loss_and_grad", counting)
-    for module in modules:
-        if hasattr(module, "loss_and_grad"):
-            monkeypatch.setattr(module, "loss_and_grad", counting)
+    monkeypatch.setattr(ModelBatch, "_grad", counting)
     return calls

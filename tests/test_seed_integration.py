@@ -95,8 +95,8 @@ def test_client_dual_survives_rounds_and_only_sampled_clients_change_it(tmp_path
     """h_i <- h_i - a (theta_K - theta^t) on the clients that trained (FedDyn; FedGMT's
     u_m with a = 1/beta), nothing else: clients not sampled keep their state bit for bit."""
     cfg, grid = run_with_snapshots(tmp_path, algorithm=algorithm)
-    a = {"fedgmt": 1 / cfg.fedgmt_beta, "fedgmt-v2": 1 / cfg.fedgmt_beta,
-         "fedtoga": cfg.fedtoga_coefficient()}.get(algorithm, cfg.feddyn_alpha)
+    a = {"fedgmt": lambda p: 1 / p.beta, "fedgmt-v2": lambda p: 1 / p.beta,
+         "fedtoga": lambda p: p.coefficient()}.get(algorithm, lambda p: p.alpha)(cfg.params)
     trained_twice = False
     for before, after, sent, got in grid.rounds:
         assert 0 < len(sent) < len(grid.contexts)
@@ -125,7 +125,7 @@ def test_fedgmt_v2_client_ema_folds_in_each_received_global_model(tmp_path):
     starting from w^0 (fedgmt-v2-init = "initial")."""
     cfg, grid = run_with_snapshots(tmp_path, algorithm="fedgmt-v2")
     init = torch.load(tmp_path / "run" / "model_init.pt")
-    alpha = cfg.fedgmt_v2_alpha
+    alpha = cfg.params.client_alpha
     for before, after, sent, _ in grid.rounds:
         for node in sent:
             received = P.from_record(sent[node][P.MODEL])
@@ -146,7 +146,7 @@ def test_fedgmt_server_ema_is_broadcast_and_updated_after_aggregation(tmp_path):
         ema, w = P.from_record(content[P.EMA_MODEL]), P.from_record(content[P.MODEL])
         for k in ema:
             expected = init[k] if previous is None else (
-                cfg.fedgmt_alpha * previous[k] + (1 - cfg.fedgmt_alpha) * w[k])
+                cfg.params.alpha * previous[k] + (1 - cfg.params.alpha) * w[k])
             torch.testing.assert_close(ema[k], expected, rtol=0, atol=1e-7)
         previous = ema
     assert any(not torch.allclose(previous[k], init[k]) for k in init)

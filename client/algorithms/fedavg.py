@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from client.algorithms.base import ClientAlgorithm
-from client.sam import loss_and_grad
+from client.algorithms.base import ClientRule
 
 
-class FedAvgClient(ClientAlgorithm):
-    def direction(self, model, x, y):
-        return loss_and_grad(model, x, y)
+class FedAvgClient(ClientRule):
+    """The plain gradient step; no hyperparameters of its own."""

@@ -3,26 +3,42 @@
     v = alpha * g + (1 - alpha) * Delta^r      (Delta^r: broadcast, fixed for the round)
     w_{k+1} = w_k - lr * v
 
-alpha (``fedcm-alpha``) weighs the fresh local gradient; alpha = 1 is FedAvg.
-MoFedSAM is this rule with a SAM gradient g~ in place of g.
+alpha (``fedcm.alpha``) weighs the fresh local gradient; alpha = 1 is FedAvg. MoFedSAM is
+this rule with a SAM gradient g~ in place of g. ``fedcm.server-step`` is the server's (FedCM
+and MoFedSAM share it; strategies/fedcm.py).
 """
 
 from __future__ import annotations
 
-from client.algorithms.base import ClientAlgorithm
-from client.sam import loss_and_grad
+from dataclasses import dataclass
+
+from client.algorithms.base import ClientRule
+from client.tensors import add, scale
+from common.params import UNIT, Params, key, one_of
 from common.protocol import GLOBAL_UPDATE
 
 
-class FedCMClient(ClientAlgorithm):
+@dataclass(frozen=True)
+class GlobalUpdateParams(Params):
+    """The FedCM family's server model step (strategies/fedcm.py)."""
+
+    server_step: str = key("fedcm.server-step", "delta",
+                           "server model step: delta = w + server-lr * mean(w_i - w) (the notes' "
+                           "reading); literal = w - server-lr * Delta as printed in Alg. 2",
+                           one_of("delta", "literal"))
+
+
+@dataclass(frozen=True)
+class FedCMParams(GlobalUpdateParams):
+    alpha: float = key("fedcm.alpha", 0.1, "weight of the fresh local gradient against the "
+                       "global update Delta (1 = FedAvg)", UNIT)
+
+
+class FedCMClient(ClientRule):
     def mixing_weight(self) -> float:
-        return self.cfg.fedcm_alpha
+        return self.params.alpha
 
-    def local_gradient(self, model, x, y):
-        return loss_and_grad(model, x, y)
-
-    def direction(self, model, x, y):
+    def direction(self, w, batch):
         a = self.mixing_weight()
-        loss, g = self.local_gradient(model, x, y)
-        delta = self.broadcast_params[GLOBAL_UPDATE]
-        return loss, [a * gi + (1.0 - a) * d for gi, d in zip(g, delta)]
+        loss, g = self.gradient(w, batch)
+        return loss, add(scale(g, a), scale(self.broadcast[GLOBAL_UPDATE], 1.0 - a))

@@ -1,5 +1,5 @@
-"""FedDyn client (Acar et al. 2021): the dynamic regulariser that FedSpeed, FedTOGA and
-FedGMT build on.
+"""FedDyn client (Acar et al. 2021): the dynamic regulariser that FedSpeed, FedSMOO, FedTOGA,
+FedGMT and FedLESAM-D build on.
 
 Local objective  F_i(theta) - <h_i, theta> + (a/2) ||theta - theta^t||^2, solved by K steps
 
@@ -8,59 +8,62 @@ Local objective  F_i(theta) - <h_i, theta> + (a/2) ||theta - theta^t||^2, solved
 then  h_i <- h_i - a (theta_K - theta^t), kept on the client (zeros before its first round).
 g_k is the plain gradient here; subclasses change it (SAM: FedSpeed, KL to the EMA: FedGMT),
 the prox weight (FedGMT: none) and add constant corrections (FedTOGA: + beta Delta).
+``feddyn.alpha`` is a, for FedDyn and the family members that share it.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from client.algorithms.base import ClientAlgorithm
-from client.sam import loss_and_grad, trainable
+from client.algorithms.base import ClientRule
+from client.tensors import Tensors, add, scale, sub, zeros_like
+from common.params import POSITIVE, Params, key
 from common.protocol import DUAL
 
 
-class DualClient(ClientAlgorithm):
+@dataclass(frozen=True)
+class DualParams(Params):
+    """The FedDyn family's coefficient (FedDyn, FedSpeed, FedSMOO, FedLESAM-D)."""
+
+    alpha: float = key("feddyn.alpha", 0.1, "FedDyn coefficient a: the prox weight and the dual "
+                       "step (client and server)", POSITIVE)
+
+
+class DualClient(ClientRule):
     """Shared mechanics of the FedDyn family: dual h_i, prox term, dual update."""
 
-    def __init__(self, cfg, model, broadcast, state, **kwargs):
-        super().__init__(cfg, model, broadcast, state, **kwargs)
-        self.start = [p.detach().clone() for p in trainable(model)]  # theta^t
-        self.dual = self.stored(DUAL) or [torch.zeros_like(p) for p in self.start]
+    def __init__(self, params, start, broadcast, state, lr, initial=None):
+        super().__init__(params, start, broadcast, state, lr, initial)
+        self.dual = state.get(DUAL) or zeros_like(self.start)
 
     # -- hooks
     def dual_coefficient(self) -> float:
         """a: the prox weight of the augmented Lagrangian and the dual step size."""
-        return self.cfg.feddyn_alpha
+        return self.params.alpha
 
     def prox_coefficient(self) -> float:
         """Weight of a (theta - theta^t) in the local step (FedDyn: a)."""
         return self.dual_coefficient()
 
-    def loss_gradient(self, model, x, y):
-        """(loss, g_k): the gradient of the data term at this step."""
-        return loss_and_grad(model, x, y)
-
-    def correction(self) -> list[torch.Tensor] | None:
+    def correction(self) -> Tensors | None:
         """A constant term added to every step (None: nothing)."""
         return None
 
     # -- the step and the dual update
-    def direction(self, model, x, y):
-        loss, g = self.loss_gradient(model, x, y)
+    def direction(self, w, batch):
+        loss, g = self.gradient(w, batch)
         prox = self.prox_coefficient()
-        d = [gi - hi for gi, hi in zip(g, self.dual)]
+        d = sub(g, self.dual)
         if prox:
-            d = [di + prox * (p.detach() - p0) for di, p, p0 in zip(d, trainable(model), self.start)]
+            d = add(d, scale(sub(w, self.start), prox))
         extra = self.correction()
         if extra is not None:
-            d = [di + ci for di, ci in zip(d, extra)]
+            d = add(d, extra)
         return loss, d
 
-    def new_state(self, model):
-        a = self.dual_coefficient()
-        return {DUAL: self.named([hi - a * (p.detach() - p0)
-                                  for hi, p, p0 in zip(self.dual, trainable(model), self.start)])}
+    def new_state(self, w):
+        return {DUAL: sub(self.dual, scale(sub(w, self.start), self.dual_coefficient()))}
 
 
 class FedDynClient(DualClient):
-    """FedDyn: plain gradients, a = ``feddyn-alpha``."""
+    """FedDyn: plain gradients, a = ``feddyn.alpha``."""

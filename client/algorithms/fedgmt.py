@@ -14,70 +14,81 @@ That is the FedDyn client with a = 1/beta and the prox weight 0.
 FedGMT: e = the server's EMA model, broadcast each round (2 models down).
 FedGMT-v2: no EMA broadcast. The client keeps its own e_m and, on each round it takes part,
 first folds in the global model (Alg. 1 line 7):  e_m <- alpha e_m + (1 - alpha) w^t.
-Before its first round e_m = w^0 (``fedgmt-v2-init = "initial"``, Alg. 1's "w = e = w^0")
+Before its first round e_m = w^0 (``fedgmt-v2.init = "initial"``, Alg. 1's "w = e = w^0")
 or e_m = w^t (``"global"``, the alternative reading; notes §2.3).
 """
 
 from __future__ import annotations
 
-import copy
-from collections import OrderedDict
+from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 
 from client.algorithms.feddyn import DualClient
-from client.sam import loss_and_grad
+from client.tensors import Tensors, add, scale
+from common.params import FRACTION, NONNEGATIVE, POSITIVE, Params, key, one_of
 from common.protocol import CLIENT_EMA, EMA_MODEL
 
 
-class FedGMTClient(DualClient):
-    def __init__(self, cfg, model, broadcast, state, **kwargs):
-        super().__init__(cfg, model, broadcast, state, **kwargs)
-        ema = self.ema_weights(model)
-        self.teacher = None
-        if cfg.fedgmt_gamma > 0:  # gamma = 0: no KL, so no EMA forward pass either
-            self.teacher = copy.deepcopy(model)
-            self.teacher.load_state_dict(ema)
-            self.teacher.requires_grad_(False)
+@dataclass(frozen=True)
+class DistillParams(Params):
+    """What FedGMT and FedGMT-v2 share: the ADMM penalty and the distillation."""
 
-    def ema_weights(self, model) -> OrderedDict:
+    beta: float = key("fedgmt.beta", 10.0, "ADMM penalty beta (dual step 1/beta)", POSITIVE)
+    gamma: float = key("fedgmt.gamma", 1.0, "weight gamma of the KL to the EMA model", NONNEGATIVE)
+    tau: float = key("fedgmt.tau", 3.0, "distillation temperature tau", POSITIVE)
+
+
+@dataclass(frozen=True)
+class FedGMTParams(DistillParams):
+    alpha: float = key("fedgmt.alpha", 0.95, "decay alpha of the server's EMA model", FRACTION)
+
+
+@dataclass(frozen=True)
+class FedGMTv2Params(DistillParams):
+    client_alpha: float = key("fedgmt-v2.alpha", 0.5, "decay of each client's own EMA model", FRACTION)
+    init: str = key("fedgmt-v2.init", "initial", "a client's EMA before its first round: w^0 "
+                    "(initial) or the received model (global)", one_of("initial", "global"))
+
+
+class FedGMTClient(DualClient):
+    def __init__(self, params, start, broadcast, state, lr, initial=None):
+        super().__init__(params, start, broadcast, state, lr, initial)
+        self.teacher = self.teacher_weights()
+
+    def teacher_weights(self) -> Tensors:
         """The EMA model this round distils from: the server's e^t."""
         return self.broadcast[EMA_MODEL]
 
     def dual_coefficient(self) -> float:
-        return 1.0 / self.cfg.fedgmt_beta
+        return 1.0 / self.params.beta
 
     def prox_coefficient(self) -> float:
         return 0.0
 
-    def loss_gradient(self, model, x, y):
-        if self.teacher is None:
-            return loss_and_grad(model, x, y)
-        with torch.no_grad():
-            teacher_logits = self.teacher(x)
-        gamma, tau = self.cfg.fedgmt_gamma, self.cfg.fedgmt_tau
+    def gradient(self, w, batch):
+        gamma, tau = self.params.gamma, self.params.tau
+        if gamma == 0:  # no KL, so no EMA forward pass either
+            return batch.grad()
+        teacher_logits = batch.outputs(self.teacher)
 
-        def loss_fn(logits, x, y):
+        def objective(logits, y):
             ce = F.cross_entropy(logits, y)
             kl = F.kl_div(F.log_softmax(logits / tau, dim=1), F.softmax(teacher_logits / tau, dim=1),
                           reduction="batchmean")
             return ce + gamma * tau * tau * kl, ce  # differentiate L_m, report CE
 
-        return loss_and_grad(model, x, y, loss_fn)
+        return batch.grad(objective=objective)
 
 
 class FedGMTv2Client(FedGMTClient):
-    def ema_weights(self, model) -> OrderedDict:
-        alpha = self.cfg.fedgmt_v2_alpha
-        received = OrderedDict((k, v.detach().cpu().clone()) for k, v in model.state_dict().items())
+    def teacher_weights(self) -> Tensors:
+        """e_m <- alpha e_m + (1 - alpha) w^t, e_m before the first round per ``init``."""
+        alpha = self.params.client_alpha
         previous = self.state.get(CLIENT_EMA)
         if previous is None:
-            previous = self.initial_weights() if self.cfg.fedgmt_v2_init == "initial" else received
-        self.ema = OrderedDict(
-            (k, alpha * previous[k] + (1.0 - alpha) * v if v.is_floating_point() else v)
-            for k, v in received.items())
-        return self.ema
+            previous = self.initial() if self.params.init == "initial" else self.start
+        return add(scale(previous, alpha), scale(self.start, 1.0 - alpha))
 
-    def new_state(self, model):
-        return {**super().new_state(model), CLIENT_EMA: self.ema}
+    def new_state(self, w):
+        return {**super().new_state(w), CLIENT_EMA: self.teacher}

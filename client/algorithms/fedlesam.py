@@ -7,55 +7,63 @@ model the client received in its previous round and the one it received now,
     g~_k  = grad F(theta_k + delta)                                    (1 gradient pass per step)
 
 and after the round the client keeps theta_i^old <- theta^t. On a client's first round there
-is no theta_i^old (the paper leaves it open): ``fedlesam-first = "none"`` (default) takes no
+is no theta_i^old (the paper leaves it open): ``fedlesam.first = "none"`` (default) takes no
 perturbation (delta = 0, plain gradients, as the public code does in round 1); ``"initial"``
 uses the run's initial model theta^0 as theta_i^old.
 
-FedLESAM uses g~ in a FedAvg step; FedLESAM-D in FedDyn's (Alg. 3), FedLESAM-S in
-SCAFFOLD's. rho = 0 gives FedAvg, FedDyn and SCAFFOLD.
+The estimate is one ``gradient``; FedLESAM uses it in a FedAvg step, FedLESAM-D in FedDyn's
+(Alg. 3), FedLESAM-S in SCAFFOLD's. rho = 0 gives FedAvg, FedDyn and SCAFFOLD.
 """
 
 from __future__ import annotations
 
-from client.algorithms.base import ClientAlgorithm
-from client.algorithms.feddyn import DualClient
+from dataclasses import dataclass
+
+from client.algorithms.base import ClientRule
+from client.algorithms.feddyn import DualClient, DualParams
 from client.algorithms.scaffold import ScaffoldClient
-from client.sam import gradient_at, loss_and_grad, trainable, unit_scaled
+from client.sam import SAMParams, unit_scaled
+from client.tensors import sub
+from common.params import key, one_of
 from common.protocol import PREVIOUS_GLOBAL
+
+
+@dataclass(frozen=True)
+class FedLESAMParams(SAMParams):
+    first: str = key("fedlesam.first", "none", "a client's first round, with no previous global "
+                     "model: none = no perturbation; initial = use w^0", one_of("none", "initial"))
+
+
+@dataclass(frozen=True)
+class FedLESAMDParams(FedLESAMParams, DualParams):
+    """FedLESAM-D: FedLESAM's, and FedDyn's coefficient ``feddyn.alpha``."""
 
 
 class LocalEstimate:
     """Mixin: the FedLESAM perturbation and the theta_i^old it needs (client state)."""
 
-    def __init__(self, cfg, model, broadcast, state, **kwargs):
-        super().__init__(cfg, model, broadcast, state, **kwargs)
-        self.received = [p.detach().clone() for p in trainable(model)]  # theta^t
-        old = self.stored(PREVIOUS_GLOBAL)
-        if old is None and cfg.fedlesam_first == "initial":
-            old = self.aligned(self.initial_weights())
-        self.offset = (None if old is None else
-                       unit_scaled([o - t for o, t in zip(old, self.received)], cfg.rho))
+    def __init__(self, params, start, broadcast, state, lr, initial=None):
+        super().__init__(params, start, broadcast, state, lr, initial)
+        old = state.get(PREVIOUS_GLOBAL)
+        if old is None and params.first == "initial":
+            old = initial()
+        self.offset = None if old is None else unit_scaled(sub(old, self.start), params.rho)
 
-    def estimate_gradient(self, model, x, y):
+    def gradient(self, w, batch):
         """(loss, g~_k): the gradient at theta_k + delta (theta_k itself on a first round)."""
-        if self.offset is None:
-            return loss_and_grad(model, x, y)
-        return gradient_at(model, x, y, self.offset)
+        return batch.grad(self.offset)
 
-    def new_state(self, model):
-        return {**super().new_state(model), PREVIOUS_GLOBAL: self.named(self.received)}
+    def new_state(self, w):
+        return {**super().new_state(w), PREVIOUS_GLOBAL: self.start}
 
 
-class FedLESAMClient(LocalEstimate, ClientAlgorithm):
-    def direction(self, model, x, y):
-        return self.estimate_gradient(model, x, y)
+class FedLESAMClient(LocalEstimate, ClientRule):
+    """FedLESAM: the estimate in a FedAvg step."""
 
 
 class FedLESAMDClient(LocalEstimate, DualClient):
-    def loss_gradient(self, model, x, y):
-        return self.estimate_gradient(model, x, y)
+    """FedLESAM-D: the estimate in FedDyn's step."""
 
 
 class FedLESAMSClient(LocalEstimate, ScaffoldClient):
-    def local_gradient(self, model, x, y):
-        return self.estimate_gradient(model, x, y)
+    """FedLESAM-S: the estimate in SCAFFOLD's step."""

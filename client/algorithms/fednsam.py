@@ -6,21 +6,30 @@ the server momentum m^{t-1} (broadcast, fixed for the round):
     theta_{k+1} = theta_k - lr * grad F(theta_k + e; xi_k)
 
 The iterate itself is not shifted (notes §8.7). Stateless: nothing is kept between rounds.
+``fednsam.lambda`` is also the server's momentum coefficient (strategies/fednsam.py).
 """
 
 from __future__ import annotations
 
-from client.algorithms.base import ClientAlgorithm
-from client.sam import gradient_at, unit_scaled
+from dataclasses import dataclass
+
+from client.algorithms.base import ClientRule
+from client.sam import SAMParams, unit_scaled
+from client.tensors import scale, sub
+from common.params import FRACTION, key
 from common.protocol import MOMENTUM
 
 
-class FedNSAMClient(ClientAlgorithm):
-    def __init__(self, cfg, model, broadcast, state, **kwargs):
-        super().__init__(cfg, model, broadcast, state, **kwargs)
-        m = self.broadcast_params[MOMENTUM]
-        lam = cfg.fednsam_lambda
-        self.offset = [lam * mi - pi for mi, pi in zip(m, unit_scaled(m, cfg.rho))]
+@dataclass(frozen=True)
+class FedNSAMParams(SAMParams):
+    lam: float = key("fednsam.lambda", 0.85, "server momentum and look-ahead lambda", FRACTION)
 
-    def direction(self, model, x, y):
-        return gradient_at(model, x, y, self.offset)
+
+class FedNSAMClient(ClientRule):
+    def __init__(self, params, start, broadcast, state, lr, initial=None):
+        super().__init__(params, start, broadcast, state, lr, initial)
+        m = broadcast[MOMENTUM]
+        self.offset = sub(scale(m, params.lam), unit_scaled(m, params.rho))
+
+    def gradient(self, w, batch):
+        return batch.grad(self.offset)

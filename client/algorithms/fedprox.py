@@ -10,27 +10,36 @@ with w^t the model received this round. mu = 0 is FedAvg.
 
 from __future__ import annotations
 
-from client.algorithms.base import ClientAlgorithm
-from client.sam import loss_and_grad, trainable
+from dataclasses import dataclass
+
+from client.algorithms.base import ClientRule
+from client.tensors import add, scale, sub
+from common.params import FRACTION, NONNEGATIVE, Params, key
 
 
-class FedProxClient(ClientAlgorithm):
-    def __init__(self, cfg, model, broadcast, state, **kwargs):
-        super().__init__(cfg, model, broadcast, state, **kwargs)
-        self.start = [p.detach().clone() for p in trainable(model)]  # w^t
+@dataclass(frozen=True)
+class FedProxParams(Params):
+    mu: float = key("fedprox.mu", 0.01, "prox weight mu in (mu/2)||w - w^t||^2", NONNEGATIVE)
 
+
+@dataclass(frozen=True)
+class FedACGParams(Params):
+    lam: float = key("fedacg.lambda", 0.85, "server momentum and look-ahead lambda (server)", FRACTION)
+    beta: float = key("fedacg.beta", 0.01, "prox weight beta toward the look-ahead (client)", NONNEGATIVE)
+
+
+class FedProxClient(ClientRule):
     def prox_weight(self) -> float:
-        return self.cfg.fedprox_mu
+        return self.params.mu
 
-    def direction(self, model, x, y):
-        loss, g = loss_and_grad(model, x, y)
-        mu = self.prox_weight()
-        return loss, [gi + mu * (p.detach() - p0) for gi, p, p0 in zip(g, trainable(model), self.start)]
+    def direction(self, w, batch):
+        loss, g = self.gradient(w, batch)
+        return loss, add(g, scale(sub(w, self.start), self.prox_weight()))
 
 
 class FedACGClient(FedProxClient):
     """FedACG: the prox term pulls towards the received look-ahead model w^t + lambda m^t,
-    with weight ``fedacg-beta`` (the local penalty of Kim et al. 2024, eq. 6)."""
+    with weight ``fedacg.beta`` (the local penalty of Kim et al. 2024, eq. 6)."""
 
     def prox_weight(self) -> float:
-        return self.cfg.fedacg_beta
+        return self.params.beta

@@ -3,14 +3,16 @@
     g  = grad F(w_k; xi_k)
     g~ = grad F(w_k + rho * g/||g||; xi_k)      (same mini-batch)
     w_{k+1} = w_k - lr * g~
+
+Params: client.sam.SAMParams (``sam.rho``).
 """
 
 from __future__ import annotations
 
-from client.algorithms.base import ClientAlgorithm
+from client.algorithms.base import ClientRule
 from client.sam import sam_gradient
 
 
-class FedSAMClient(ClientAlgorithm):
-    def direction(self, model, x, y):
-        return sam_gradient(model, x, y, self.cfg.rho)
+class FedSAMClient(ClientRule):
+    def gradient(self, w, batch):
+        return sam_gradient(batch, self.params.rho)

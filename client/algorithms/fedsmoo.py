@@ -1,6 +1,6 @@
 """FedSMOO client (Sun et al. 2023; FedTOGA paper Alg. 2, fedtoga notes §2.1).
 
-FedDyn's prox-correction (dual h_i, weight a = ``feddyn-alpha``) around a SAM step whose
+FedDyn's prox-correction (dual h_i, weight a = ``feddyn.alpha``) around a SAM step whose
 perturbation is corrected towards the global one s (broadcast) by the client's perturbation
 dual mu_i (state, zeros before its first round). Per step, on one mini-batch:
 
@@ -15,34 +15,38 @@ printed; FL-Simulator's simplification uploads mu_i alone). rho = 0 is FedDyn.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from client.algorithms.feddyn import DualClient
-from client.sam import gradient_at, loss_and_grad, unit_scaled
+from client.algorithms.feddyn import DualClient, DualParams
+from client.sam import SAMParams, unit_scaled
+from client.tensors import add, sub, zeros_like
 from common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION, PERTURBATION_DUAL
 
 
+@dataclass(frozen=True)
+class FedSMOOParams(SAMParams, DualParams):
+    """FedSMOO: the SAM radius (also the server's for s) and FedDyn's coefficient."""
+
+
 class FedSMOOClient(DualClient):
-    def __init__(self, cfg, model, broadcast, state, **kwargs):
-        super().__init__(cfg, model, broadcast, state, **kwargs)
-        self.s = self.broadcast_params[GLOBAL_PERTURBATION]
-        self.mu = self.stored(PERTURBATION_DUAL) or [torch.zeros_like(p) for p in self.start]
-        self.last = [torch.zeros_like(p) for p in self.start]  # s^_K
+    def __init__(self, params, start, broadcast, state, lr, initial=None):
+        super().__init__(params, start, broadcast, state, lr, initial)
+        self.s = broadcast[GLOBAL_PERTURBATION]
+        self.mu = state.get(PERTURBATION_DUAL) or zeros_like(self.start)
+        self.last = zeros_like(self.start)  # s^_K
 
-    def ascent_gradient(self, model, x, y):
+    def ascent_gradient(self, w, batch):
         """(loss, g(theta_k)): the gradient the perturbation S_k is built from."""
-        return loss_and_grad(model, x, y)
+        return batch.grad()
 
-    def loss_gradient(self, model, x, y):
-        loss, g = self.ascent_gradient(model, x, y)
-        corrected = [gi - mi - si for gi, mi, si in zip(g, self.mu, self.s)]
-        self.last = unit_scaled(corrected, self.cfg.rho)
-        self.mu = [mi + (pi - si) for mi, pi, si in zip(self.mu, self.last, self.s)]
-        return loss, gradient_at(model, x, y, self.last)[1]
+    def gradient(self, w, batch):
+        loss, g = self.ascent_gradient(w, batch)
+        self.last = unit_scaled(sub(sub(g, self.mu), self.s), self.params.rho)
+        self.mu = add(self.mu, sub(self.last, self.s))
+        return loss, batch.grad(self.last)[1]
 
-    def uploads(self, model):
-        return {PERTURBATION_CORRECTION: self.full_record(
-            model, [mi - pi for mi, pi in zip(self.mu, self.last)])}
+    def uploads(self, w):
+        return {PERTURBATION_CORRECTION: sub(self.mu, self.last)}
 
-    def new_state(self, model):
-        return {**super().new_state(model), PERTURBATION_DUAL: self.named(self.mu)}
+    def new_state(self, w):
+        return {**super().new_state(w), PERTURBATION_DUAL: self.mu}

@@ -2,7 +2,7 @@
 SAM gradient.
 
     g  = grad F(theta_k)                       g~ = grad F(theta_k + rho g/||g||)  (same batch)
-    q  = (1 - alpha) g + alpha g~              (the paper's quasi-gradient; alpha = ``fedspeed-alpha``)
+    q  = (1 - alpha) g + alpha g~              (the paper's quasi-gradient; alpha = ``fedspeed.alpha``)
     theta_{k+1} = theta_k - lr * ( q - h_i + a (theta_k - theta^t) )
     h_i <- h_i - a (theta_K - theta^t)
 
@@ -12,14 +12,25 @@ alone, maintainer-confirmed in its issue #6), bit for bit; alpha = 0 is FedDyn; 
 
 from __future__ import annotations
 
-from client.algorithms.feddyn import FedDynClient
-from client.sam import loss_and_grad, perturbed_gradient
+from dataclasses import dataclass
+
+from client.algorithms.feddyn import DualParams, FedDynClient
+from client.sam import SAMParams, unit_scaled
+from client.tensors import add, scale
+from common.params import UNIT, key
+
+
+@dataclass(frozen=True)
+class FedSpeedParams(SAMParams, DualParams):
+    merge: float = key("fedspeed.alpha", 1.0, "weight alpha of the perturbed gradient in "
+                       "(1 - alpha) g + alpha g~: 1 = the authors' code (g~ alone), < 1 = the "
+                       "paper's merged gradient", UNIT)
 
 
 class FedSpeedClient(FedDynClient):
-    def loss_gradient(self, model, x, y):
-        alpha = self.cfg.fedspeed_alpha
-        loss, g = loss_and_grad(model, x, y)
-        g_sam = perturbed_gradient(model, x, y, g, self.cfg.rho)
+    def gradient(self, w, batch):
+        alpha = self.params.merge
+        loss, g = batch.grad()
+        g_sam = batch.grad(unit_scaled(g, self.params.rho))[1]
         # (1 - alpha) g + alpha g~; at alpha = 1 exactly g~ (0 * g adds a zero), at 0 exactly g
-        return loss, [(1.0 - alpha) * gi + alpha * si for gi, si in zip(g, g_sam)]
+        return loss, add(scale(g, 1.0 - alpha), scale(g_sam, alpha))

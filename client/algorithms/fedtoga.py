@@ -9,44 +9,69 @@ Each step, with the broadcast global update Delta^t and the client dual h_i fixe
     g~_k   = grad F(theta_k + delta)         (same mini-batch)
     theta_{k+1} = theta_k - lr ( g~_k - h_i + a (theta_k - theta^t) + beta Delta )
 
-then h_i <- h_i - a (theta_K - theta^t). ``fedtoga-prox-scale``: a = alpha ("multiplier",
+then h_i <- h_i - a (theta_K - theta^t). ``fedtoga.prox-scale``: a = alpha ("multiplier",
 the notes' reading, §6-A1) or a = 1/alpha ("literal", the (1/alpha) printed in Alg. 1).
-With kappa = beta = 0, "G" and a = feddyn-alpha the client is FedSpeed's at fedspeed-alpha = 1
-(the whole algorithm is FedSpeed when the server divides the dual by N too, or under full
-participation).
+With kappa = beta = 0, "G" and a = feddyn.alpha the client is FedSpeed's (the whole algorithm
+is FedSpeed when the server divides the dual by N too, or under full participation).
+The server's switches (``dual-divisor``, ``delta-scale``) are in strategies/fedtoga.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from client.algorithms.feddyn import DualClient
-from client.sam import gradient_at, loss_and_grad, unit_scaled
+from client.sam import SAMParams, unit_scaled
+from client.tensors import add, scale
+from common.params import NONNEGATIVE, POSITIVE, key, one_of
 from common.protocol import GLOBAL_UPDATE
 
 
+@dataclass(frozen=True)
+class FedTOGAParams(SAMParams):
+    alpha: float = key("fedtoga.alpha", 0.1, "prox and dual coefficient (see prox-scale)", POSITIVE)
+    prox_scale: str = key("fedtoga.prox-scale", "multiplier", "a = alpha (multiplier, notes "
+                          "§6-A1) or 1/alpha (literal, as printed in Alg. 1)",
+                          one_of("multiplier", "literal"))
+    kappa: float = key("fedtoga.kappa", 1.0, "correction kappa of the perturbation by Delta", NONNEGATIVE)
+    beta: float = key("fedtoga.beta", 0.9, "correction beta of the step by Delta", NONNEGATIVE)
+    perturbation: str = key("fedtoga.perturbation", "G", "G: fresh gradient + kappa Delta; N: "
+                            "last SAM gradient (1 pass per step); fusion: both",
+                            one_of("G", "N", "fusion"))
+    dual_divisor: str = key("fedtoga.dual-divisor", "M", "the server dual's divisor: M sampled "
+                            "(as printed) or N clients", one_of("M", "N"))
+    delta_scale: str = key("fedtoga.delta-scale", "literal", "Delta per local step (literal) or "
+                           "per step and lr (per-lr)", one_of("literal", "per-lr"))
+
+    def coefficient(self) -> float:
+        """a, the prox weight and dual step: alpha (multiplier) or 1/alpha (literal)."""
+        return self.alpha if self.prox_scale == "multiplier" else 1.0 / self.alpha
+
+
 class FedTOGAClient(DualClient):
-    def __init__(self, cfg, model, broadcast, state, **kwargs):
-        super().__init__(cfg, model, broadcast, state, **kwargs)
-        delta = self.broadcast_params[GLOBAL_UPDATE]
-        self.kappa_delta = [cfg.fedtoga_kappa * d for d in delta]
-        self.beta_delta = [cfg.fedtoga_beta * d for d in delta]
+    def __init__(self, params, start, broadcast, state, lr, initial=None):
+        super().__init__(params, start, broadcast, state, lr, initial)
+        delta = broadcast[GLOBAL_UPDATE]
+        self.kappa_delta = scale(delta, params.kappa)
+        self.beta_delta = scale(delta, params.beta)
         self.previous = None  # g~_{k-1}, the last SAM gradient (the "gradient register")
 
     def dual_coefficient(self) -> float:
-        return self.cfg.fedtoga_coefficient()
+        return self.params.coefficient()
 
     def correction(self):
         return self.beta_delta
 
-    def loss_gradient(self, model, x, y):
-        variant = self.cfg.fedtoga_perturbation
+    def gradient(self, w, batch):
+        variant = self.params.perturbation
         loss = None
         if variant == "N" and self.previous is not None:
-            v = [gp + kd for gp, kd in zip(self.previous, self.kappa_delta)]
+            v = add(self.previous, self.kappa_delta)
         else:
-            loss, g = loss_and_grad(model, x, y)
+            loss, g = batch.grad()
             if variant == "fusion" and self.previous is not None:
-                g = [gi + gp for gi, gp in zip(g, self.previous)]
-            v = [gi + kd for gi, kd in zip(g, self.kappa_delta)]
-        perturbed_loss, g_sam = gradient_at(model, x, y, unit_scaled(v, self.cfg.rho))
+                g = add(g, self.previous)
+            v = add(g, self.kappa_delta)
+        perturbed_loss, g_sam = batch.grad(unit_scaled(v, self.params.rho))
         self.previous = g_sam
         return (perturbed_loss if loss is None else loss), g_sam

@@ -4,18 +4,28 @@
     v  = beta * g~ + (1 - beta) * Delta^r       (Delta^r: broadcast, fixed for the round)
     w_{k+1} = w_k - lr * v
 
-beta weighs the fresh local SAM gradient; beta = 1 is FedSAM, rho = 0 is FedCM.
+beta (``mofedsam.beta``) weighs the fresh local SAM gradient; beta = 1 is FedSAM, rho = 0 is
+FedCM.
 """
 
 from __future__ import annotations
 
-from client.algorithms.fedcm import FedCMClient
-from client.sam import sam_gradient
+from dataclasses import dataclass
+
+from client.algorithms.fedcm import FedCMClient, GlobalUpdateParams
+from client.sam import SAMParams, sam_gradient
+from common.params import UNIT, key
+
+
+@dataclass(frozen=True)
+class MoFedSAMParams(SAMParams, GlobalUpdateParams):
+    beta: float = key("mofedsam.beta", 0.1, "weight of the local SAM gradient against the "
+                      "global update Delta (1 = FedSAM)", UNIT)
 
 
 class MoFedSAMClient(FedCMClient):
     def mixing_weight(self) -> float:
-        return self.cfg.mofedsam_beta
+        return self.params.beta
 
-    def local_gradient(self, model, x, y):
-        return sam_gradient(model, x, y, self.cfg.rho)
+    def gradient(self, w, batch):
+        return sam_gradient(batch, self.params.rho)

@@ -1,0 +1,69 @@
+"""One mini-batch, as a client rule sees it: gradients at an offset of the current weights,
+and outputs of other weights. The rule never touches a model, so the same rule runs with
+any engine that provides these two calls; :class:`ModelBatch` is the one for a single
+``nn.Module`` and autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tensors = list[torch.Tensor]
+# objective(logits, y) -> (what is differentiated, the loss to report)
+Objective = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = F.cross_entropy(logits, y)
+    return loss, loss
+
+
+class Batch(Protocol):
+    def grad(self, offset: Sequence[torch.Tensor] | None = None,
+             objective: Objective = cross_entropy) -> tuple[torch.Tensor, Tensors]:
+        """(reported loss, gradient of the objective w.r.t. the trainable parameters), both
+        taken at w + offset (w: the current weights, unchanged afterwards)."""
+
+    def outputs(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The model's outputs on this batch with ``weights`` as its trainable parameters
+        (no gradient): FedGMT's teacher."""
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a local step updates, in a fixed order."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class ModelBatch:
+    """:class:`Batch` for one model and autograd."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+        self.model, self.x, self.y = model, x, y
+        self.params = trainable(model)
+
+    def grad(self, offset=None, objective: Objective = cross_entropy):
+        if offset is None:
+            return self._grad(objective)
+        saved = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            torch._foreach_add_(self.params, list(offset))
+        try:
+            return self._grad(objective)
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, saved)
+
+    def _grad(self, objective: Objective):
+        differentiate, report = objective(self.model(self.x), self.y)
+        grads = torch.autograd.grad(differentiate, self.params)
+        return report.detach(), list(grads)
+
+    def outputs(self, weights):
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        with torch.no_grad():
+            return torch.func.functional_call(self.model, dict(zip(names, weights)), (self.x,))

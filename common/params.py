@@ -1,0 +1,88 @@
+"""An algorithm's hyperparameters (ARCHITECTURE.md: each algorithm owns its hyperparameters).
+
+Each algorithm has a small frozen dataclass of params, next to its client half; both halves
+receive it, as a torch optimizer receives its hyperparameters. Its fields are run-config keys
+in the algorithm's namespace (``fedtoga.alpha``; Flower flattens a
+``[tool.flwr.app.config.fedtoga]`` table into such dotted keys), each declared with
+:func:`key`: its run-config name, default, meaning and check. Families share fields by
+inheritance: :class:`client.sam.SAMParams` gives every SAM-family algorithm ``sam.rho``.
+Derived values (FedTOGA's coefficient) are methods; checks that involve other keys override
+:meth:`Params.problems`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+
+@dataclass(frozen=True)
+class Check:
+    """A predicate on a value and how a message says it: ``must be <text>``."""
+
+    ok: Callable[[Any], bool]
+    text: str
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+POSITIVE = Check(lambda x: _finite(x) and x > 0, "a finite number > 0")
+NONNEGATIVE = Check(lambda x: _finite(x) and x >= 0, "a finite number >= 0")
+FRACTION = Check(lambda x: _finite(x) and 0 <= x < 1, "in [0, 1)")
+UNIT = Check(lambda x: _finite(x) and 0 <= x <= 1, "in [0, 1]")
+
+
+def one_of(*choices: str) -> Check:
+    return Check(lambda x: x in choices, "one of: " + ", ".join(sorted(choices)))
+
+
+def key(name: str, default: Any, meaning: str, check: Check | None = None) -> Any:
+    """A params field: run-config key ``name`` (``namespace.key``) with its default, what it
+    means (``flatflower algorithms`` and the docs show it) and its check."""
+    return dataclasses.field(default=default, metadata={"key": name, "meaning": meaning, "check": check})
+
+
+@dataclass(frozen=True)
+class Params:
+    """Base of every algorithm's params (an algorithm with no hyperparameter uses it as is)."""
+
+    @classmethod
+    def fields(cls) -> dict[str, dataclasses.Field]:
+        """Run-config key -> field, in declaration order."""
+        return {f.metadata["key"]: f for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {k: f.default for k, f in cls.fields().items()}
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any], coerce: Callable[[str, Any, str], Any]) -> Params:
+        """Params from run-config ``values`` (missing keys keep their defaults); values are
+        converted to the field types with ``coerce(key, value, type name)``."""
+        hints = get_type_hints(cls)
+        kwargs = {f.name: coerce(k, values[k], hints[f.name].__name__)
+                  for k, f in cls.fields().items() if k in values}
+        return cls(**kwargs)
+
+    def problems(self, cfg: Any) -> list[str]:
+        """What is wrong with these values (``cfg``: the general run config, for checks that
+        involve its keys). Subclasses extend it for checks that span fields."""
+        return [p for k, f in self.fields().items() if (p := field_problem(k, f, getattr(self, f.name)))]
+
+
+    def to_dict(self) -> dict[str, Any]:
+        """Run-config key -> value."""
+        return {k: getattr(self, f.name) for k, f in self.fields().items()}
+
+
+def field_problem(name: str, field: dataclasses.Field, value: Any) -> str | None:
+    """The message if ``value`` fails the field's check (None if it passes)."""
+    check = field.metadata["check"]
+    if check is not None and not check.ok(value):
+        return f"{name} must be {check.text} (got {value!r})"
+    return None
