@@ -558,6 +558,18 @@ def assert_clean_stop(codes: dict[str, int]) -> None:
     assert not bad, f"containers that did not stop cleanly: {bad}"
 
 
+def sweep(engine: Engine) -> None:
+    """Remove whatever of the project is left (an interrupted run): `down -v` with every file
+    that defines containers, networks or volumes, then anything still labelled with it."""
+    compose(engine, [DOCKER / "compose.yml", DOCKER / "compose.tls.yml"], "down", "-v",
+            "--remove-orphans", quiet=True, check=False, env={"FLATFLOWER_CERTS": "/nonexistent"})
+    label = f"label=com.docker.compose.project={PROJECT}"
+    for kind, extra in (("container", ["-a"]), ("network", []), ("volume", [])):
+        ids = engine.d(kind, "ls", "-q", "--filter", label, *extra, quiet=True, check=False).stdout.split()
+        if ids:
+            engine.d(kind, "rm", *(["-f"] if kind == "container" else []), *ids, check=False)
+
+
 def assert_nothing_left(engine: Engine) -> None:
     label = f"label=com.docker.compose.project={PROJECT}"
     left = {kind: engine.d(kind, "ls", "-q", "--filter", label, *(["-a"] if kind == "container" else []),
@@ -710,8 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = None
     try:
         engine.start()
-        compose(engine, [DOCKER / "compose.yml"], "down", "-v", "--remove-orphans", quiet=True,
-                check=False)  # a project left by an interrupted earlier run
+        sweep(engine)  # a project left by an interrupted earlier run
         images = Images(engine, work, args.base)
         images.prepare()
         sizes = images.sizes()
@@ -728,8 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         try:
             if engine.compose:
-                compose(engine, [DOCKER / "compose.yml"], "down", "-v", "--remove-orphans",
-                        quiet=True, check=False)
+                sweep(engine)
             if images and args.remove_images:
                 images.remove()
         finally:
