@@ -11,7 +11,7 @@ STAMP := $(VENV)/.flatflower-installed
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: install demo test test-fast bench bench-quick clean
+.PHONY: install demo test test-fast test-docker bench bench-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,13 @@ test: $(STAMP)
 # Unit and algorithm tests only (no Flower processes, no Ray).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration" tests
+
+# The docker-compose federation of docker/, run for real (docs/deployment.md, "Tested end to
+# end"): opt-in, as root; installs and starts a Docker engine if none answers, builds the images
+# (local stand-ins for Flower's when Docker Hub is out of reach), runs the plain, TLS and restart
+# scenarios, and removes every container, network and volume it made. Not part of `make test`.
+test-docker: $(STAMP)
+	$(BIN)/python tests/docker_e2e.py $(ARGS)
 
 # Benchmarks (docs/benchmarks.md): timings are reported, never asserted.
 bench: $(STAMP)

@@ -37,6 +37,8 @@ TLS = DOCKER / "compose.tls.yml"
 GPU = DOCKER / "compose.gpu.yml"
 DOCS = ROOT / "docs" / "deployment.md"
 DOCKERFILES = {"cpu": DOCKER / "Dockerfile.superexec", "cuda": DOCKER / "Dockerfile.superexec-cuda"}
+LOCAL_BASE = DOCKER / "compose.local-base.yml"  # stand-ins where Docker Hub is out of reach
+FLWR_LOCAL = DOCKER / "Dockerfile.flwr-local"
 
 COMBOS = {
     "base": (BASE,),
@@ -148,13 +150,14 @@ def merge_service(base: dict, over: dict) -> dict:
 
 def load_merged(files: tuple[Path, ...], env: dict[str, str] | None = None) -> dict:
     """The files merged in order, interpolated with ``env`` (defaults where unset)."""
-    merged: dict = {"services": {}, "volumes": {}}
+    merged: dict = {"services": {}, "volumes": {}, "networks": {}}
     for path in files:
         data = interpolate(load_yaml(path), env or {})
         for name, service in (data.get("services") or {}).items():
             base = merged["services"].get(name)
             merged["services"][name] = service if base is None else merge_service(base, service)
         merged["volumes"].update(data.get("volumes") or {})
+        merged["networks"].update(data.get("networks") or {})
     return merged
 
 
@@ -163,6 +166,18 @@ def dockerfile_entrypoint(dockerfile: Path) -> list[str]:
     entry = [line for line in dockerfile.read_text().splitlines() if line.startswith("ENTRYPOINT")]
     assert entry, f"{dockerfile} has no ENTRYPOINT"
     return json.loads(entry[-1].split(None, 1)[1])
+
+
+@functools.lru_cache(maxsize=None)
+def stand_in_entrypoints() -> dict[str, list[str]]:
+    """flatflower-local/<target> -> the ENTRYPOINT of that target of Dockerfile.flwr-local."""
+    out, target = {}, None
+    for line in FLWR_LOCAL.read_text().splitlines():
+        if line.startswith("FROM "):
+            target = line.split()[-1]
+        elif line.startswith("ENTRYPOINT"):
+            out[f"flatflower-local/{target}"] = json.loads(line.split(None, 1)[1])
+    return out
 
 
 def build_dockerfile(service: dict) -> Path:
@@ -177,7 +192,8 @@ def argv(service: dict) -> list[str]:
         if "build" in service:
             entrypoint = dockerfile_entrypoint(build_dockerfile(service))
         else:
-            entrypoint = IMAGE_ENTRYPOINTS[service["image"].split(":")[0]]
+            repo = service["image"].split(":")[0]
+            entrypoint = IMAGE_ENTRYPOINTS.get(repo) or stand_in_entrypoints()[repo]
     command = service.get("command") or []
     entrypoint = shlex.split(entrypoint) if isinstance(entrypoint, str) else entrypoint
     command = shlex.split(command) if isinstance(command, str) else command
@@ -290,14 +306,25 @@ def test_installed_flower_is_the_pinned_version():
     assert importlib.metadata.version("flwr") == FLWR_VERSION
 
 
-@pytest.mark.parametrize("path", [BASE, TLS, GPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [BASE, TLS, GPU, LOCAL_BASE], ids=lambda p: p.name)
 def test_compose_files_use_only_known_top_level_keys(path):
     data = load_yaml(path)
-    assert set(data) <= {"name", "services", "volumes", "networks", "secrets", "configs"} | {
+    # no top-level `name` and no `create_host_path`: Compose v2 only; Debian's docker-compose
+    # 1.29 (what `make test-docker` runs) rejects both. docker/.env names the project instead.
+    assert set(data) <= {"services", "volumes", "networks", "secrets", "configs"} | {
         k for k in data if k.startswith("x-")}, set(data)
+    assert "create_host_path" not in path.read_text()
     # every image reference pinned, none floating
     text = path.read_text()
     assert ":latest" not in text and "@latest" not in text
+
+
+def test_project_name_comes_from_the_env_file():
+    """Volumes are flatflower_runs, flatflower_data, ... (docs/deployment.md) with Compose v2 and
+    v1 alike: both read COMPOSE_PROJECT_NAME from docker/.env, the project directory's."""
+    env = dict(line.split("=", 1) for line in (DOCKER / ".env").read_text().splitlines()
+               if line.strip() and not line.startswith("#"))
+    assert env == {"COMPOSE_PROJECT_NAME": "flatflower"}
 
 
 def test_services_images_and_builds_exist():
@@ -421,14 +448,17 @@ def test_supernodes_partitions_addresses_and_executors(combo):
         exe_program, exe = flower[executor_name]
         assert exe_program == "flower-superexec"
         runtime_port = int(opts.get("--port") or 9094)
-        network_mode = executor.get("network_mode")
-        if network_mode is None:
-            assert opts["--host"] == "0.0.0.0"
-            assert exe["--runtime-api-address"] == f"{name}:{runtime_port}"
-        else:  # inside the SuperNode's own network namespace, over loopback
-            assert network_mode == f"service:{name}"
-            assert opts["--host"] == "127.0.0.1"
-            assert exe["--runtime-api-address"] == f"127.0.0.1:{runtime_port}"
+        # A shared network namespace (network_mode: service:supernode-<i>) strands the executor
+        # when its SuperNode restarts (tested for real: make test-docker). By name, on a network.
+        assert "network_mode" not in executor and "network_mode" not in services[name]
+        assert opts["--host"] == "0.0.0.0"
+        assert exe["--runtime-api-address"] == f"{name}:{runtime_port}"
+        if "tls" in combo:  # the plain-HTTP runtime API on a network of the pair (+ SuperLink)
+            private = f"node-{i}"
+            assert private in config["networks"]
+            assert services[name]["networks"] == [private] == executor["networks"]
+            members = {n for n, s in services.items() if private in (s.get("networks") or [])}
+            assert members == {name, executor_name, "superlink"}, members
         assert name in executor.get("depends_on", []), f"{executor_name} must start after {name}"
 
         # data-dir and state-dir are read by the ClientApp: volumes of the executor
@@ -487,14 +517,13 @@ def test_insecure_only_in_the_base_file():
         for name, (program, opts) in flower_services(config).items():
             if "--insecure" not in opts:
                 continue
-            # the only exception: a ClientApp executor talking to its own SuperNode over
-            # loopback inside that SuperNode's network namespace (no network involved)
+            # the only exception: a ClientApp executor talking to its own SuperNode on the
+            # network of the two (and the SuperLink): node-<i>
             match = re.fullmatch(r"superexec-clientapp-(\d+)", name)
             assert match, f"{combo}: {name} still runs with --insecure"
             node = f"supernode-{match.group(1)}"
-            assert services[name].get("network_mode") == f"service:{node}"
-            assert host_port(opts["--runtime-api-address"])[0] == "127.0.0.1"
-            assert flower_services(config)[node][1]["--host"] == "127.0.0.1"
+            assert services[name]["networks"] == [f"node-{match.group(1)}"] == services[node]["networks"]
+            assert host_port(opts["--runtime-api-address"])[0] == node
 
 
 @pytest.mark.parametrize("combo", ["tls", "tls+gpu"])
@@ -513,7 +542,10 @@ def test_tls_overlay_uses_the_flatflower_certs_layout(combo, tmp_path):
         for volume in services[service].get("volumes") or []:
             if volume_target(volume) == path:
                 assert isinstance(volume, dict) and volume.get("read_only"), volume
-                assert volume["bind"]["create_host_path"] is False, volume
+                # long syntax: a missing file fails `up` instead of becoming a directory
+                # (Compose v1 and v2 alike; only short syntax creates missing host paths)
+                assert volume["type"] == "bind", volume
+                assert not volume.get("bind", {}).get("create_host_path"), volume
                 source = Path(volume["source"])
                 relative = source.relative_to(files.out_dir).as_posix()
                 assert relative in produced and source.is_file(), relative
@@ -621,6 +653,8 @@ def test_dockerfile_pins_flower_and_installs_the_app(kind):
     froms = [rest for ins, rest in steps if ins == "FROM"]
     assert len(froms) == 1
     image = froms[0].split()[0]
+    if image == "${BASE_IMAGE}":  # compose.local-base.yml can swap in the local stand-in
+        image = dict(rest.split("=", 1) for ins, rest in steps if ins == "ARG" and "=" in rest)["BASE_IMAGE"]
     repo, _, tag = image.partition(":")
     assert repo == "flwr/superexec"
     assert tag == FLWR_VERSION or tag.startswith(FLWR_VERSION + "-"), \
@@ -676,6 +710,88 @@ def test_dockerfiles_differ_only_in_pytorch():
     assert app_steps(DOCKERFILES["cpu"]) == app_steps(DOCKERFILES["cuda"])
 
 
+# ------------------------------------------------------- local stand-ins for Flower's images
+def test_local_base_overlay_swaps_only_images_and_build_args():
+    """compose.local-base.yml (make test-docker where Docker Hub is out of reach) runs the same
+    federation: every Flower image replaced by its Dockerfile.flwr-local stand-in, the SuperExec
+    images built FROM the stand-in; commands, users, volumes, networks, ports untouched."""
+    stand_ins = {target: image for target, image in local_targets().items()}
+    for combo, files in COMBOS.items():
+        plain = load_merged(files)["services"]
+        local = load_merged((*files, LOCAL_BASE))["services"]
+        assert set(local) == set(plain)
+        for name, service in local.items():
+            before = plain[name]
+            assert {k: v for k, v in service.items() if k not in ("image", "build")} == \
+                {k: v for k, v in before.items() if k not in ("image", "build")}, (combo, name)
+            if "build" in before:
+                assert service["image"] == before["image"]
+                assert {k: v for k, v in service["build"].items() if k != "args"} == \
+                    {k: v for k, v in before["build"].items() if k != "args"}
+                assert service["build"]["args"]["BASE_IMAGE"] == stand_ins["superexec"]
+                assert service["build"]["args"]["TORCH_INDEX_URL"].startswith("https://")
+            else:  # flwr/superlink:1.39.0 -> the superlink stand-in, etc.
+                repo = before["image"].split(":")[0].removeprefix("flwr/")
+                assert service["image"] == stand_ins[repo], (combo, name)
+                assert argv(service) == argv(before), (combo, name)  # same entry point
+    assert set(load_yaml(LOCAL_BASE)["services"]) == set(load_merged(COMBOS["base"])["services"])
+
+
+def local_targets() -> dict[str, str]:
+    """Dockerfile.flwr-local's build targets -> the tag compose.local-base.yml gives each."""
+    images = {s.get("image") for s in load_yaml(LOCAL_BASE)["services"].values()} - {None}
+    images |= {load_yaml(LOCAL_BASE)["x-local-superexec-build"]["args"]["BASE_IMAGE"]}
+    out = {}
+    for image in images:
+        repo, _, tag = image.partition(":")
+        assert tag == FLWR_VERSION, f"{image} is not tagged with Flower {FLWR_VERSION}"
+        out[repo.rsplit("/", 1)[1]] = image
+    return out
+
+
+def test_flower_stand_in_images_match_the_official_ones():
+    """Dockerfile.flwr-local: Flower pinned to pyproject's version, one target per official
+    image with its ENTRYPOINT, the user `app` (uid 49999) and /python/venv first on PATH."""
+    steps = dockerfile_instructions(FLWR_LOCAL)
+    args = dict(rest.split("=", 1) for ins, rest in steps if ins == "ARG" and "=" in rest)
+    assert args["FLWR_VERSION"] == FLWR_VERSION
+    targets, current = {}, None
+    for ins, rest in steps:
+        if ins == "FROM":
+            current = rest.split()[-1]
+        elif ins == "ENTRYPOINT":
+            targets[current] = json.loads(rest)
+    assert targets == {t: list(IMAGE_ENTRYPOINTS[f"flwr/{t}"]) for t in ("superlink", "supernode", "superexec")}
+    assert set(local_targets()) == set(targets)
+    runs = " ".join(rest for ins, rest in steps if ins == "RUN")
+    assert f"--uid {APP_UID}" in runs and f"--gid {APP_UID}" in runs and "python3 -m venv /python/venv" in runs
+    assert 'pip install --no-cache-dir "flwr==${FLWR_VERSION}"' in runs
+    assert [rest for ins, rest in steps if ins == "USER"] == ["app"]
+    env = " ".join(rest for ins, rest in steps if ins == "ENV")
+    assert "PATH=/python/venv/bin:$PATH" in env and "HOME=/app" in env
+    assert ("WORKDIR", "/app") in steps
+
+
+def test_docker_e2e_driver_configs_are_valid_runs():
+    """tests/docker_e2e.py (make test-docker, not run by pytest): its run configs are valid and
+    its FedDyn restart run can only end with the uninterrupted model (all replies required)."""
+    from common.config import RunConfig
+    from tests import docker_e2e as e2e
+
+    keys = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+    for config in (e2e.FEDSAM, e2e.FEDDYN):
+        assert set(config) <= keys
+        RunConfig.from_mapping(config)
+    assert e2e.FEDDYN["min-replies"] == e2e.NODES == e2e.FEDSAM["min-available-nodes"]
+    assert e2e.FEDDYN["too-few-replies"] == "retry"
+    assert 0 < e2e.KILL_AFTER_ROUND < e2e.FEDDYN["num-server-rounds"]
+    assert e2e.LOCAL == local_targets()
+    base = flower_services(load_merged(COMBOS["base"]))["superlink"][1]
+    published = {p.rsplit(":", 1)[1] for p in load_merged(COMBOS["base"])["services"]["superlink"]["ports"]}
+    assert {str(e2e.CONTROL[1]), str(e2e.FLEET[1])} == published
+    assert base["--port"] == str(e2e.CONTROL[1])
+
+
 def test_compose_references_the_dockerfiles_and_gitignores_certs():
     built = {str(build_dockerfile(s)) for combo in COMBOS.values()
              for s in load_merged(combo)["services"].values() if "build" in s}
@@ -711,12 +827,13 @@ def test_docker_compose_config_accepts_and_merges_alike(combo, tmp_path):
     proc = subprocess.run([*cmd, "config", "--format", "json"], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **env}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert_merged_alike(json.loads(proc.stdout)["services"], combo, env)
+    assert_merged_alike(json.loads(proc.stdout)["services"], COMBOS[combo], env)
 
 
-def assert_merged_alike(theirs: dict, combo: str, env: dict[str, str]) -> None:
-    """A Compose CLI's merged services have our merge's commands, images, users and volumes."""
-    ours = load_merged(COMBOS[combo], env=env)["services"]
+def assert_merged_alike(theirs: dict, files: tuple[Path, ...], env: dict[str, str]) -> None:
+    """A Compose CLI's merged services have our merge's commands, images, users, volumes,
+    networks and build arguments."""
+    ours = load_merged(files, env=env)["services"]
     assert set(theirs) == set(ours)
     for name, service in ours.items():
         other = theirs[name]
@@ -724,47 +841,38 @@ def assert_merged_alike(theirs: dict, combo: str, env: dict[str, str]) -> None:
             mine, compose_says = service.get(key), other.get(key)
             if isinstance(mine, list):
                 mine, compose_says = [str(x) for x in mine], [str(x) for x in compose_says or []]
-            assert compose_says == mine, (combo, name, key)
+            assert compose_says == mine, (files, name, key)
         assert sorted(volume_target(v) for v in other.get("volumes") or []) == \
-            sorted(volume_target(v) for v in service.get("volumes") or []), (combo, name)
+            sorted(volume_target(v) for v in service.get("volumes") or []), (name, files)
+        assert sorted(other.get("networks") or ["default"]) == \
+            sorted(service.get("networks") or ["default"]), (name, files)
+        if "build" in service:
+            assert {k: str(v) for k, v in (other["build"].get("args") or {}).items()} == \
+                {k: str(v) for k, v in (service["build"].get("args") or {}).items()}, (name, files)
 
 
-# Compose v2 features that Debian's docker-compose 1.29 predates; everything else it validates.
-V2_ONLY = {"top-level key": "name", "bind option": "create_host_path"}
-
-
-def _strip_v2_only(data):
-    if isinstance(data, dict):
-        return {k: _strip_v2_only(v) for k, v in data.items()
-                if k != V2_ONLY["bind option"] and not (k == "bind" and v == {"create_host_path": False})}
-    if isinstance(data, list):
-        return [_strip_v2_only(v) for v in data]
-    return data
-
-
-@pytest.mark.parametrize("combo", COMBOS)
+@pytest.mark.parametrize("combo", [*COMBOS, "base+local", "tls+gpu+local"])
 def test_debian_docker_compose_validates_and_merges_alike(combo, tmp_path):
-    """Debian's ``docker-compose`` (1.29, installed by .ci/run when apt is available) validates
-    the files against the Compose schema, less the two v2-only keys it predates."""
+    """Debian's ``docker-compose`` (1.29, installed by .ci/run when apt is available; the one
+    ``make test-docker`` runs) takes the files as they are and merges them as we do."""
     compose = shutil.which("docker-compose")
     if compose is None:
         pytest.skip("no Debian docker-compose here (apt-get install docker-compose)")
     from server.certs import generate_certs
 
+    files = COMBOS[combo.removesuffix("+local")] + ((LOCAL_BASE,) if combo.endswith("+local") else ())
     certs = generate_certs(tmp_path / "certs", nodes=2, hosts=["superlink"]).out_dir
     env = {"FLATFLOWER_CERTS": str(certs)}
-    (tmp_path / "docker").mkdir()
-    cmd = [compose, "--project-directory", str(tmp_path / "docker")]
-    for path in COMBOS[combo]:
-        data = _strip_v2_only(load_yaml(path))
-        data.pop(V2_ONLY["top-level key"], None)
-        copy_ = tmp_path / "docker" / path.name
-        copy_.write_text(yaml.safe_dump(data))
-        cmd += ["-f", str(copy_)]
+    cmd = [compose]
+    for path in files:
+        cmd += ["-f", str(path)]
     proc = subprocess.run([*cmd, "config"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert_merged_alike(yaml.safe_load(proc.stdout)["services"], combo, env)
+    merged = yaml.safe_load(proc.stdout)
+    assert_merged_alike(merged["services"], files, env)
+    if "tls" in combo:
+        assert set(merged["networks"]) >= {"node-0", "node-1"}
 
 
 # ------------------------------------------------------------------------------- the docs
