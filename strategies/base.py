@@ -247,14 +247,21 @@ class FlatStrategy(FlowerFedAvg):
         return kept
 
     def train_round(self, server_round: int, grid: Grid) -> RoundStats:
-        """One training round: sample, send, collect; re-send to the sampled clients that gave
-        no accepted reply (``too-few-replies = retry``, at most ``max-retries`` times) while
-        fewer than ``min-replies`` updates are accepted; then update the model, or leave it
-        unchanged (the round is skipped) if there are still too few."""
+        """One training round, the one driver (``aggregate_train`` is its adapter for Flower's
+        own ``start`` loop): sample, send, collect, retry (``too-few-replies = retry``), then
+        the algorithm's update, or the round is skipped."""
         msgs = list(self.configure_train(server_round, P.to_record(self.model), ConfigRecord(), grid))
         updates = self.collect(server_round, grid.send_and_receive(msgs, timeout=self.cfg.round_timeout))
+        self.finish_round(server_round, self.retry(server_round, grid, msgs[0].content if msgs else None, updates))
+        return self.stats
+
+    def retry(self, server_round: int, grid: Grid, content: RecordDict | None,
+              updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        """Re-send ``content`` to the sampled clients that gave no accepted reply, at most
+        ``max-retries`` times, while fewer than ``min-replies`` updates are accepted (only with
+        ``too-few-replies = retry``); the accepted updates, in partition order."""
         while (len(updates) < self.cfg.min_replies and self.cfg.too_few_replies == "retry"
-               and self.stats.retries < self.cfg.max_retries):
+               and self.stats.retries < self.cfg.max_retries and content is not None):
             self.stats.retries += 1
             done = {u.partition_id for u in updates}
             missing = [p for p in self.stats.sampled_partitions if p not in done]
@@ -266,20 +273,18 @@ class FlatStrategy(FlowerFedAvg):
             again = [p for p in missing if p in available]
             if not again:
                 continue
-            content = msgs[0].content
             self._messages = [Message(content, dst_node_id=available[p], message_type=MessageType.TRAIN,
                                       group_id=str(server_round)) for p in again]
             self.stats.bytes_down += P.payload_bytes(content) * len(again)
             replies = grid.send_and_receive(self._messages, timeout=self.cfg.round_timeout)
             updates = sorted(updates + self.collect(server_round, replies), key=lambda u: u.partition_id)
-        self.stats.clients_replied = len(updates) + self.stats.clients_rejected
-        self.finish_round(server_round, updates)
-        return self.stats
+        return updates
 
     def finish_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """Apply the algorithm's server update to the accepted updates, if there are enough
         (``min-replies``, and what the aggregator needs) and the result is finite; otherwise
         the round is skipped: model and server state stay as they were."""
+        self.stats.clients_replied = len(updates) + self.stats.clients_rejected
         updates = self.reject_outliers(server_round, updates)
         needed = max(self.cfg.min_replies, self.aggregator.required())
         reason = None
@@ -308,9 +313,7 @@ class FlatStrategy(FlowerFedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Flower's hook (for ``strategy.start``): validate, weight, apply the server update."""
-        updates = self.collect(server_round, replies)
-        self.stats.clients_replied = len(updates) + self.stats.clients_rejected
-        self.finish_round(server_round, updates)
+        self.finish_round(server_round, self.collect(server_round, replies))
         metrics = MetricRecord({k: v for k, v in asdict(self.stats).items()
                                 if isinstance(v, (int, float)) and v == v})  # drop NaN and lists
         return P.to_record(self.model), metrics

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import malicious  # noqa: E402
-from server.inprocess import run_inprocess  # noqa: E402
+from tools.inprocess import run_inprocess  # noqa: E402
 
 ATTACKS = {"clean": "", "data lie": "data-lie", "weight inflation": "weight-inflation",
            "sign flip x4.5": "sign-flip:4.5", "replay": "replay", "scaled x50": "scale:50"}

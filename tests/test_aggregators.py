@@ -13,7 +13,7 @@ from conftest import fast_config
 from common.config import AGGREGATORS, RunConfig
 from common.registry import ALGORITHMS
 from common.registry import get as get_spec
-from server.cli import main as cli
+from tools.cli import main as cli
 from strategies.aggregate import Aggregator, global_norm, weighted_sum
 from strategies.validation import ClientUpdate
 from test_reliability import run

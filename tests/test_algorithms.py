@@ -19,7 +19,7 @@ import torch
 from client.batch import ModelBatch, trainable
 from client.sam import sam_gradient
 from common.datasets import load_dataset
-from server.inprocess import run_inprocess
+from tools.inprocess import run_inprocess
 
 K = 3  # local steps
 LR = 0.1

@@ -10,7 +10,7 @@ from client.batch import ModelBatch, trainable
 from client.sam import sam_gradient
 from client.train import autocast
 from common.config import RunConfig
-from server.inprocess import run_inprocess
+from tools.inprocess import run_inprocess
 from tests.conftest import fast_config
 
 

@@ -29,9 +29,9 @@ import torch
 
 # imported here, not first inside a test: flwr's log handler keeps the sys.stderr of its import,
 # and a test's capture stream is closed after it ("--- Logging error ---" tracebacks later on)
-import server.inprocess  # noqa: F401
+import tools.inprocess  # noqa: F401
 from client.node import NodeSettings
-from server.cli import main
+from tools.cli import main
 
 USAGE = 2
 SIM = ["simulate", "--engine", "inprocess"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from common.registry import ALGORITHMS
-from server.bench import main as bench
-from server.cli import main as cli
+from tools.bench import main as bench
+from tools.cli import main as cli
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Tests for the client side: batching, RNG, node settings and the ClientApp handlers.
 
-The ClientApp is exercised through ``server.inprocess.InProcessGrid`` (real Flower
+The ClientApp is exercised through ``tools.inprocess.InProcessGrid`` (real Flower
 messages and contexts, one process, no ports).
 """
 
@@ -23,7 +23,7 @@ from common import registry
 from common.config import RunConfig
 from common.data import dataset_for, partitions_for
 from common.models import build_model
-from server.inprocess import InProcessGrid, run_inprocess
+from tools.inprocess import InProcessGrid, run_inprocess
 
 
 def generator(seed: int = 0) -> torch.Generator:

@@ -528,7 +528,7 @@ def test_insecure_only_in_the_base_file():
 
 @pytest.mark.parametrize("combo", ["tls", "tls+gpu"])
 def test_tls_overlay_uses_the_flatflower_certs_layout(combo, tmp_path):
-    from server.certs import generate_certs
+    from tools.certs import generate_certs
 
     n = len(supernodes(load_merged(COMBOS["base"])))
     files = generate_certs(tmp_path / "certs", nodes=n, hosts=["superlink"])
@@ -687,7 +687,7 @@ def test_dockerfile_pins_flower_and_installs_the_app(kind):
     copied = {word.rstrip("/") for c in copies for word in c.split()[1:-1]}
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())[
         "tool"]["setuptools"]["packages"]["find"]["include"]
-    needed = {"pyproject.toml", "README.md", "configs", *(p.rstrip("*") for p in packages)}
+    needed = {"pyproject.toml", "README.md", *(p.rstrip("*") for p in packages)}
     assert needed <= copied, f"{path.name} does not copy {needed - copied}"
     assert any("mkdir -p" in r and all(d in r for d in ("/app/runs", "/app/data", "/app/state"))
                for r in runs)
@@ -817,7 +817,7 @@ def test_docker_compose_config_accepts_and_merges_alike(combo, tmp_path):
     compose = _docker_compose()
     if compose is None:
         pytest.skip("no `docker compose` CLI here; the files are checked by the other tests")
-    from server.certs import generate_certs
+    from tools.certs import generate_certs
 
     certs = generate_certs(tmp_path / "certs", nodes=2, hosts=["superlink"]).out_dir
     env = {"FLATFLOWER_CERTS": str(certs)}
@@ -858,7 +858,7 @@ def test_debian_docker_compose_validates_and_merges_alike(combo, tmp_path):
     compose = shutil.which("docker-compose")
     if compose is None:
         pytest.skip("no Debian docker-compose here (apt-get install docker-compose)")
-    from server.certs import generate_certs
+    from tools.certs import generate_certs
 
     files = COMBOS[combo.removesuffix("+local")] + ((LOCAL_BASE,) if combo.endswith("+local") else ())
     certs = generate_certs(tmp_path / "certs", nodes=2, hosts=["superlink"]).out_dir
@@ -929,14 +929,14 @@ def test_docs_run_configs_and_node_configs_are_valid():
 
 
 def test_docs_flatflower_commands_parse():
-    from server.cli import build_parser
+    from tools.cli import build_parser
 
     parser = build_parser()
     lines = [args for command, args in docs_commands() if command == "flatflower"]
     assert any(args[:1] == ["certs"] for args in lines)
     for args in lines:
         if args[:1] == ["report"]:
-            continue  # `flatflower report` has its own parser (server/report.py)
+            continue  # `flatflower report` has its own parser (tools/report.py)
         try:
             parser.parse_args(args)
         except SystemExit as err:

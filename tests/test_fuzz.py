@@ -18,7 +18,7 @@ import malicious
 from client.app import app as client_app
 from common.config import RunConfig
 from common.registry import ALGORITHMS
-from server.inprocess import InProcessGrid
+from tools.inprocess import InProcessGrid
 from server.run import run_server
 from test_integration import metrics
 

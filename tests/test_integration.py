@@ -13,8 +13,8 @@ import torch
 
 from common.config import RunConfig
 from common.registry import ALGORITHMS
-from server.cli import main as cli
-from server.inprocess import run_inprocess
+from tools.cli import main as cli
+from tools.inprocess import run_inprocess
 
 FLOWER_PROCESSES = ("flower-superlink", "flower-supernode", "flower-superexec",
                     "flwr-serverapp", "flwr-clientapp", "flwr-simulation")
@@ -113,13 +113,14 @@ def test_cli_refuses_to_overwrite_a_run(tmp_path, capsys):
 
 def test_cli_reports_a_failed_run_with_nonzero_exit(tmp_path, capsys):
     """Pass/fail comes from the `flwr ls` status, not from `flwr run`'s exit code."""
-    from server.cli import EXIT_FAILED, Progress, _finish
+    from tools.progress import EXIT_FAILED, Progress, finish
 
     cfg = RunConfig.from_mapping({"run-dir": str(tmp_path)})
-    code = _finish(cfg, False, Progress(tmp_path, 3), "ServerApp failed with exception: boom")
+    code = finish(cfg, False, Progress(tmp_path, 3), "ServerApp failed with exception: boom")
     assert code == EXIT_FAILED
-    err = capsys.readouterr().err
-    assert "run failed: ServerApp failed with exception: boom" in err and str(tmp_path) in err
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: run failed: ServerApp failed with exception: boom")
+    assert str(tmp_path) in err[0]
 
 
 def test_cli_unwritable_run_dir_is_a_clear_error(tmp_path, capsys):

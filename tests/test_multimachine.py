@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from server.certs import planned_files
-from server.federation import COMPLETED, LocalFederation, free_port, is_loopback
+from tools.certs import planned_files
+from tools.federation import COMPLETED, LocalFederation, free_port, is_loopback
 from tests.test_integration import flower_pids, metrics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Presets: the loader (server/presets.py), the files in configs/presets/ and the CLI's
+"""Presets: the loader (tools/presets.py), the files in tools/presets/ and the CLI's
 ``--preset`` / ``flatflower presets``. Offline; only the digits preset is run (in-process)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from common.config import RunConfig
-from server.cli import build_parser, main, resolve_config
-from server.presets import PRESET_DIR, PresetError, available, load_preset
+from tools.cli import build_parser, main
+from tools.prepare import resolve_config
+from tools.presets import PRESET_DIR, PresetError, available, load_preset
 
 PRESETS = available()
 PAPER_PRESETS = [name for name in PRESETS if name != "digits-quick"]

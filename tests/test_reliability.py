@@ -22,8 +22,8 @@ from client.app import app as client_app
 from client.faults import Fault
 from client.state import StateMirror
 from common.config import RunConfig
-from server.cli import main as cli
-from server.inprocess import InProcessGrid
+from tools.cli import main as cli
+from tools.inprocess import InProcessGrid
 from server.rundir import RunDirError, load_checkpoint
 from server.run import RunFailed, run_server
 from tests.conftest import fast_config
@@ -236,7 +236,7 @@ def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SI
 
 
 def _cli_process(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "server.cli", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], cwd=ROOT,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
 
 
@@ -280,7 +280,7 @@ def _deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None =
     """Run ``config`` on a real SuperLink + ``nodes`` SuperNodes (Flower App ``app``); after
     row ``kill_after`` of metrics.jsonl, SIGKILL process ``kill`` (and restart SuperNode
     ``restart``)."""
-    from server.federation import COMPLETED, LocalFederation
+    from tools.federation import COMPLETED, LocalFederation
 
     run_dir = tmp_path / name
     (run_dir / "logs").mkdir(parents=True)
@@ -341,13 +341,13 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
 def test_a_killed_superlink_is_one_error_line_and_the_checkpoint_resumes(tmp_path):
     """SIGKILL of the SuperLink mid-run: `flatflower local` stops everything it started, exits 1
     with one `error:` line (no traceback), and the run resumes from its last checkpoint."""
-    from server.federation import _children
+    from tools.federation import _children
 
     before = flower_pids()
     run_dir = tmp_path / "r"
     out, err = tmp_path / "out.log", tmp_path / "err.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "local", "--clients", "2", "--rounds", "4", "--dataset",
+        [sys.executable, "-m", "tools.cli", "local", "--clients", "2", "--rounds", "4", "--dataset",
          "digits", "--set", "local-epochs=1", "--run-dir", str(run_dir)],
         cwd=ROOT, stdout=out.open("w"), stderr=err.open("w"), env=os.environ.copy())
     deadline = time.monotonic() + 300
@@ -389,7 +389,7 @@ def test_killed_server_of_a_tls_deployment_resumes_to_the_uninterrupted_model(tm
     """`flatflower local --tls`: the ServerApp process is killed after round 2 (the run fails,
     the command exits 1 and stops everything); `--resume` finishes it with the same model as an
     uninterrupted run."""
-    from server.federation import _children
+    from tools.federation import _children
 
     args = ["--algorithm", "fedtoga", "--clients", "2", "--rounds", "4", "--dataset", "digits",
             "--set", "local-epochs=1", "--tls"]

@@ -1,4 +1,4 @@
-"""Tests for server.report: loading run directories, summaries, grouping, plot and CLI."""
+"""Tests for tools.report: loading run directories, summaries, grouping, plot and CLI."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.report import (
+from tools.report import (
     ReportError,
     group_by_algorithm,
     load_run,

@@ -15,8 +15,8 @@ from client.app import app as client_app
 from common import protocol as P
 from common.config import RunConfig
 from common.registry import ALGORITHMS
-from server.cli import main as cli
-from server.inprocess import InProcessGrid, run_inprocess
+from tools.cli import main as cli
+from tools.inprocess import InProcessGrid, run_inprocess
 from server.run import run_server
 from tests.conftest import fast_config
 from tests.test_integration import check_run_dir, flower_pids, metrics

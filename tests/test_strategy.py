@@ -22,7 +22,7 @@ from common import registry
 from common.config import RunConfig
 from common.data import dataset_for
 from common.models import build_model
-from server.inprocess import InProcessGrid, run_inprocess
+from tools.inprocess import InProcessGrid, run_inprocess
 from strategies.aggregate import client_weights, weighted_sum
 from strategies.base import NoNodesError
 from strategies.fedavg import FedAvg

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from server.cli import main as cli
+from tools.cli import main as cli
 
 FAST = ["--engine", "inprocess", "--clients", "3", "--rounds", "2", "--dataset", "synthetic",
         "--model", "logreg", "--partition", "dirichlet", "--set", "local-steps=2"]

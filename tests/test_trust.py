@@ -16,7 +16,7 @@ import torch
 from conftest import fast_config
 
 from common.config import RunConfig
-from server.inprocess import InProcessGrid
+from tools.inprocess import InProcessGrid
 from server.run import run_server
 from test_integration import flower_pids, metrics
 from test_reliability import DEPLOYED, ROOT, _deployed, run, same

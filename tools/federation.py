@@ -9,7 +9,7 @@ instead (no SuperNodes; Flower's Ray engine runs the clients). Runs are submitte
 Every process it started, and their children, are stopped by PID on exit.
 
 With ``tls=True`` the federation runs as a real one should: certificates and node keys are
-generated into the work directory (server/certs.py), the SuperLink serves both APIs over TLS
+generated into the work directory (tools/certs.py), the SuperLink serves both APIs over TLS
 with ``--enable-supernode-auth``, every node's public key is registered with
 ``flwr supernode register`` before the SuperNodes start, and each SuperNode authenticates with
 its own private key. ``start_supernode`` starts an extra SuperNode with any key (e.g. an
@@ -161,7 +161,7 @@ class LocalFederation:
         dial = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         self.dial_host = f"[{dial}]" if ":" in dial else dial
         self.bind_host = f"[{self.host}]" if ":" in self.host else self.host
-        self.certs = None  # server.certs.CertFiles once started with tls
+        self.certs = None  # tools.certs.CertFiles once started with tls
         self.node_ids: dict[str, int] = {}  # registered node name -> node id (tls)
         self.node_config = dict(node_config or {})  # every SuperNode's extra --node-config
         self.node_configs = {int(i): dict(c) for i, c in (node_configs or {}).items()}  # per partition
@@ -238,7 +238,7 @@ class LocalFederation:
     def _superlink_security(self) -> list[str]:
         if not self.tls:
             return ["--insecure"]
-        from server.certs import generate_certs
+        from tools.certs import generate_certs
 
         hosts = [] if is_loopback(self.host) or self.host in ("0.0.0.0", "::") else [self.host]
         self.certs = generate_certs(self.work_dir / "certs", max(self.num_nodes, 1), hosts,

@@ -10,7 +10,7 @@
     ...
 
 ``flatflower local|simulate --preset NAME_OR_FILE`` accepts a file path or the name of a file
-in ``configs/presets/`` of this checkout (``--preset fedtoga-cifar10-lenet-dir0.1``).
+in ``tools/presets/`` of this checkout (``--preset fedtoga-cifar10-lenet-dir0.1``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "presets"
+PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data
 PRESET_KEYS = ("description", "source", "clients")
 
 

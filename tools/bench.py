@@ -233,7 +233,7 @@ def _plain_flower_fedavg_seconds(cfg: RunConfig, clients: int) -> list[float]:
     from client.train import local_train, round_generator
     from common.data import client_split, dataset_for
     from common.evaluate import evaluate
-    from server.inprocess import InProcessGrid
+    from tools.inprocess import InProcessGrid
 
     data = dataset_for(cfg)
     plain = ClientApp()
@@ -272,7 +272,7 @@ def _plain_flower_fedavg_seconds(cfg: RunConfig, clients: int) -> list[float]:
 def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path, timeout: float) -> dict:
     """Run ``flatflower local|simulate`` for FedAvg in a subprocess; its round times and wall."""
     run_dir = workdir / command
-    args = [sys.executable, "-m", "server.cli", command, "--algorithm", "fedavg", "--clients", str(clients),
+    args = [sys.executable, "-m", "tools.cli", command, "--algorithm", "fedavg", "--clients", str(clients),
             "--rounds", str(cfg_dict["num-server-rounds"]), "--dataset", "digits", "--partition", "iid",
             "--model", cfg_dict["model"], "--set", f"local-epochs={cfg_dict['local-epochs']}",
             "--set", "checkpoint-every=0", "--run-dir", str(run_dir),
@@ -289,7 +289,7 @@ def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path
 
 
 def bench_overhead(settings: Settings, workdir: Path) -> dict[str, Any]:
-    from server.inprocess import run_inprocess
+    from tools.inprocess import run_inprocess
 
     clients = 4
     cfg_dict = _overhead_config(workdir / "ours", settings.quick)
@@ -324,7 +324,7 @@ def bench_overhead(settings: Settings, workdir: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- communication
 def _fast_run(workdir: Path, name: str, clients: int, **overrides) -> tuple[Path, Any]:
-    from server.inprocess import run_inprocess
+    from tools.inprocess import run_inprocess
 
     cfg = {"algorithm": name, "dataset": "synthetic", "model": "mlp", "partition": "iid",
            "local-steps": 2, "batch-size": 64, "num-server-rounds": 2,
@@ -360,7 +360,7 @@ class _WireGrid:
 
 def bench_communication(workdir: Path) -> list[dict[str, Any]]:
     from client.app import app as client_app
-    from server.inprocess import InProcessGrid
+    from tools.inprocess import InProcessGrid
     from server.run import run_server
 
     rows = []
@@ -467,7 +467,7 @@ def run_bench(settings: Settings, workdir: Path) -> dict[str, Any]:
 
 
 def print_tables(report: dict[str, Any]) -> str:
-    from server.report import render_table
+    from tools.report import render_table
 
     out = []
     comp = [{"algorithm": r["algorithm"], "s/step": f"{r['seconds_per_step'] * 1e3:.2f} ms",

@@ -1,8 +1,8 @@
 """``flatflower sweep``: several algorithms x seeds on one partition, then one report.
 
 Each (algorithm, seed) is exactly ``flatflower simulate --algorithm A --seed S --run-dir
-OUT/A-sS [the other options]``, so every option of ``simulate`` (presets, ``--set``,
-``--engine``, ...) works here too. All runs share one data partition: ``partition-seed`` is
+OUT/A-sS [the other options]`` (tools.commands.simulate), so every option of ``simulate``
+(presets, ``--set``, ``--engine``, ...) works here too. All runs share one data partition: ``partition-seed`` is
 set to the first seed unless given, so seeds vary the model init, sampling and shuffling
 only. Afterwards ``flatflower report`` summarizes all runs per algorithm (mean ± std over
 seeds) into OUT/report.json, OUT/report.png (accuracy vs rounds) and OUT/report-bytes.png
@@ -15,19 +15,22 @@ A run that fails is reported and the sweep goes on; finished runs are kept, and
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
 from common.config import cli_float, cli_int
 from common.registry import ALGORITHMS
+from tools import commands
+from tools.prepare import add_run_arguments, add_simulate_arguments
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="flatflower sweep", description=__doc__.split("\n\n")[0], allow_abbrev=False,
-        epilog="Every other option is passed to `flatflower simulate` (see its --help).")
+        prog="flatflower sweep", description=__doc__.split("\n\n")[0].replace("``", "'"),
+        allow_abbrev=False, epilog="The other options are `flatflower simulate`'s.")
     p.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedsam,fedtoga")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--out", type=Path, required=True, help="directory for the runs and the report")
@@ -35,10 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
     p.add_argument("--resume-existing", action="store_true",
                    help="skip (algorithm, seed) runs that already finished in OUT")
+    add_run_arguments(p)
+    add_simulate_arguments(p)
     return p
 
 
-def _parse(args: argparse.Namespace, rest: list[str]) -> tuple[list[str], list[int]]:
+def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if not algorithms or unknown:
@@ -50,9 +55,10 @@ def _parse(args: argparse.Namespace, rest: list[str]) -> tuple[list[str], list[i
         raise ValueError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds must be distinct integers >= 0, got {args.seeds!r}")
-    for flag in ("--algorithm", "-a", "--seed", "--run-dir", "--resume"):
-        if any(r == flag or r.startswith(flag + "=") for r in rest):
-            raise ValueError(f"{flag} is set by the sweep; use --algorithms / --seeds / --out")
+    for flag in ("algorithm", "seed", "run_dir", "resume"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} is set by the sweep; use --algorithms / "
+                             "--seeds / --out")
     if args.last_k < 1:
         raise ValueError("--last-k must be >= 1")
     return algorithms, seeds
@@ -64,17 +70,16 @@ def finished(run_dir: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from server.cli import main as cli
-    from server.report import main as report
+    from tools.report import main as report
 
-    args, rest = build_parser().parse_known_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        algorithms, seeds = _parse(args, rest)
+        algorithms, seeds = _parse(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    if not any(r.startswith("partition-seed=") for r in rest):
-        rest = [*rest, "--set", f"partition-seed={seeds[0]}"]
+    if not any(s.strip().startswith("partition-seed=") for s in args.sets):
+        args.sets = [*args.sets, f"partition-seed={seeds[0]}"]
     runs, failed = [], []
     for algorithm in algorithms:
         for seed in seeds:
@@ -84,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run_dir)
                 continue
             print(f"sweep: {algorithm}, seed {seed} -> {run_dir}", flush=True)
-            code = cli(["simulate", "--algorithm", algorithm, "--seed", str(seed),
-                        "--run-dir", str(run_dir), *rest])
+            one = copy.copy(args)
+            one.algorithm, one.seed, one.run_dir, one.sets = algorithm, seed, str(run_dir), list(args.sets)
+            code = commands.run("simulate", one)
             if code == EXIT_USAGE and not runs and not failed:
                 print("sweep: stopped, the first run's options are invalid (nothing else was run)",
                       file=sys.stderr)

@@ -1,0 +1,113 @@
+"""The ``flatflower`` command: argument parsing and exit codes over tools/commands.py.
+
+    flatflower local    --algorithm A --clients N --rounds R [...]   real SuperLink + N SuperNodes
+    flatflower simulate --algorithm A --clients N --rounds R [...]   Flower's Ray simulation engine
+    flatflower report   RUN_DIR [RUN_DIR ...]                        table + accuracy plot
+    flatflower sweep    --algorithms A,B --seeds 0,1,2 --out DIR     algorithms x seeds, then a report
+    flatflower bench    [--quick | --full]                           cost, overhead, bytes, memory
+    flatflower presets                                               list the presets
+    flatflower certs    OUT_DIR --nodes N [--host H ...]             TLS certificates + node keys
+
+``--preset NAME_OR_FILE`` starts from a paper's setting (tools/presets.py); ``--set`` values
+override it, and the named flags override both.
+
+Bad input (unknown algorithm, invalid value, missing dataset, a run directory that already
+holds a run) is reported in one line before anything starts, with exit code 2; a run that fails
+is one ``error:`` line and exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common.config import cli_int
+from tools import commands
+from tools.prepare import add_run_arguments, add_simulate_arguments
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    def of(dist: str) -> str:
+        try:
+            return installed(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"flatflower {of('flatflower')} (flwr {of('flwr')}, torch {of('torch')})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flatflower", description="Sharpness-aware federated learning on Flower: run, "
+        "simulate, compare and benchmark the SAM family of algorithms.")
+    parser.add_argument("--version", action="version", version=version())
+    sub = parser.add_subparsers(dest="command", required=True)
+    local = sub.add_parser("local", help="run a real Flower federation on 127.0.0.1")
+    add_run_arguments(local)
+    local.add_argument("--device", default="auto", help="SuperNode device: auto | cpu | cuda[:i]")
+    local.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
+    local.add_argument("--tls", action="store_true",
+                       help="TLS on the SuperLink's APIs and SuperNode authentication "
+                            "(certificates and node keys generated for the run)")
+    sim = sub.add_parser("simulate", help="run on Flower's simulation engine (Ray)")
+    add_run_arguments(sim)
+    add_simulate_arguments(sim)
+    sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)
+    sub.add_parser("bench", help="cost per local step, framework overhead, bytes, memory (JSON + tables)",
+                   add_help=False)
+    sub.add_parser("sweep", help="several algorithms x seeds on one partition, then one report",
+                   add_help=False)
+    sub.add_parser("presets", help="list the presets (paper settings)")
+    algs = sub.add_parser("algorithms", help="list the algorithms, their records and their keys")
+    algs.add_argument("--markdown", action="store_true", help="as the table of docs/algorithms.md")
+    certs = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode keys")
+    certs.add_argument("out_dir", metavar="OUT_DIR", help="where the files go")
+    certs.add_argument("--nodes", type=cli_int, required=True, help="number of SuperNode key pairs")
+    certs.add_argument("--host", dest="hosts", action="append", default=[], metavar="NAME_OR_IP",
+                       help="a name or IP address the SuperNodes use to reach the SuperLink "
+                            "(repeatable; localhost, 127.0.0.1 and ::1 are always included)")
+    certs.add_argument("--days", type=cli_int, default=365, help="validity in days (default 365)")
+    certs.add_argument("--force", action="store_true", help="replace existing files")
+    return parser
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT (also when started in the background, where the shell ignores
+    SIGINT) stop the command through KeyboardInterrupt, so every Flower process it started is
+    stopped too."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "report":
+        from tools.report import main as report_main
+
+        return report_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from tools.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "sweep":
+        from tools.sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    _stop_on_signals()
+    return commands.run(args.command, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""What each ``flatflower`` command does, as functions of its parsed arguments (the CLI, the
+sweep and the tests call them): prepare the run (tools/prepare.py), run it on an engine
+(tools/engines.py), print its rounds and outcome (tools/progress.py). Each returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tools import engines
+from tools.prepare import UsageError, app_dir, log_dir, preflight, resolve_config
+from tools.presets import PresetError, available, load_preset
+from tools.progress import EXIT_FAILED, EXIT_OK, Progress, finish
+
+EXIT_USAGE = 2
+
+
+def run(command: str, args: argparse.Namespace) -> int:
+    """Run ``command`` (a function of this module) and turn its failures into exit codes and one
+    ``error:`` line: bad input 2 (nothing started), a failed run 1, an interrupt 130."""
+    from common.config import ConfigError
+    from common.datasets import DatasetUnavailableError
+    from common.partition import PartitionError
+    from server.run import RunFailed
+    from server.rundir import RunDirError, RunWriteError
+    from strategies.participation import NoNodesError
+    from tools.federation import FederationError
+    from tools.prepare import apply_preset
+
+    try:
+        if command in ("local", "simulate"):
+            apply_preset(args)  # before the command: --clients may come from the preset
+        return globals()[command](args)
+    except (UsageError, ConfigError, PresetError, DatasetUnavailableError, PartitionError,
+            RunDirError, OSError) as err:  # OSError: e.g. a run directory that cannot be created
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except (FederationError, RunFailed, RunWriteError, NoNodesError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted; all Flower processes were stopped", file=sys.stderr)
+        return 130
+
+
+def local(args: argparse.Namespace) -> int:
+    """A real SuperLink + SuperNodes on 127.0.0.1."""
+    cfg = resolve_config(args, {"min-available-nodes": args.clients})
+    app = app_dir(args.app_dir)
+    preflight(cfg, args.clients)
+    progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
+    outcome = engines.run_local(cfg, args.clients, app, log_dir(cfg), timeout=args.timeout,
+                                on_poll=progress, device=args.device, tls=args.tls)
+    return finish(cfg, outcome.ok, progress, outcome.details)
+
+
+def simulate(args: argparse.Namespace) -> int:
+    """Flower's Ray simulation engine, or the in-process engine."""
+    cfg = resolve_config(args)
+    preflight(cfg, args.clients)
+    progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
+    if args.engine == "inprocess":
+        outcome = engines.run_in_process(cfg, args.clients, on_poll=progress)
+    else:
+        outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
+                                  timeout=args.timeout, on_poll=progress,
+                                  cpus_per_client=args.cpus_per_client,
+                                  gpus_per_client=args.gpus_per_client)
+    return finish(cfg, outcome.ok, progress, outcome.details)
+
+
+def presets(args: argparse.Namespace) -> int:
+    """List name, description and source of each preset in tools/presets/."""
+    names = available()
+    if not names:
+        print("no presets in tools/presets/")
+    failed = False
+    for name in names:
+        try:
+            preset = load_preset(name)
+        except PresetError as err:
+            print(f"{name}: error: {err}", file=sys.stderr)
+            failed = True
+            continue
+        clients = f"  ({preset.clients} clients)" if preset.clients else ""
+        print(f"{name}{clients}\n    {preset.description}\n    source: {preset.source or '-'}")
+    return EXIT_USAGE if failed else EXIT_OK
+
+
+def algorithms(args: argparse.Namespace) -> int:
+    """The algorithms, from their specs: paper, records down/up, client state, gradient passes
+    per local step, and their own run-config keys with defaults (``--markdown``: the table of
+    docs/algorithms.md)."""
+    print(algorithm_table(markdown=args.markdown))
+    return EXIT_OK
+
+
+def algorithm_table(markdown: bool = False) -> str:
+    from common.registry import ALGORITHMS
+
+    rows = []
+    for spec in ALGORITHMS.values():
+        fields = spec.params_class().fields()
+        keys = [f"{k} = {f.default!r}" for k, f in fields.items()]
+        passes = f"{spec.passes}" + (f" + {spec.forwards} forward" if spec.forwards else "")
+        rows.append((spec.name, spec.summary, ", ".join(spec.down) or "-", ", ".join(spec.up) or "-",
+                     ", ".join(spec.state) or "-", passes, keys,
+                     [f"`{k}`: {f.metadata['meaning']}" for k, f in fields.items()]))
+    if markdown:
+        out = ["| algorithm | records down | up | client state | passes per step | keys (default) |",
+               "|---|---|---|---|---|---|"]
+        out += [f"| `{name}` | {down} | {up} | {state} | {passes} | "
+                + ("<br>".join(f"`{k}`" for k in keys) or "-") + " |"
+                for name, _, down, up, state, passes, keys, _ in rows]
+        return "\n".join(out)
+    out = []
+    for name, summary, down, up, state, passes, keys, meanings in rows:
+        out.append(f"{name}: {summary}\n    records down: {down}; up: {up}; client state: {state}; "
+                   f"gradient passes per step: {passes}")
+        out += [f"    {k}    {m.split(': ', 1)[1]}" for k, m in zip(keys, meanings)]
+    return "\n".join(out)
+
+
+def certs(args: argparse.Namespace) -> int:
+    """Write a CA, the SuperLink's certificate and --nodes SuperNode key pairs to OUT_DIR."""
+    from tools.certs import CertError, generate_certs, summary
+
+    try:
+        files = generate_certs(Path(args.out_dir), args.nodes, args.hosts, days=args.days,
+                               force=args.force)
+    except CertError as err:
+        raise UsageError(str(err)) from None
+    print(summary(files))
+    return EXIT_OK

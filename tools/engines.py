@@ -1,0 +1,100 @@
+"""The three ways to run a federation, as functions (the CLI, the sweep and the tests call
+them): a real SuperLink and SuperNodes on 127.0.0.1, Flower's Ray simulation engine, and the
+in-process engine (no ports, no Ray). Each runs ``cfg`` to its end and says whether it
+completed; the run directory holds the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import RunConfig
+
+OnPoll = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    details: str = ""  # Flower's status details when the run did not complete
+
+
+def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
+              on_poll: OnPoll, device: str = "auto", tls: bool = False) -> Outcome:
+    """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (tools/federation.py)."""
+    from tools.federation import COMPLETED, LocalFederation
+
+    work = Path(tempfile.mkdtemp(prefix="flatflower-"))
+    t0 = time.monotonic()
+    try:
+        security = " over TLS with SuperNode authentication" if tls else ""
+        print(f"starting a SuperLink and {clients} SuperNodes on 127.0.0.1{security} "
+              f"({cfg.algorithm}, {cfg.dataset}, {cfg.num_server_rounds} rounds)", flush=True)
+        node_config = {"device": device} if device != "auto" else {}
+        with LocalFederation(clients, work, logs, node_config=node_config, tls=tls) as fed:
+            run_id = fed.submit(app, cfg.to_dict())
+            print(f"submitted run {run_id}; waiting for rounds (Flower polls every ~3 s)", flush=True)
+            row = fed.wait(run_id, timeout, on_poll=on_poll)
+            fed.save_log(run_id, logs / "run.log")
+        print(f"flower: {row.get('status')} in {time.monotonic() - t0:.1f}s "
+              f"(run elapsed {row.get('elapsed', '?')})", flush=True)
+        return Outcome(row.get("status") == COMPLETED, row.get("status-details", ""))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_ray(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
+            on_poll: OnPoll, cpus_per_client: int = 1, gpus_per_client: float = 0.0) -> Outcome:
+    """Flower's simulation engine (Ray) with ``clients`` virtual SuperNodes."""
+    from tools.federation import COMPLETED, LocalFederation
+
+    work = Path(tempfile.mkdtemp(prefix="flatflower-"))
+    try:
+        fed = LocalFederation(0, work, logs, simulation=True)
+        fed.env["RAY_TMPDIR"] = str(work / "ray")
+        print(f"Ray simulation: {clients} virtual clients, {cfg.algorithm}", flush=True)
+        with fed:
+            run_id = fed.submit(app, cfg.to_dict(), {
+                "num-supernodes": clients, "client-resources-num-cpus": cpus_per_client,
+                "client-resources-num-gpus": gpus_per_client,
+                "init-args-num-cpus": os.cpu_count() or 1})
+            row = fed.wait(run_id, timeout, on_poll=on_poll)
+            fed.save_log(run_id, logs / "run.log")
+        return Outcome(row.get("status") == COMPLETED, row.get("status-details", ""))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll) -> Outcome:
+    """The real ServerApp and ClientApps in this process (tools/inprocess.py), in a worker
+    thread while ``on_poll`` runs here; a failure of the run is raised here."""
+    from tools.inprocess import run_inprocess
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    for name in ("flwr.flatflower.server", "flwr.flatflower.client"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    print(f"in-process simulation: {clients} clients, {cfg.algorithm}", flush=True)
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            run_inprocess(cfg.to_dict(), clients)
+        except BaseException as err:  # reported below, in the calling thread
+            failure.append(err)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    while worker.is_alive():
+        on_poll()
+        worker.join(0.5)
+    if failure:
+        raise failure[0]
+    return Outcome(True)

@@ -1,0 +1,240 @@
+"""Preparing a run from the command line: its config (a preset, then ``--set`` values, then the
+named flags; or a ``--resume``'d run's own), checked before anything starts, so bad input is one
+line and exit code 2 (:class:`UsageError`), and nothing is written for a run that never starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from common.config import MAX_SECONDS, ConfigError, RunConfig, cli_float, cli_int, parse_assignments
+from tools.presets import load_preset
+
+DEFAULT_CLIENTS = 4
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+# ---------------------------------------------------------------------------- arguments
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of every command that runs a federation (local, simulate, sweep)."""
+    p.add_argument("--algorithm", "-a", help="algorithm name, e.g. fedsam, fedgmt, fedtoga (default: run config)")
+    p.add_argument("--preset", metavar="NAME_OR_FILE",
+                   help="start from a preset: a TOML file or a name in tools/presets/ "
+                        "(list: flatflower presets)")
+    p.add_argument("--clients", "-n", type=cli_int,
+                   help=f"number of clients (default: the preset's, else {DEFAULT_CLIENTS})")
+    p.add_argument("--rounds", "-r", type=cli_int, help="server rounds (num-server-rounds)")
+    p.add_argument("--dataset", help="digits | synthetic | mnist | fashion-mnist | cifar10 | cifar100")
+    p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | resnet18-gn")
+    p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological")
+    p.add_argument("--seed", type=cli_int)
+    p.add_argument("--fraction", type=cli_float, help="fraction of clients per round (fraction-train)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="any run-config key, e.g. --set rho=0.05 --set lr=0.05 (repeatable)")
+    p.add_argument("--run-dir", help="where the run directory goes (default runs/<name>)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its last checkpoint (same config; "
+                        "--rounds may extend it)")
+    p.add_argument("--timeout", type=cli_float, default=3600.0,
+                   help=f"give up after this many seconds (at most {MAX_SECONDS:.0f})")
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the simulation engines (simulate, sweep)."""
+    p.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
+                   help="ray = Flower simulation engine (default); inprocess = no Ray, one process")
+    p.add_argument("--cpus-per-client", type=cli_int, default=1)
+    p.add_argument("--gpus-per-client", type=cli_float, default=0.0)
+    p.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
+
+
+def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
+    """The --preset's [config] values ({} without one); fills in --clients when not given.
+
+    Idempotent: the preset is read once and kept on ``args``."""
+    if not hasattr(args, "preset_values"):
+        preset = load_preset(args.preset) if args.preset else None
+        args.preset_values = dict(preset.config) if preset else {}
+        if args.clients is None and args.resume:
+            args.clients = resume_clients(args.resume)
+        if args.clients is None:
+            args.clients = preset.clients if preset and preset.clients else DEFAULT_CLIENTS
+        if preset:
+            print(f"preset {preset.name}: {preset.description}", flush=True)
+    return args.preset_values
+
+
+def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> RunConfig:
+    """Run config from the preset, then --set values, then explicit flags; validated."""
+    if args.resume:
+        return _resume_config(args, extra)
+    values = dict(apply_preset(args))
+    values.update(parse_assignments(args.sets))
+    flags = {"algorithm": args.algorithm, "num-server-rounds": args.rounds, "dataset": args.dataset,
+             "model": args.model, "partition": args.partition, "seed": args.seed,
+             "fraction-train": args.fraction}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    for key, value in (extra or {}).items():
+        values.setdefault(key, value)
+    check_run_arguments(args)
+    values.setdefault("num-partitions", args.clients)
+    cfg = RunConfig.from_mapping(values)
+    if cfg.num_partitions != args.clients:
+        raise UsageError(f"num-partitions={cfg.num_partitions} disagrees with --clients {args.clients}")
+    run_dir = Path(args.run_dir or cfg.run_dir or _default_run_dir(cfg)).expanduser().resolve()
+    if (run_dir / "metrics.jsonl").exists():
+        raise UsageError(f"{run_dir} already holds a run; choose another --run-dir "
+                         "(or continue it with --resume)")
+    _check_writable(run_dir)
+    # clients mirror their state into the run directory, so --resume is exact
+    state_dir = cfg.client_state_dir or str(run_dir / "client-state")
+    return cfg.replace(run_dir=str(run_dir), client_state_dir=state_dir)
+
+
+def check_run_arguments(args: argparse.Namespace) -> None:
+    """UsageError for out-of-range command-line numbers (before anything starts)."""
+    if args.clients is not None and args.clients < 1:
+        raise UsageError("--clients must be >= 1")
+    if not 0 < args.timeout <= MAX_SECONDS:
+        raise UsageError(f"--timeout must be in (0, {MAX_SECONDS:.0f}] seconds (got {args.timeout:g})")
+
+
+def _check_writable(run_dir: Path) -> None:
+    """UsageError now (before any process starts) if ``run_dir`` cannot be created or written."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"cannot create run directory {run_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot create run directory {run_dir}: {existing} is not writable")
+
+
+def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> RunConfig:
+    """The config of the run in ``--resume RUN_DIR``, checked against its checkpoint. The
+    directory stays claimed by this command (a second resume of it is refused at once)."""
+    from server.rundir import check_resumable, claim, load_checkpoint
+
+    run_dir = Path(args.resume).expanduser().resolve()
+    given = [flag for flag, value in (
+        ("--preset", args.preset), ("--set", args.sets), ("--algorithm", args.algorithm),
+        ("--dataset", args.dataset), ("--model", args.model), ("--partition", args.partition),
+        ("--seed", args.seed), ("--fraction", args.fraction), ("--run-dir", args.run_dir)) if value]
+    if given:
+        raise UsageError(f"--resume continues a run as it was configured: {', '.join(given)} "
+                         "cannot be combined with it (only --rounds, --clients, --timeout)")
+    check_run_arguments(args)
+    saved = _saved_config(run_dir)
+    # the directory itself (the ServerApp locks its .lock file): nothing is written here
+    args.run_dir_claim = claim(run_dir, f"{run_dir} is being resumed or run by another "
+                                        "flatflower command")
+    values = {**saved, "resume": True, "run-dir": str(run_dir)}
+    if args.rounds is not None:
+        values["num-server-rounds"] = args.rounds
+    values.update(extra or {})
+    try:
+        cfg = RunConfig.from_mapping(values)
+    except ConfigError as err:
+        raise UsageError(f"{run_dir / 'config.json'}: {err}") from None
+    ckpt = load_checkpoint(run_dir)
+    check_resumable(cfg, ckpt)
+    if args.clients != ckpt["num_partitions"]:
+        raise UsageError(f"the run in {run_dir} has {ckpt['num_partitions']} clients, "
+                         f"not --clients {args.clients}")
+    print(f"resuming {run_dir} after round {ckpt['round']} of {cfg.num_server_rounds}", flush=True)
+    return cfg
+
+
+def _saved_config(run_dir: Path) -> dict[str, Any]:
+    """config.json's run config of a run directory (UsageError when there is none)."""
+    path = run_dir / "config.json"
+    if not run_dir.is_dir():
+        raise UsageError(f"run directory {run_dir} does not exist")
+    if not path.is_file():
+        raise UsageError(f"{run_dir} is not a flatflower run directory (no config.json)")
+    try:
+        saved = json.loads(path.read_text())["config"]
+        if not isinstance(saved, dict):
+            raise TypeError("'config' is not a table")
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UsageError(f"{path} is corrupt: {err}") from None
+    return saved
+
+
+def resume_clients(run_dir: str) -> int | None:
+    """Number of clients of the run in ``run_dir`` (partition.json, else its checkpoint)."""
+    from server.rundir import RunDirError, load_checkpoint
+
+    try:
+        return int(json.loads((Path(run_dir) / "partition.json").read_text())["num_partitions"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        return int(load_checkpoint(run_dir)["num_partitions"])
+    except (RunDirError, KeyError, TypeError, ValueError):
+        return None  # the resume itself reports what is wrong
+
+
+def log_dir(cfg: RunConfig) -> Path:
+    """Where the Flower logs of this command go: <run dir>/logs, or a new subdirectory of it
+    when resuming (the first attempt's logs are kept)."""
+    logs = Path(cfg.run_dir) / "logs"
+    if cfg.resume:
+        logs = logs / time.strftime("resume-%Y%m%d-%H%M%S")
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs
+
+
+def _default_run_dir(cfg: RunConfig) -> Path:
+    from server.rundir import default_run_dir
+
+    return default_run_dir(cfg)
+
+
+def preflight(cfg: RunConfig, num_clients: int) -> None:
+    """Load the data and build the partition here, so bad input fails before any process starts."""
+    from common.data import partitions_for
+
+    from common.data import dataset_for
+    from common.models import build_model
+
+    parts = partitions_for(cfg, num_clients)
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
+    data = dataset_for(cfg)
+    try:
+        build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
+    except ValueError as err:
+        raise UsageError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
+    per_round = num_clients if cfg.sampling == "bernoulli" else max(
+        1, min(num_clients, math.floor(cfg.fraction_train * num_clients + 0.5)))
+    from strategies.aggregate import Aggregator
+
+    need = Aggregator.from_config(cfg).required()
+    if need > per_round:
+        raise UsageError(f"aggregator {cfg.aggregator} needs at least {need} clients per round "
+                         f"(aggregator-f={cfg.aggregator_f}); {per_round} are sampled "
+                         f"({num_clients} clients, fraction-train={cfg.fraction_train:g})")
+    if cfg.min_replies > per_round:
+        raise UsageError(f"min-replies={cfg.min_replies} exceeds the {per_round} clients sampled per "
+                         f"round ({num_clients} clients, fraction-train={cfg.fraction_train:g}): "
+                         "every round would be skipped")
+
+
+def app_dir(given: str | None) -> Path:
+    path = Path(given).resolve() if given else Path(__file__).resolve().parent.parent
+    toml = path / "pyproject.toml"
+    if not toml.exists() or "[tool.flwr.app]" not in toml.read_text():
+        raise UsageError(f"{path} is not a Flower App directory (no pyproject.toml with "
+                         "[tool.flwr.app]); run from a flatflower checkout or pass --app-dir")
+    return path
