@@ -20,7 +20,6 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Any
 
 import pytest
 
@@ -36,25 +35,6 @@ def _flower_home():
     """Keep the environment above for the whole session; remove the directory afterwards."""
     yield _FLWR_HOME
     shutil.rmtree(_FLWR_HOME, ignore_errors=True)
-
-
-FAST = {
-    "dataset": "synthetic",  # in memory, no files, no network
-    "model": "logreg",
-    "partition": "iid",
-    "local-steps": 2,
-    "batch-size": 64,
-    "num-server-rounds": 2,
-}
-
-
-def fast_config(**overrides: Any) -> dict[str, Any]:
-    """Run-config keys for a quick run; ``overrides`` use underscores for dashes.
-
-    >>> fast_config(local_steps=3, run_dir="/tmp/x")["local-steps"]
-    3
-    """
-    return {**FAST, **{k.replace("_", "-"): v for k, v in overrides.items()}}
 
 
 def set_task_identity() -> None:
@@ -108,3 +88,43 @@ def pytest_collection_finish(session):
                 if (group := _xdist_group(i)) and not i.nodeid.endswith(f"@{group}")]
         if lost:
             raise pytest.UsageError(f"pytest-xdist did not group {lost[0]}: use pytest < 9")
+
+
+# ---------------------------------------------------------------- spies on the server halves
+@pytest.fixture
+def server_spy(monkeypatch):
+    """Wraps the FedDyn-family server update (FedSpeed, FedGMT, FedTOGA call it through
+    super()) to record the strategy and, per round, u computed independently in float64 with
+    uniform weights, and the number of clients M."""
+    from strategies.feddyn import FedDyn
+    from tests.reference import Problem
+
+    seen = {"strategy": None, "u_uniform": [], "M": []}
+    original = FedDyn.update
+
+    def spy(self, server_round, updates, weights):
+        start = Problem.flat(v.double().numpy() for v in self.model.values())
+        models = [Problem.flat(v.double().numpy() for v in up.model.values()) for up in updates]
+        seen["strategy"] = self
+        seen["u_uniform"].append(sum(m - start for m in models) / len(models))
+        seen["M"].append(len(updates))
+        return original(self, server_round, updates, weights)
+
+    monkeypatch.setattr(FedDyn, "update", spy)
+    return seen
+
+
+@pytest.fixture
+def strategy_spy(monkeypatch):
+    """Records the strategy of the last run (to read its server state)."""
+    from strategies.base import FlatStrategy
+
+    seen = {}
+    original = FlatStrategy.finish_round
+
+    def spy(self, server_round, updates):
+        seen["strategy"] = self
+        return original(self, server_round, updates)
+
+    monkeypatch.setattr(FlatStrategy, "finish_round", spy)
+    return seen

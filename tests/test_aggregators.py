@@ -8,7 +8,6 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from conftest import fast_config
 
 from common.config import AGGREGATORS, RunConfig
 from common.registry import ALGORITHMS
@@ -16,8 +15,7 @@ from common.registry import get as get_spec
 from tools.cli import main as cli
 from strategies.aggregate import Aggregator, global_norm, weighted_sum
 from strategies.validation import ClientUpdate
-from test_reliability import run
-from test_strategy import MODEL
+from tests.helpers import MODEL, fast_config, run_with_faults
 
 ROBUST = ("median", "trimmed-mean", "krum", "multi-krum", "bulyan")
 
@@ -129,7 +127,7 @@ def test_a_round_with_fewer_updates_than_the_rule_needs_is_skipped(tmp_path, cap
     import logging
 
     caplog.set_level(logging.WARNING, logger="flwr.flatflower.server")
-    rows, _ = run(tmp_path, "krum", {3: "raise@2"}, clients=5, aggregator="krum")
+    rows, _ = run_with_faults(tmp_path, "krum", {3: "raise@2"}, clients=5, aggregator="krum")
     assert [r["skipped"] for r in rows[1:]] == [0, 1]
     assert "aggregator krum needs 5" in caplog.text
 
@@ -138,13 +136,13 @@ def test_a_round_with_fewer_updates_than_the_rule_needs_is_skipped(tmp_path, cap
 def sign_flip_runs(tmp_path_factory):
     """6 rounds of FedSAM over 5 clients, one of which flips and scales its update by 4.5
     every round, under each rule; and the same without the attacker's lie."""
-    from malicious import malicious_app
+    from tests.malicious import malicious_app
 
     tmp = tmp_path_factory.mktemp("flip")
     out = {}
     for name in ("mean", "median", "trimmed-mean", "krum", "multi-krum", "norm-clip"):
         for tag, app in (("attacked", malicious_app({4: "sign-flip:4.5"})), ("clean", None)):
-            rows, _ = run(tmp, f"{name}-{tag}", client=app, clients=5, algorithm="fedsam",
+            rows, _ = run_with_faults(tmp, f"{name}-{tag}", client=app, clients=5, algorithm="fedsam",
                           aggregator=name, num_server_rounds=6)
             out[name, tag] = rows[-1]["test_accuracy"]
     return out

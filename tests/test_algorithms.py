@@ -1,16 +1,11 @@
-"""Algorithm tests derived from the math.
-
-The full pipeline (real ServerApp + ClientApp through the in-process grid, real partitions,
-real wire conversions) is run on a tiny deterministic problem: multinomial logistic
-regression on the seeded ``synthetic`` data, full-batch gradients, K local steps. An
-independent float64 numpy implementation of each algorithm's pseudocode (FedSAM paper,
-Alg. 1-2, eq. 4 and 6) must give the same global model to 1e-6. The identities between the
-algorithms are then checked bit for bit.
-"""
+"""Every algorithm against its paper's pseudocode: the real pipeline (ServerApp + ClientApp
+through the in-process grid, real partitions and wire conversions) on the tiny deterministic
+problem must give the float64 numpy reference of tests/reference.py to 1e-6, with full and
+partial participation; client and server state (duals, EMA models, control variates) too.
+Also the gradient passes each algorithm needs per step, and the SAM machinery."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -18,148 +13,467 @@ import torch
 
 from client.batch import ModelBatch, trainable
 from client.sam import sam_gradient
-from common.datasets import load_dataset
-from tools.inprocess import run_inprocess
-
-K = 3  # local steps
-LR = 0.1
-
-
-def run(tmp_path, name, num_clients=3, **overrides) -> dict:
-    """Run the real ServerApp + ClientApps in-process; ``overrides`` are run-config keys.
-
-    Returns the initial and final global models, the partitions, the run config, the
-    training rows of metrics.jsonl (round >= 1, each with ``sampled_partitions``), the run
-    directory and the in-process grid (whose node contexts hold the clients' state).
-    """
-    cfg = {
-        "dataset": "synthetic", "model": "logreg", "partition": "iid", "seed": 3,
-        "local-steps": K, "batch-size": 100_000, "lr": LR, "num-server-rounds": 2,
-        "run-dir": str(tmp_path / name), **overrides,
-    }
-    run_dir, grid = run_inprocess(cfg, num_clients=num_clients)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-    return {
-        "init": torch.load(run_dir / "model_init.pt"),
-        "final": torch.load(run_dir / "model_final.pt"),
-        "parts": json.loads((run_dir / "partition.json").read_text())["partitions"],
-        "cfg": {**cfg},
-        "rows": [row for row in rows if row["round"] >= 1],
-        "run_dir": run_dir,
-        "grid": grid,
-        "num_clients": num_clients,
-    }
+from common import protocol as P
+from common.config import ConfigError, RunConfig
+from tests.helpers import K, PARTIAL, TOGA, assert_client_duals, assert_differ, assert_matches, assert_partial, assert_state, client_state, count_gradient_passes, finals_equal, matches, run, server_dual, server_record
+from tests.reference import Problem, fedacg_reference, fedcm_reference, feddyn_reference, fedgmt_reference, fedlesam_reference, fednsam_reference, fedopt_reference, fedprox_reference, fedsam_family_reference, fedsmoo_reference, fedtoga_reference, norm, scaffold_reference
 
 
-# ---------------------------------------------------------------- numpy reference
-def grad(w: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
-    """Gradient of mean softmax cross-entropy of logits x W^T + b."""
-    W, b = w
-    z = x @ W.T + b
-    z -= z.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
-    p[np.arange(len(y)), y] -= 1.0
-    p /= len(y)
-    return [p.T @ x, p.sum(axis=0)]
-
-
-def sam_grad(w, x, y, rho):
-    """FedSAM eq. (4): gradient at w + rho g/||g||, ||.|| over ALL parameters (W and b)."""
-    g = grad(w, x, y)
-    norm = np.sqrt(sum((gi ** 2).sum() for gi in g))
-    return grad([wi + rho * gi / (norm + 1e-12) for wi, gi in zip(w, g)], x, y)
-
-
-def reference(result, algorithm, rounds=2, rho=0.0, beta=1.0, server_lr=1.0,
-              step="delta", weighting="weighted"):
-    """The algorithms' pseudocode, independently, in float64."""
-    data = load_dataset("synthetic").train
-    x_all, y_all = data.x.double().numpy(), data.y.numpy()
-    clients = [(x_all[idx], y_all[idx]) for idx in
-               (np.array(result["parts"][str(i)]) for i in range(len(result["parts"])))]
-    w = [v.double().numpy() for v in result["init"].values()]
-    delta_global = [np.zeros_like(v) for v in w]  # MoFedSAM Delta^0 = 0
-    sizes = np.array([len(c[1]) for c in clients], dtype=float)
-    p = sizes / sizes.sum() if weighting == "weighted" else np.full(len(sizes), 1 / len(sizes))
-    for _ in range(rounds):
-        deltas = []
-        for x, y in clients:
-            wk = [v.copy() for v in w]
-            for _ in range(K):
-                d = sam_grad(wk, x, y, rho) if algorithm != "fedavg" else grad(wk, x, y)
-                if algorithm == "mofedsam":
-                    d = [beta * di + (1 - beta) * Di for di, Di in zip(d, delta_global)]
-                wk = [wi - LR * di for wi, di in zip(wk, d)]
-            deltas.append([a - b for a, b in zip(wk, w)])
-        mean_delta = [sum(pi * dl[j] for pi, dl in zip(p, deltas)) for j in range(len(w))]
-        if algorithm == "mofedsam":
-            # Alg. 2: Delta^{r+1} = -(1/(eta_l K)) sum_i p_i Delta_i  (gradient units)
-            delta_global = [-m / (LR * K) for m in mean_delta]
-            if step == "literal":
-                w = [wi - server_lr * Di for wi, Di in zip(w, delta_global)]
-                continue
-        w = [wi + server_lr * m for wi, m in zip(w, mean_delta)]
-    return w
-
-
-def assert_matches(result, expected):
-    got = [v.double().numpy() for v in result["final"].values()]
-    assert len(got) == len(expected)
-    for g, e in zip(got, expected):
-        np.testing.assert_allclose(g, e, rtol=0, atol=1e-6)
-    # and training moved the model: the check is not vacuous
-    init = [v.double().numpy() for v in result["init"].values()]
-    assert max(np.abs(g - i).max() for g, i in zip(got, init)) > 1e-2
-
-
-# ---------------------------------------------------------------- hand-computed rounds
+# ---------------------------------------------------------------- FedAvg, FedSAM, MoFedSAM
 @pytest.mark.parametrize("server_lr", [1.0, 0.5])
 def test_fedavg_matches_pseudocode(tmp_path, server_lr):
     result = run(tmp_path, "fedavg", algorithm="fedavg", **{"server-lr": server_lr})
-    assert_matches(result, reference(result, "fedavg", server_lr=server_lr))
+    assert_matches(result, fedsam_family_reference(result, "fedavg", server_lr=server_lr))
 
 
 def test_fedsam_matches_pseudocode(tmp_path):
     result = run(tmp_path, "fedsam", algorithm="fedsam", **{"sam.rho": 0.5}, aggregation="uniform")
-    assert_matches(result, reference(result, "fedsam", rho=0.5, weighting="uniform"))
+    assert_matches(result, fedsam_family_reference(result, "fedsam", rho=0.5, weighting="uniform"))
 
 
 @pytest.mark.parametrize("step", ["delta", "literal"])
 def test_mofedsam_matches_pseudocode(tmp_path, step):
     result = run(tmp_path, "mofedsam", algorithm="mofedsam", **{"sam.rho": 0.2},
                  **{"mofedsam.beta": 0.3, "fedcm.server-step": step, "server-lr": 0.8})
-    assert_matches(result, reference(result, "mofedsam", rho=0.2, beta=0.3, server_lr=0.8, step=step))
+    assert_matches(result, fedsam_family_reference(result, "mofedsam", rho=0.2, beta=0.3, server_lr=0.8, step=step))
 
 
-def test_fedsam_differs_from_fedavg_when_rho_positive(tmp_path):
-    """Guards the identities below against a SAM that silently does nothing."""
-    a = run(tmp_path, "a", algorithm="fedavg")["final"]
-    b = run(tmp_path, "b", algorithm="fedsam", **{"sam.rho": 0.5})["final"]
-    assert any(not torch.equal(a[k], b[k]) for k in a)
+# ---------------------------------------------------------------- FedCM
+# ================================================================ 1. FedCM
+@pytest.mark.parametrize("step", ["delta", "literal"])
+def test_fedcm_matches_pseudocode(tmp_path, step):
+    """FedCM client mixing and server Delta in gradient units (MoFedSAM notes §1.3, §6 A1-A2),
+    with a decaying lr so Delta's 1/(eta_r K) must use the round's eta."""
+    cfg = {"algorithm": "fedcm", "fedcm.alpha": 0.3, "fedcm.server-step": step,
+           "server-lr": 0.8, "lr-decay": 0.7, "num-server-rounds": 3}
+    result = run(tmp_path, "fedcm", **cfg)
+    prob = Problem(result)
+    matches(result, prob, fedcm_reference(prob, alpha=0.3, server_step=step))
 
 
-# ---------------------------------------------------------------- identities (bit for bit)
-def test_fedsam_rho0_equals_fedavg(tmp_path):
-    a = run(tmp_path, "a", algorithm="fedavg")["final"]
-    b = run(tmp_path, "b", algorithm="fedsam", **{"sam.rho": 0.0})["final"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+def test_fedcm_partial_participation_matches_pseudocode(tmp_path):
+    """FedCM with 2 of 4 clients per round: p_i over the M clients that trained."""
+    result = run(tmp_path, "fedcm", **{**PARTIAL, "algorithm": "fedcm", "fedcm.alpha": 0.4})
+    prob = Problem(result)
+    assert_partial(prob)
+    matches(result, prob, fedcm_reference(prob, alpha=0.4, server_step="delta"))
 
 
-def test_mofedsam_beta1_equals_fedsam(tmp_path):
-    a = run(tmp_path, "a", algorithm="fedsam", **{"sam.rho": 0.3})["final"]
-    b = run(tmp_path, "b", algorithm="mofedsam", **{"sam.rho": 0.3}, **{"mofedsam.beta": 1.0})["final"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+# ---------------------------------------------------------------- FedDyn
+# ================================================================ 2. FedDyn
+@pytest.mark.parametrize("aggregation", ["weighted", "uniform"])
+def test_feddyn_matches_pseudocode(tmp_path, server_spy, aggregation):
+    """FedDyn, full participation, non-default a and server lr: model, server dual h and the
+    clients' duals h_i (read from the nodes' context.state) all match."""
+    cfg = {"algorithm": "feddyn", "feddyn.alpha": 0.3, "server-lr": 0.7, "aggregation": aggregation,
+           "num-server-rounds": 3}
+    result = run(tmp_path, "feddyn", **cfg)
+    prob = Problem(result)
+    w, h, hc = feddyn_reference(prob, a=0.3)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_dual(server_spy), h, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, hc)
 
 
-def test_mofedsam_literal_step_equals_delta_step_when_lr_times_k_is_1(tmp_path):
-    """Notes §6 A2: the literal Alg. 2 server step is model averaging iff eta_l * K = 1."""
-    common = {"algorithm": "mofedsam", "sam.rho": 0.1, "lr": 0.25, "local-steps": 4}
-    a = run(tmp_path, "a", **common)["final"]
-    b = run(tmp_path, "b", **common, **{"fedcm.server-step": "literal"})["final"]
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+def test_feddyn_partial_participation_matches_pseudocode(tmp_path, server_spy):
+    """FedDyn with 2 of 4 clients: the server dual step is a (M/N) u (divisor N = 4, so the
+    1/N of FedDyn's h^{t+1} = h^t - (a/N) sum_{i in S}(theta_i - theta^t) when uniform); clients
+    that sit a round out keep h_i, and a client's h_i carries over to its next round."""
+    result = run(tmp_path, "feddyn", **{**PARTIAL, "algorithm": "feddyn", "feddyn.alpha": 0.4})
+    prob = Problem(result)
+    assert_partial(prob)
+    w, h, hc = feddyn_reference(prob, a=0.4)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_dual(server_spy), h, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, hc)
+
+
+def test_feddyn_server_dual_telescopes(tmp_path, server_spy):
+    """FedDyn server rule, full participation, uniform weights (M = N): h^R = -a sum_r u_r, and
+    theta^{t+1} = theta^t + u_t - h^{t+1}/a = theta^t + u_t + sum_{s<=t} u_s (fedtoga notes §1.5,
+    'unrolled form'). u_r are recomputed here from the raw client models the server received.
+    atol 1e-6: float32 accumulation vs a float64 sum."""
+    a = 0.3
+    result = run(tmp_path, "feddyn", algorithm="feddyn", aggregation="uniform",
+                 **{"feddyn.alpha": a, "num-server-rounds": 3})
+    us = server_spy["u_uniform"]
+    assert len(us) == 3 and server_spy["M"] == [3, 3, 3]
+    np.testing.assert_allclose(server_dual(server_spy), -a * sum(us), rtol=0, atol=1e-6)
+    theta = Problem.flat(v.double().numpy() for v in result["init"].values())
+    for t, u in enumerate(us):
+        theta = theta + u + sum(us[: t + 1])
+    got = Problem.flat(v.double().numpy() for v in result["final"].values())
+    np.testing.assert_allclose(got, theta, rtol=0, atol=1e-6)
+    # and the server dual is the mean of the clients' duals (h = (1/N) sum_i h_i)
+    prob = Problem(result)
+    mean_client = sum(client_state(result, i, P.DUAL, prob) for i in range(prob.N)) / prob.N
+    np.testing.assert_allclose(server_dual(server_spy), mean_client, rtol=0, atol=1e-6)
+
+
+def test_feddyn_server_dual_is_mean_of_all_client_duals_under_partial_participation(tmp_path, server_spy):
+    """With divisor N and uniform p_i, h = -(a/N) sum_r sum_{i in S_r}(theta_i - theta^r)
+    = (1/N) sum_{all i} h_i, never-sampled clients counting as 0 (fedtoga notes §1.5,
+    fedgmt notes §1 'in the analysis u^t = (1/M) sum_m u_m^t')."""
+    result = run(tmp_path, "feddyn", **{**PARTIAL, "algorithm": "feddyn", "feddyn.alpha": 0.4,
+                                        "aggregation": "uniform"})
+    prob = Problem(result)
+    assert_partial(prob)
+    mean_client = sum(client_state(result, i, P.DUAL, prob) for i in range(prob.N)) / prob.N
+    assert np.abs(mean_client).max() > 1e-3
+    np.testing.assert_allclose(server_dual(server_spy), mean_client, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- FedSpeed
+# ================================================================ 3. FedSpeed
+def test_fedspeed_matches_pseudocode(tmp_path, server_spy):
+    """FedSpeed = FedDyn around the local SAM gradient g~ (FedSpeed as in FL-Simulator)."""
+    result = run(tmp_path, "fedspeed", algorithm="fedspeed", **{"sam.rho": 0.3},
+                 **{"feddyn.alpha": 0.3, "server-lr": 0.9})
+    prob = Problem(result)
+    w, h, hc = feddyn_reference(prob, a=0.3, rho=0.3)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_dual(server_spy), h, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, hc)
+
+
+def test_fedspeed_partial_participation_matches_pseudocode(tmp_path, server_spy):
+    result = run(tmp_path, "fedspeed", **{**PARTIAL, "algorithm": "fedspeed", "sam.rho": 0.3,
+                                          "feddyn.alpha": 0.4})
+    prob = Problem(result)
+    assert_partial(prob)
+    w, h, hc = feddyn_reference(prob, a=0.4, rho=0.3)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_dual(server_spy), h, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, hc)
+
+
+def test_fedspeed_alpha_is_the_papers_merged_gradient(tmp_path, server_spy):
+    """fedspeed-alpha < 1: FedSpeed Alg. 1's quasi-gradient (1 - alpha) g + alpha g~ in the
+    FedDyn step, against the hand computation."""
+    result = run(tmp_path, "fedspeed", **{**PARTIAL, "algorithm": "fedspeed", "sam.rho": 0.3,
+                                          "feddyn.alpha": 0.4, "fedspeed.alpha": 0.4})
+    prob = Problem(result)
+    w, h, hc = feddyn_reference(prob, a=0.4, rho=0.3, alpha=0.4)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_dual(server_spy), h, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, hc)
+
+
+# ---------------------------------------------------------------- FedGMT, FedGMT-v2
+# ================================================================ 4. FedGMT
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_fedgmt_matches_pseudocode(tmp_path, server_spy, partial):
+    """FedGMT Alg. 1 (fedgmt notes §2.1-2.2): CE + gamma tau^2 KL to the server's EMA, linear
+    dual term, no prox; server FedDyn with a = 1/beta over all N clients; then the EMA."""
+    hp = {"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "fedgmt.alpha": 0.6}
+    extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8}
+    result = run(tmp_path, "fedgmt", algorithm="fedgmt", **hp, **extra)
+    prob = Problem(result)
+    if partial:
+        assert_partial(prob)
+    w, h, hc, _ = fedgmt_reference(prob, beta=2.0, gamma=0.7, tau=2.0, alpha=0.6)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_dual(server_spy), h, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, hc)
+    # the KL term is not vacuous: the same run with gamma = 0 in the reference is far off
+    w0, *_ = fedgmt_reference(prob, beta=2.0, gamma=0.0, tau=2.0, alpha=0.6)
+    assert np.abs(w0 - w).max() > 1e-4
+
+
+def test_fedgmt_server_ema(tmp_path, server_spy):
+    """e^{t+1} = alpha e^t + (1-alpha) theta^{t+1}, e^0 = theta^0 (fedgmt notes eq. 6, Alg. 1
+    line 18): after R rounds e = alpha^R theta^0 + sum_t (1-alpha) alpha^(R-t) theta^t."""
+    alpha = 0.6
+    result = run(tmp_path, "fedgmt", algorithm="fedgmt",
+                 **{"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "fedgmt.alpha": alpha})
+    prob = Problem(result)
+    ema = server_spy["strategy"].records[P.EMA_MODEL]  # before the next run replaces the spy's strategy
+    got = Problem.flat(v.double().numpy() for v in ema.values())
+    # theta^1 is the one-round run's final model (same seed, same sampling)
+    one = run(tmp_path, "one", algorithm="fedgmt",
+              **{"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "fedgmt.alpha": alpha,
+                 "num-server-rounds": 1})
+    theta1 = Problem.flat(v.double().numpy() for v in one["final"].values())
+    theta2 = Problem.flat(v.double().numpy() for v in result["final"].values())
+    expected = alpha ** 2 * prob.w0 + (1 - alpha) * alpha * theta1 + (1 - alpha) * theta2
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+# ================================================================ 5. FedGMT-v2
+@pytest.mark.parametrize("init", ["initial", "global"])
+def test_fedgmt_v2_matches_pseudocode_partial(tmp_path, server_spy, init):
+    """FedGMT-v2 (fedgmt notes §2.3): each client folds theta^t into its own EMA e_m on the
+    rounds it takes part (e_m before its first round: theta^0 or theta^t), distils from it;
+    no server EMA. Partial participation so that e_m goes stale between a client's rounds,
+    and clients first sampled in a later round start from theta^0 ("initial") or from that
+    round's theta^t ("global"). The clients' stored e_m are checked too."""
+    hp = {"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "fedgmt-v2.alpha": 0.4,
+          "fedgmt-v2.init": init}
+    result = run(tmp_path, "v2", algorithm="fedgmt-v2", **hp, **PARTIAL)
+    prob = Problem(result)
+    assert_partial(prob)
+    w, h, hc, emas = fedgmt_reference(prob, beta=2.0, gamma=0.7, tau=2.0, v2_alpha=0.4, v2_init=init)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_dual(server_spy), h, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, hc)
+    for i in range(prob.N):  # the stored client EMAs
+        expected = emas.get(i, prob.zeros())
+        np.testing.assert_allclose(client_state(result, i, P.CLIENT_EMA, prob), expected, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- FedNSAM
+# ================================================================ 6. FedNSAM
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_fednsam_matches_pseudocode(tmp_path, partial):
+    """FedNSAM (fednsam notes §1.3): one gradient per step at theta_k + lam m - rho m/||m||,
+    server momentum m <- lam m + u, theta <- theta + eta_g m; 3 rounds so the offset is
+    non-zero in two of them."""
+    hp = {"algorithm": "fednsam", "fednsam.lambda": 0.6, "sam.rho": 0.15}
+    extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8, "aggregation": "uniform"}
+    result = run(tmp_path, "fednsam", **hp, **extra)
+    prob = Problem(result)
+    matches(result, prob, fednsam_reference(prob, lam=0.6, rho=0.15))
+
+
+# ---------------------------------------------------------------- FedTOGA
+# ================================================================ 7. FedTOGA
+
+
+@pytest.mark.parametrize("perturbation,prox_scale,divisor,delta_scale,partial", [
+    ("G", "multiplier", "M", "literal", False),
+    ("G", "multiplier", "M", "literal", True),
+    ("N", "literal", "N", "per-lr", True),
+    ("fusion", "multiplier", "M", "per-lr", True),
+    ("N", "multiplier", "N", "literal", False),
+])
+
+
+def test_fedtoga_matches_pseudocode(tmp_path, server_spy, perturbation, prox_scale, divisor,
+                                    delta_scale, partial):
+    """FedTOGA (fedtoga notes §1.3 per-step terms, §1.4 perturbation variants, §1.5 server,
+    §1.10 pseudocode with its switches), with lr decay so that 'per-lr' divides by the
+    round's eta."""
+    cfg = {"algorithm": "fedtoga", **TOGA, "fedtoga.perturbation": perturbation,
+           "fedtoga.prox-scale": prox_scale, "fedtoga.dual-divisor": divisor,
+           "fedtoga.delta-scale": delta_scale, "lr-decay": 0.8,
+           **(PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.9})}
+    result = run(tmp_path, "fedtoga", **cfg)
+    prob = Problem(result)
+    if partial:
+        assert_partial(prob)
+    w, h, hc = fedtoga_reference(prob, alpha=0.3, kappa=0.7, beta=0.4, rho=0.2, prox_scale=prox_scale,
+                                 perturbation=perturbation, dual_divisor=divisor,
+                                 delta_scale=delta_scale)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_dual(server_spy), h, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, hc)
+
+
+def test_fedtoga_global_update_broadcast(tmp_path, server_spy):
+    """The Delta the server keeps (and broadcasts next round) is -sum_i p_i(theta_i - theta^t)/K
+    of the last round ('literal' scale, fedtoga notes §1.5)."""
+    run(tmp_path, "fedtoga", algorithm="fedtoga", aggregation="uniform", **TOGA)
+    delta = Problem.flat(v.double().numpy() for v in server_spy["strategy"].records[P.GLOBAL_UPDATE].values())
+    np.testing.assert_allclose(delta, -server_spy["u_uniform"][-1] / K, rtol=0, atol=1e-6)
+    assert np.abs(delta).max() > 1e-4
+
+
+# ---------------------------------------------------------------- FedProx, SCAFFOLD, FedGAMMA
+# ================================================================ FedProx
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_fedprox_matches_pseudocode(tmp_path, partial):
+    extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8}
+    result = run(tmp_path, "fedprox", algorithm="fedprox", **{"fedprox.mu": 0.7}, **extra)
+    prob = Problem(result)
+    matches(result, prob, fedprox_reference(prob, mu=0.7))
+
+# ================================================================ SCAFFOLD / FedGAMMA
+@pytest.mark.parametrize("algorithm,rho", [("scaffold", 0.0), ("fedgamma", 0.3)])
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_scaffold_family_matches_pseudocode(tmp_path, strategy_spy, algorithm, rho, partial):
+    """Option II control variates, c^0 = c_i^0 = 0, server c over all N; lr decay so that
+    c_i's 1/(K eta) must use the round's eta. Server c and clients' c_i checked too."""
+    extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8}
+    result = run(tmp_path, algorithm, algorithm=algorithm, **{"sam.rho": rho}, **{"lr-decay": 0.8}, **extra)
+    prob = Problem(result)
+    if partial:
+        assert_partial(prob)
+    w, c, ci = scaffold_reference(prob, rho=rho)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_record(strategy_spy, P.CONTROL), c, rtol=0, atol=1e-6)
+    assert_state(result, prob, P.CLIENT_CONTROL, ci)
+    assert np.abs(c).max() > 1e-3
+
+
+def test_scaffold_first_round_is_fedavg_and_later_rounds_are_not(tmp_path):
+    """c = c_i = 0 before any round, so round 1 is FedAvg's exactly (Karimireddy et al.:
+    control variates start at zero, not at the model weights)."""
+    a1 = run(tmp_path, "a1", algorithm="fedavg", **{"num-server-rounds": 1})
+    s1 = run(tmp_path, "s1", algorithm="scaffold", **{"num-server-rounds": 1})
+    assert finals_equal(a1, s1)
+    assert_differ(run(tmp_path, "a3", algorithm="fedavg", **{"num-server-rounds": 3}),
+                  run(tmp_path, "s3", algorithm="scaffold", **{"num-server-rounds": 3}))
+
+
+# ---------------------------------------------------------------- FedSMOO
+# ================================================================ FedSMOO
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_fedsmoo_matches_pseudocode(tmp_path, strategy_spy, partial):
+    """Alg. 2: corrected perturbation, mu_i across rounds, s~_i upload, normalised s, FedDyn
+    duals. Server s, clients' mu_i and h_i checked too."""
+    extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.9}
+    result = run(tmp_path, "fedsmoo", algorithm="fedsmoo", **{"sam.rho": 0.3}, **{"feddyn.alpha": 0.4}, **extra)
+    prob = Problem(result)
+    w, s, hc, mu = fedsmoo_reference(prob, a=0.4, rho=0.3)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_record(strategy_spy, P.GLOBAL_PERTURBATION), s, rtol=0, atol=1e-6)
+    assert norm(s) == pytest.approx(0.3)
+    assert_client_duals(result, prob, hc)
+    assert_state(result, prob, P.PERTURBATION_DUAL, mu)
+
+
+# ---------------------------------------------------------------- FedLESAM, -D, -S
+# ================================================================ FedLESAM, -D, -S
+@pytest.mark.parametrize("first", ["none", "initial"])
+@pytest.mark.parametrize("algorithm", ["fedlesam", "fedlesam-d", "fedlesam-s"])
+def test_fedlesam_family_matches_pseudocode(tmp_path, algorithm, first):
+    """Under partial participation a client's theta_i^old is the global model of ITS last
+    round, not the previous round's; both readings of a first round."""
+    cfg = {"algorithm": algorithm, "sam.rho": 0.3, "feddyn.alpha": 0.4, "fedlesam.first": first, **PARTIAL,
+           "num-server-rounds": 4}
+    result = run(tmp_path, algorithm, **cfg)
+    prob = Problem(result)
+    assert_partial(prob)
+    if algorithm == "fedlesam-s":
+        w, _, ci = scaffold_reference(prob, lesam_rho=0.3, lesam_first=first)
+        assert_state(result, prob, P.CLIENT_CONTROL, ci)
+    else:
+        w, hc = fedlesam_reference(prob, rho=0.3, base="avg" if algorithm == "fedlesam" else "dyn", a=0.4,
+                                   first=first)
+        if algorithm == "fedlesam-d":
+            assert_client_duals(result, prob, hc)
+    matches(result, prob, w)
+
+
+def test_fedlesam_first_round_choice_matters_only_after_round_one(tmp_path):
+    """'none' vs 'initial' differ once a client is first sampled after round 1 (theta^0 !=
+    theta^t); with one round both are 'no perturbation' (theta^0 = theta^1)."""
+    one = {"num-server-rounds": 1, "sam.rho": 0.3}
+    assert finals_equal(run(tmp_path, "n1", algorithm="fedlesam", **one, **{"fedlesam.first": "none"}),
+                        run(tmp_path, "i1", algorithm="fedlesam", **one, **{"fedlesam.first": "initial"}))
+    assert_differ(run(tmp_path, "n", algorithm="fedlesam", **{"sam.rho": 0.3}, **PARTIAL, **{"fedlesam.first": "none"}),
+                  run(tmp_path, "i", algorithm="fedlesam", **{"sam.rho": 0.3}, **PARTIAL, **{"fedlesam.first": "initial"}))
+
+
+# ---------------------------------------------------------------- FedACG
+# ================================================================ FedACG
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_fedacg_matches_pseudocode(tmp_path, strategy_spy, partial):
+    extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8}
+    result = run(tmp_path, "fedacg", algorithm="fedacg", **{"fedacg.lambda": 0.6, "fedacg.beta": 0.5}, **extra)
+    prob = Problem(result)
+    w, m = fedacg_reference(prob, lam=0.6, beta=0.5)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_record(strategy_spy, P.MOMENTUM), m, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- FedAdam, FedYogi
+# ================================================================ FedAdam / FedYogi
+@pytest.mark.parametrize("algorithm", ["fedadam", "fedyogi"])
+def test_fedopt_matches_pseudocode(tmp_path, strategy_spy, algorithm):
+    hp = {"fedopt.eta": 0.05, "fedopt.beta1": 0.8, "fedopt.beta2": 0.95, "fedopt.tau": 0.01}
+    result = run(tmp_path, algorithm, algorithm=algorithm, **hp, **PARTIAL)
+    prob = Problem(result)
+    w, m, v = fedopt_reference(prob, 0.05, 0.8, 0.95, 0.01, yogi=algorithm == "fedyogi")
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_record(strategy_spy, P.ADAPTIVE_M), m, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(server_record(strategy_spy, P.ADAPTIVE_V), v, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("algorithm", ["fedyogi", "fedadam"])
+def test_fedopt_equals_flowers_own_strategy(algorithm):
+    """Fed the same three rounds of aggregated models, our server step equals Flower's
+    FedYogi; and FedAdam once Flower's bias correction sqrt(1-b2^(t+1))/(1-b1^(t+1)) is
+    folded into eta (Reddi et al.'s Alg. 2 has none)."""
+    from flwr.app import Array, ArrayRecord
+    from flwr.serverapp.strategy import FedAdam as FlowerAdam
+    from flwr.serverapp.strategy import FedYogi as FlowerYogi
+
+    from strategies.fedopt import FedAdam, FedYogi
+    from strategies.validation import ClientUpdate
+
+    rng = np.random.default_rng(0)
+    model = {"w": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=4).astype(np.float32)}
+    eta, b1, b2, tau = 0.05, 0.9, 0.99, 1e-3
+    flower = (FlowerYogi if algorithm == "fedyogi" else FlowerAdam)(eta=eta, beta_1=b1, beta_2=b2, tau=tau)
+    flower.current_arrays = {k: v.copy() for k, v in model.items()}
+    for t in range(1, 4 if algorithm == "fedyogi" else 2):
+        scale = np.sqrt(1 - b2 ** (t + 1)) / (1 - b1 ** (t + 1)) if algorithm == "fedadam" else 1.0
+        cfg = RunConfig.from_mapping({"algorithm": algorithm, "fedopt.eta": eta * scale, "fedopt.beta1": b1,
+                                      "fedopt.beta2": b2, "fedopt.tau": tau})
+        if t == 1:
+            ours = (FedYogi if algorithm == "fedyogi" else FedAdam)(
+                cfg, {k: torch.from_numpy(v.copy()) for k, v in model.items()})
+        ours.cfg = cfg
+        aggregated = {k: v + rng.normal(scale=0.1, size=v.shape).astype(np.float32)
+                      for k, v in flower.current_arrays.items()}
+        # Flower: aggregate_train's step on an already aggregated model
+        delta, m_t, _ = flower._compute_deltat_and_mt(ArrayRecord({k: Array(v) for k, v in aggregated.items()}))
+        update = ClientUpdate(1, 0, 1, 1, 0.0, {k: torch.from_numpy(v.copy()) for k, v in aggregated.items()})
+        ours.update(t, [update], [1.0])
+        theirs = _flower_step(flower, algorithm, t, delta, m_t)
+        for k in model:
+            np.testing.assert_allclose(ours.model[k].numpy(), theirs[k], rtol=0, atol=1e-6)
+        flower.current_arrays = theirs
+
+
+def _flower_step(flower, algorithm, t, delta, m_t):
+    """The second half of Flower's FedAdam/FedYogi.aggregate_train (their moment update and
+    step), applied to the delta and m_t Flower computed."""
+    if not flower.v_t:
+        flower.v_t = {k: np.zeros_like(v) for k, v in delta.items()}
+    if algorithm == "fedyogi":
+        flower.v_t = {k: v - (1.0 - flower.beta_2) * delta[k] ** 2 * np.sign(v - delta[k] ** 2)
+                      for k, v in flower.v_t.items()}
+        eta = flower.eta
+    else:
+        flower.v_t = {k: flower.beta_2 * v + (1 - flower.beta_2) * delta[k] ** 2 for k, v in flower.v_t.items()}
+        eta = flower.eta * np.sqrt(1 - flower.beta_2 ** (t + 1)) / (1 - flower.beta_1 ** (t + 1))
+    return {k: x + eta * m_t[k] / (np.sqrt(flower.v_t[k]) + flower.tau) for k, x in flower.current_arrays.items()}
+
+
+def test_fedopt_refuses_a_server_lr(tmp_path):
+    with pytest.raises(ConfigError, match="server-lr=0.5 has no effect on fedyogi"):
+        RunConfig.from_mapping({"algorithm": "fedyogi", "server-lr": 0.5})
+
+
+# ---------------------------------------------------------------- gradient passes per local step
+@pytest.mark.parametrize("perturbation,per_step", [("G", lambda k: 2 * k), ("N", lambda k: k + 1),
+                                                   ("fusion", lambda k: 2 * k)])
+
+
+def test_fedtoga_gradient_passes(tmp_path, monkeypatch, perturbation, per_step):
+    """Cost per local round (fedtoga notes §1.4 table): G and fusion take 2 gradient passes per
+    step (2K), N takes 1 per step after k = 0 (K + 1), counted at the batch."""
+    calls = count_gradient_passes(monkeypatch)
+    k, rounds, clients = 4, 2, 3
+    run(tmp_path, perturbation, algorithm="fedtoga", **TOGA,
+        **{"fedtoga.perturbation": perturbation, "local-steps": k})
+    assert calls["n"] == rounds * clients * per_step(k)
+
+# ================================================================ gradient passes per step
+@pytest.mark.parametrize("algorithm,per_step", [
+    ("fedprox", 1), ("scaffold", 1), ("fedgamma", 2), ("fedsmoo", 2), ("fedlesam", 1),
+    ("fedlesam-d", 1), ("fedlesam-s", 1), ("fedacg", 1)])
+
+
+def test_gradient_passes_per_step(tmp_path, monkeypatch, algorithm, per_step):
+    """fedtoga notes §2.3 / §5: FedLESAM needs one gradient per step (its perturbation needs
+    no ascent gradient), FedGAMMA and FedSMOO two. Rounds 2-3, so FedLESAM's perturbation is
+    active; counted at the batch (ModelBatch._grad)."""
+    calls = count_gradient_passes(monkeypatch)
+    k, rounds, clients = 4, 3, 3
+    run(tmp_path, algorithm, algorithm=algorithm, **{"sam.rho": 0.2}, **{"local-steps": k, "num-server-rounds": rounds})
+    assert calls["n"] == rounds * clients * k * per_step
 
 
 # ---------------------------------------------------------------- SAM machinery

@@ -11,7 +11,7 @@ from client.sam import sam_gradient
 from client.train import autocast
 from common.config import RunConfig
 from tools.inprocess import run_inprocess
-from tests.conftest import fast_config
+from tests.helpers import fast_config
 
 
 def test_sam_under_bf16_autocast_restores_weights_and_keeps_float32_gradients():

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fast_config
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from client.app import META
@@ -24,6 +23,7 @@ from common.config import RunConfig
 from common.data import dataset_for, partitions_for
 from common.models import build_model
 from tools.inprocess import InProcessGrid, run_inprocess
+from tests.helpers import fast_config
 
 
 def generator(seed: int = 0) -> torch.Generator:

@@ -12,11 +12,11 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 import pytest
-from conftest import fast_config
 
 from common.config import ConfigError, RunConfig, defaults, flat_keys, general_fields, parse_assignments
 from common.registry import ALGORITHMS
 from common.datasets import DATASETS
+from tests.helpers import fast_config
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

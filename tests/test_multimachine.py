@@ -34,7 +34,7 @@ import tomli_w
 
 from tools.certs import planned_files
 from tools.federation import COMPLETED, LocalFederation, free_port, is_loopback
-from tests.test_integration import flower_pids, metrics
+from tests.helpers import flower_pids, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "deployment.md"

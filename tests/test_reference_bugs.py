@@ -2,7 +2,7 @@
 
 Each bug is a *variant*: a function below that puts the bug back into our code (monkeypatch).
 Its test first checks that our pipeline follows the paper (the final model equals the float64
-numpy reference of tests/test_baseline_algorithms.py or tests/test_seed_algorithms.py to 1e-6),
+numpy reference of tests/reference.py to 1e-6),
 then re-runs with the variant and pins the claim numerically:
 
 * the variant's result differs from the paper's rule by more than 10x the float32 floor
@@ -45,10 +45,8 @@ from common.models import build_model
 from strategies.aggregate import add_scaled, scale
 from strategies.fednsam import FedNSAM
 from strategies.scaffold import Scaffold
-from test_algorithms import run
-from test_baseline_algorithms import (fedacg_reference, fedlesam_reference, fedprox_reference, fedsmoo_reference,
-                                      scaffold_reference, scaled)
-from test_seed_algorithms import EPS, PARTIAL, Problem, feddyn_reference, norm
+from tests.helpers import PARTIAL, run
+from tests.reference import EPS, Problem, fedacg_reference, feddyn_reference, fedlesam_reference, fedprox_reference, fedsmoo_reference, norm, scaffold_reference, scaled
 
 FLOAT32_FLOOR = 1e-6  # max |float32 pipeline - float64 reference| the equality tests allow
 A, RHO = 0.4, 0.3  # feddyn-alpha and rho of the cases below

@@ -26,34 +26,14 @@ from tools.cli import main as cli
 from tools.inprocess import InProcessGrid
 from server.rundir import RunDirError, load_checkpoint
 from server.run import RunFailed, run_server
-from tests.conftest import fast_config
-from tests.test_integration import flower_pids, metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(tmp_path, name, faults=None, client=None, clients=3, **overrides):
-    """An in-process run; ``faults`` maps partition id -> inject-fault value."""
-    overrides = {"algorithm": "feddyn", "num_partitions": clients, **overrides}
-    cfg = RunConfig.from_mapping(fast_config(run_dir=str(tmp_path / name), **overrides))
-    grid = InProcessGrid(client or client_app, clients, cfg.to_dict())
-    for pid, fault in (faults or {}).items():
-        grid.contexts[1000 + pid].node_config["inject-fault"] = fault
-    run_server(grid, cfg)
-    rows = metrics(Path(cfg.run_dir))
-    final = torch.load(Path(cfg.run_dir) / "model_final.pt")
-    return rows, final
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(a[k], b[k]) for k in a)
+from tests.helpers import DEPLOYED, ROOT, deployed, fast_config, flower_pids, metrics, run_with_faults, same
 
 
 # ---------------------------------------------------------------- client failures
 def test_a_hung_client_is_lost_at_the_round_deadline_and_the_round_goes_on(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="flwr.flatflower.server")
-    rows, hung = run(tmp_path, "hung", {1: "hang"}, round_timeout=3.0)
-    _, crashed = run(tmp_path, "crashed", {1: "raise"})
+    rows, hung = run_with_faults(tmp_path, "hung", {1: "hang"}, round_timeout=3.0)
+    _, crashed = run_with_faults(tmp_path, "crashed", {1: "raise"})
     for row in rows[1:]:
         assert row["clients_failed"] == 1 and row["failed_partitions"] == [1]
         assert row["seconds"] < 20
@@ -63,7 +43,7 @@ def test_a_hung_client_is_lost_at_the_round_deadline_and_the_round_goes_on(tmp_p
 
 def test_too_few_replies_skips_the_round_and_keeps_the_model(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="flwr.flatflower.server")
-    rows, final = run(tmp_path, "r", {2: "raise@2"}, min_replies=3)
+    rows, final = run_with_faults(tmp_path, "r", {2: "raise@2"}, min_replies=3)
     init = torch.load(tmp_path / "r" / "model_init.pt")
     assert [r["skipped"] for r in rows[1:]] == [0, 1] and rows[2]["clients_failed"] == 1
     after_round_1 = torch.load(tmp_path / "r" / "checkpoint.pt")["strategy"]["model"]
@@ -74,7 +54,7 @@ def test_too_few_replies_skips_the_round_and_keeps_the_model(tmp_path, caplog):
 
 def test_a_run_whose_every_round_was_skipped_fails_with_its_reason(tmp_path):
     with pytest.raises(RunFailed, match=r"every round \(1-2\) was skipped"):
-        run(tmp_path, "r", {1: "raise", 2: "raise"}, min_replies=2)
+        run_with_faults(tmp_path, "r", {1: "raise", 2: "raise"}, min_replies=2)
     rows = metrics(tmp_path / "r")
     assert all(r["skipped"] == 1 and r["clients_failed"] == 2 for r in rows[1:])
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
@@ -94,13 +74,13 @@ def flaky_client(fail_once: dict):
 
 
 def test_retry_resends_to_the_clients_that_failed_and_gives_the_clean_result(tmp_path):
-    _, clean = run(tmp_path, "clean")
-    rows, retried = run(tmp_path, "retried", client=flaky_client({(1, 1): True, (2, 2): True}),
+    _, clean = run_with_faults(tmp_path, "clean")
+    rows, retried = run_with_faults(tmp_path, "retried", client=flaky_client({(1, 1): True, (2, 2): True}),
                         min_replies=3, too_few_replies="retry")
     assert [r["retries"] for r in rows[1:]] == [1, 1]
     assert [r["failed_partitions"] for r in rows[1:]] == [[1], [2]]
     assert same(clean, retried), "a retried round must equal a round without the failure"
-    rows, skipped = run(tmp_path, "skipped", client=flaky_client({(1, 1): True}), min_replies=3)
+    rows, skipped = run_with_faults(tmp_path, "skipped", client=flaky_client({(1, 1): True}), min_replies=3)
     assert [r["skipped"] for r in rows[1:]] == [1, 0]
 
 
@@ -120,8 +100,8 @@ def test_failed_client_keeps_its_state_uncorrupted(tmp_path):
 def test_bad_update_is_rejected_and_the_model_is_that_of_a_run_without_it(tmp_path, fault, caplog):
     caplog.set_level(logging.WARNING, logger="flwr.flatflower.server")
     kw = {"outlier_norm_factor": 5.0} if fault.startswith("scale") else {}
-    rows, bad = run(tmp_path, "bad", {0: fault}, clients=4, **kw)
-    _, without = run(tmp_path, "without", {0: "raise"}, clients=4, **kw)
+    rows, bad = run_with_faults(tmp_path, "bad", {0: fault}, clients=4, **kw)
+    _, without = run_with_faults(tmp_path, "without", {0: "raise"}, clients=4, **kw)
     assert all(r["clients_rejected"] == 1 and r["rejected_partitions"] == [0] for r in rows[1:])
     assert all(torch.isfinite(v).all() for v in bad.values())
     assert same(bad, without)
@@ -129,7 +109,7 @@ def test_bad_update_is_rejected_and_the_model_is_that_of_a_run_without_it(tmp_pa
 
 
 def test_outlier_check_keeps_ordinary_updates(tmp_path):
-    rows, _ = run(tmp_path, "r", clients=4, outlier_norm_factor=5.0)
+    rows, _ = run_with_faults(tmp_path, "r", clients=4, outlier_norm_factor=5.0)
     assert all(r["clients_rejected"] == 0 for r in rows[1:])
 
 
@@ -143,7 +123,7 @@ def test_fault_specs_are_validated():
 
 # ---------------------------------------------------------------- checkpoints and resume
 def test_checkpoint_holds_every_piece_of_server_state(tmp_path):
-    run(tmp_path, "r", algorithm="fedtoga", num_server_rounds=3, checkpoint_every=2)
+    run_with_faults(tmp_path, "r", algorithm="fedtoga", num_server_rounds=3, checkpoint_every=2)
     ckpt = load_checkpoint(tmp_path / "r")
     assert ckpt["round"] == 3  # the last round is always checkpointed
     assert set(ckpt["strategy"]["records"]) == {"dual", "global_update"}
@@ -274,46 +254,6 @@ def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_p
 
 
 # ---------------------------------------------------------------- real processes on loopback
-def _deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = None,
-              kill: str = "", restart: int | None = None, tls: bool = False, node_configs=None,
-              app: Path = ROOT):
-    """Run ``config`` on a real SuperLink + ``nodes`` SuperNodes (Flower App ``app``); after
-    row ``kill_after`` of metrics.jsonl, SIGKILL process ``kill`` (and restart SuperNode
-    ``restart``)."""
-    from tools.federation import COMPLETED, LocalFederation
-
-    run_dir = tmp_path / name
-    (run_dir / "logs").mkdir(parents=True)
-    cfg = RunConfig.from_mapping({**config, "run-dir": str(run_dir), "min-available-nodes": nodes,
-                                  "num-partitions": nodes,
-                                  "client-state-dir": str(run_dir / "client-state")})
-    done, restarts = [], []
-
-    def on_poll():
-        path = run_dir / "metrics.jsonl"
-        if kill_after and not done and path.exists() and f'"round": {kill_after}' in path.read_text():
-            fed.kill(kill)
-            done.append(time.monotonic())
-        # Flower refuses a node id that is still online: a SuperNode restarted with the same
-        # key gets in once the SuperLink has marked the killed one offline (2 missed 30 s
-        # heartbeats), so restart it as a supervisor would until it stays up.
-        if done and restart is not None and (not restarts or restarts[-1].poll() is not None):
-            if not restarts or time.monotonic() - done[-1] > 5:
-                restarts.append(fed.start_node(restart, name=f"supernode-{restart}-restart{len(restarts)}"))
-                done.append(time.monotonic())
-
-    with LocalFederation(nodes, tmp_path / f"{name}-work", run_dir / "logs", tls=tls,
-                         node_configs=node_configs) as fed:
-        run_id = fed.submit(app, cfg.to_dict())
-        row = fed.wait(run_id, 500, poll=0.5, on_poll=on_poll)
-        fed.save_log(run_id, run_dir / "logs" / "run.log")
-    assert row["status"] == COMPLETED, row
-    assert done or not kill_after, "the run ended before the kill"
-    return cfg, run_dir
-
-
-DEPLOYED = {"dataset": "digits", "model": "mlp", "partition": "dirichlet", "local-epochs": 1,
-            "local-steps": 0, "batch-size": 32, "num-server-rounds": 3, "round-timeout": 30.0}
 
 
 @pytest.mark.integration
@@ -322,7 +262,7 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
     The run completes; the log names both; the model is that of an in-process run in which
     those clients fail (NaN rejected, the lost client left out)."""
     before = flower_pids()
-    cfg, run_dir = _deployed(tmp_path, "dep", {**DEPLOYED, "algorithm": "fedsam", "num-server-rounds": 2}, 3,
+    cfg, run_dir = deployed(tmp_path, "dep", {**DEPLOYED, "algorithm": "fedsam", "num-server-rounds": 2}, 3,
                              kill_after=1, kill="supernode-2", node_configs={1: {"inject-fault": "nan"}})
     assert flower_pids() - before == set(), "Flower processes left behind"
     rows = metrics(run_dir)
@@ -331,7 +271,7 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
     log = (run_dir / "logs" / "run.log").read_text()
     assert "round 2: client 2 (node" in log and "(client lost)" in log
     assert "train reply of client 1" in log and "refused" in log and "NaN" in log
-    _, inproc = run(tmp_path, "inp", {1: "nan", 2: "raise@2"}, **{k.replace("-", "_"): v for k, v in {
+    _, inproc = run_with_faults(tmp_path, "inp", {1: "nan", 2: "raise@2"}, **{k.replace("-", "_"): v for k, v in {
         **DEPLOYED, "algorithm": "fedsam", "num-server-rounds": 2}.items()})
     assert same(torch.load(run_dir / "model_final.pt"), inproc)  # as if the NaN client were absent
     assert all(r["test_accuracy"] > rows[0]["test_accuracy"] + 0.1 for r in rows[1:])  # it learns
@@ -375,12 +315,12 @@ def test_restarted_supernode_keeps_its_identity_and_client_state(tmp_path):
     the model of an uninterrupted run (a round message the dead process took is re-sent)."""
     config = {**DEPLOYED, "algorithm": "feddyn", "num-server-rounds": 4, "min-replies": 2,
               "too-few-replies": "retry", "max-retries": 8}
-    cfg, run_dir = _deployed(tmp_path, "tls", config, 2, kill_after=2, kill="supernode-0",
+    cfg, run_dir = deployed(tmp_path, "tls", config, 2, kill_after=2, kill="supernode-0",
                              restart=0, tls=True)
     restarted = "".join(p.read_text() for p in (run_dir / "logs").glob("supernode-0-restart*.log"))
     assert "client state of round" in restarted and "restored" in restarted
     assert all(r["skipped"] == 0 for r in metrics(run_dir)[1:])
-    _, inproc = run(tmp_path, "inp", clients=2, **{k.replace("-", "_"): v for k, v in config.items()})
+    _, inproc = run_with_faults(tmp_path, "inp", clients=2, **{k.replace("-", "_"): v for k, v in config.items()})
     assert same(torch.load(run_dir / "model_final.pt"), inproc)
 
 

@@ -23,7 +23,7 @@ from tools.certs import CertError, generate_certs, parse_host, write_node_key
 from tools.cli import main as cli
 from tools.federation import (EXIT_SUPERNODE_REFUSED, FederationError, LocalFederation,
                                is_loopback)
-from tests.test_integration import flower_pids
+from tests.helpers import flower_pids
 
 
 def _mode(path: Path) -> int:

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import time
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import fast_config
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 import client.app as real_client
 from common import protocol as P
-from common import registry
 from common.config import RunConfig
-from common.data import dataset_for
-from common.models import build_model
 from tools.inprocess import InProcessGrid, run_inprocess
 from strategies.aggregate import client_weights, weighted_sum
 from strategies.base import NoNodesError
@@ -29,25 +24,10 @@ from strategies.fedavg import FedAvg
 from strategies.mofedsam import MoFedSAM
 from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
                                    parse_train_reply)
-
-
-def initial_model(cfg: RunConfig, seed: int | None = None) -> OrderedDict:
-    data = dataset_for(cfg)
-    model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes,
-                        seed=cfg.seed if seed is None else seed)
-    return OrderedDict(model.state_dict())
-
-
-def make_strategy(cfg: RunConfig, seed: int | None = None):
-    return registry.get(cfg.algorithm).strategy_class()(cfg, initial_model(cfg, seed))
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from tests.helpers import MODEL, fast_config, make_strategy, metrics
 
 
 # ----------------------------------------------------------------------------- reply validation
-MODEL = initial_model(RunConfig.from_mapping(fast_config()))  # logreg: '1.weight', '1.bias'
 LAYOUT = layout_of(MODEL)
 
 
@@ -191,7 +171,7 @@ def bad_runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_nan_client_is_rejected_every_round(bad_runs) -> None:
-    rows = read_metrics(bad_runs["nan"])[1:]
+    rows = metrics(bad_runs["nan"])[1:]
     assert len(rows) == 2
     for row in rows:
         assert (row["clients_sampled"], row["clients_replied"]) == (3, 3)
@@ -199,13 +179,13 @@ def test_nan_client_is_rejected_every_round(bad_runs) -> None:
     final = torch.load(bad_runs["nan"] / "model_final.pt")
     assert all(torch.isfinite(v).all() for v in final.values())
     assert rows[-1]["test_accuracy"] > 0.3  # 10 classes: chance is 0.1
-    honest = read_metrics(bad_runs["honest"])[-1]
+    honest = metrics(bad_runs["honest"])[-1]
     assert honest["clients_rejected"] == 0
     assert abs(rows[-1]["test_accuracy"] - honest["test_accuracy"]) < 0.15
 
 
 def test_crashing_client_is_counted_as_failed_and_the_run_completes(bad_runs) -> None:
-    rows = read_metrics(bad_runs["raise"])[1:]
+    rows = metrics(bad_runs["raise"])[1:]
     assert [r["round"] for r in rows] == [1, 2]
     for row in rows:
         assert (row["clients_sampled"], row["clients_replied"]) == (3, 2)

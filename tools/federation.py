@@ -102,6 +102,13 @@ def _family(proc: subprocess.Popen) -> list[int]:
     return family + _detached_children(proc.pid)
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -171,6 +178,9 @@ class LocalFederation:
         self.http_port = free_port()
         self.fleet_port = free_port()
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        # every process seen in a family (pid -> command line): a child whose parent was killed
+        # (a SIGKILLed SuperLink's ServerApp) is no longer found through /proc parentage
+        self.seen: dict[int, bytes] = {}
         self.env = {**os.environ, "FLWR_HOME": str(self.flwr_home), "FLWR_DISABLE_UPDATE_CHECK": "1",
                     "FLWR_TELEMETRY_ENABLED": "0", "PYTHONUNBUFFERED": "1",
                     # Flower starts flower-superexec / flwr-clientapp by name: use our environment's
@@ -315,7 +325,8 @@ class LocalFederation:
         (self.flwr_home / "config.toml").write_text(tomli_w.dumps(config))
 
     def stop(self, grace: float = 10.0) -> None:
-        """Stop every process started here and all their children (SIGTERM, then SIGKILL)."""
+        """Stop every process started here and all their children (SIGTERM, then SIGKILL),
+        and any process seen in their families before that is still running."""
         for name, proc in reversed(self.procs):
             family = _family(proc)
             _signal(family, signal.SIGTERM)
@@ -326,6 +337,14 @@ class LocalFederation:
             _signal([p for p in family if _alive(p)], signal.SIGKILL)
             proc.wait(timeout=grace)
         self.procs.clear()
+        orphans = [pid for pid, cmd in self.seen.items() if _alive(pid) and _cmdline(pid) == cmd]
+        _signal(orphans, signal.SIGKILL)
+        self.seen.clear()
+
+    def remember(self) -> None:
+        """Note the current members of every family (see ``seen``)."""
+        for pid in self.pids():
+            self.seen.setdefault(pid, _cmdline(pid))
 
     def pids(self) -> set[int]:
         """Every live process started here, with all their children."""
@@ -390,6 +409,7 @@ class LocalFederation:
         while True:
             if on_poll:
                 on_poll()
+            self.remember()
             row = self.status(run_id)
             if str(row.get("status", "")).startswith(FINISHED):
                 return row

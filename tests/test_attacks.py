@@ -1,10 +1,10 @@
 """The server trusts nothing a client says (ARCHITECTURE.md, "Trust").
 
 Each case of issue 13 is an attack by one client (tests/malicious.py): over the in-process
-grid, the attacker's replies are refused with a reason and the final model is that of a run
-in which the attacker simply fails; handshake lies leave the other nodes untouched; one real
-loopback deployment shows the same over Flower's transport.
-"""
+grid, the attacker's replies are refused with a reason and the final model is that of a run in
+which the attacker simply fails; handshake lies leave the other nodes untouched. A fuzz test
+sends more than 500 randomly malformed replies over the 20 algorithms; one real loopback
+deployment shows the same over Flower's transport."""
 
 from __future__ import annotations
 
@@ -13,24 +13,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fast_config
 
-from common.config import RunConfig
-from tools.inprocess import InProcessGrid
-from server.run import run_server
-from test_integration import flower_pids, metrics
-from test_reliability import DEPLOYED, ROOT, _deployed, run, same
-
-import malicious
 from client.app import app as client_app
+from common.config import RunConfig
+from common.registry import ALGORITHMS
+from server.run import run_server
+from tests import malicious
+from tools.inprocess import InProcessGrid
+from tests.helpers import DEPLOYED, ROOT, deployed, fast_config, flower_pids, metrics, run_with_faults, same
 
+
+# ---------------------------------------------------------------- one client's lies, in-process
 ATTACKER = 3  # of partitions 0..3
+
+
 CONFIG = {"algorithm": "scaffold", "num_server_rounds": 3}  # SCAFFOLD: an upload record too
 
 
 def attacked(tmp_path, name, attacks: dict[int, str], clients: int = 4, **overrides):
     """An in-process run in which partition p behaves as ``attacks[p]`` (tests/malicious.py)."""
-    return run(tmp_path, name, client=malicious.malicious_app(attacks), clients=clients,
+    return run_with_faults(tmp_path, name, client=malicious.malicious_app(attacks), clients=clients,
                **{**CONFIG, "fraction_evaluate": 1.0, **overrides})
 
 
@@ -42,7 +44,7 @@ def refusals(rows: list[dict], stage: str, partition: int | None = None) -> list
 @pytest.fixture(scope="module")
 def without_attacker(tmp_path_factory):
     """The model of the same run in which the attacker's training fails every round."""
-    return run(tmp_path_factory.mktemp("ref"), "fails", {ATTACKER: "raise"}, clients=4,
+    return run_with_faults(tmp_path_factory.mktemp("ref"), "fails", {ATTACKER: "raise"}, clients=4,
                **{**CONFIG, "fraction_evaluate": 1.0})[1]
 
 
@@ -145,6 +147,45 @@ def test_an_impossible_evaluation_is_refused(tmp_path):
         assert 0.0 <= row["eval_accuracy"] <= 1.0 and ref["eval_accuracy"] <= 1.0
 
 
+# ---------------------------------------------------------------- fuzzing: malformed replies for every algorithm
+ROUNDS = 14
+
+
+FUZZER = 2  # node 1002
+
+
+def one_run(tmp_path, name: str, algorithm: str, app, offline=()) -> tuple[list[dict], dict]:
+    cfg = RunConfig.from_mapping(fast_config(
+        algorithm=algorithm, run_dir=str(tmp_path / name), num_partitions=3,
+        num_server_rounds=ROUNDS, fraction_evaluate=1.0, checkpoint_every=0))
+    grid = InProcessGrid(app, 3, cfg.to_dict())
+    grid.offline = {1000 + p for p in offline}
+    run_server(grid, cfg)
+    return metrics(tmp_path / name), torch.load(tmp_path / name / "model_final.pt")
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_malformed_replies_never_crash_the_server_and_are_each_refused(tmp_path, algorithm):
+    malicious.SENT.clear()
+    app = malicious.malicious_app({FUZZER: f"fuzz:{sorted(ALGORITHMS).index(algorithm)}"})
+    rows, fuzzed = one_run(tmp_path, "fuzzed", algorithm, app)
+    sent = [s for s in malicious.SENT if s["node"] == 1000 + FUZZER]
+    refused = [r for row in rows for r in row.get("rejections", []) if r["node"] == 1000 + FUZZER]
+    assert len(sent) >= 25, f"only {len(sent)} malformed replies"  # >= 500 over the 20 algorithms
+    print(f"{algorithm}: {len(sent)} malformed replies refused")
+    assert {s["stage"] for s in sent} == {"query", "train", "evaluate"}
+    assert sorted(r["stage"] for r in refused) == sorted(
+        {"query": "handshake"}.get(s["stage"], s["stage"]) for s in sent), \
+        "every malformed reply is refused, and nothing else"
+    assert all(r["reason"] for r in refused)
+    assert not any(r for row in rows for r in row.get("rejections", []) if r["node"] != 1000 + FUZZER)
+    assert all(row["skipped"] == 0 for row in rows[1:])
+    assert all(torch.isfinite(v).all() for v in fuzzed.values())
+    _, offline = one_run(tmp_path, "offline", algorithm, client_app, offline=[FUZZER])
+    assert all(torch.equal(fuzzed[k], offline[k]) for k in fuzzed), \
+        "the fuzzing client must leave no trace in the model"
+
+
 # ---------------------------------------------------------------- over Flower's transport
 def malicious_app_dir(tmp_path: Path) -> Path:
     """A copy of this Flower App whose ClientApp is tests/malicious.py (for its SuperNodes)."""
@@ -168,7 +209,7 @@ def test_a_deployed_attacker_is_refused_over_the_real_transport(tmp_path):
     before = flower_pids()
     config = {**DEPLOYED, "algorithm": "fedsam", "num-server-rounds": 2, "fraction-evaluate": 1.0}
     attack = "data-lie+accuracy-1000"
-    _, run_dir = _deployed(tmp_path, "dep", config, 3, node_configs={2: {"attack": attack}},
+    _, run_dir = deployed(tmp_path, "dep", config, 3, node_configs={2: {"attack": attack}},
                            app=malicious_app_dir(tmp_path))
     assert flower_pids() - before == set(), "Flower processes left behind"
     rows = metrics(run_dir)
@@ -176,6 +217,6 @@ def test_a_deployed_attacker_is_refused_over_the_real_transport(tmp_path):
         assert [r["partition"] for r in refusals([row], "train")] == [2]
         assert [r["partition"] for r in refusals([row], "evaluate")] == [2]
         assert "expected float32" in refusals([row], "train")[0]["reason"]
-    _, inproc = run(tmp_path, "inp", client=malicious.malicious_app({2: attack}), clients=3,
+    _, inproc = run_with_faults(tmp_path, "inp", client=malicious.malicious_app({2: attack}), clients=3,
                     **{k.replace("-", "_"): v for k, v in config.items()})
     assert same(torch.load(run_dir / "model_final.pt"), inproc)

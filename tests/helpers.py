@@ -1,0 +1,330 @@
+"""Shared runners and checks of the test suite (one import style: ``from tests.helpers import ...``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import MessageType
+
+from client.app import app as client_app
+from common import protocol as P
+from common import registry
+from common.config import RunConfig
+from common.data import dataset_for
+from common.models import build_model
+from server.run import run_server
+from tools.inprocess import InProcessGrid, run_inprocess
+from tests.reference import K, LR, Problem
+from client.batch import ModelBatch
+from typing import Any
+
+
+# ---------------------------------------------------------------- quick run configs
+FAST = {
+    "dataset": "synthetic",  # in memory, no files, no network
+    "model": "logreg",
+    "partition": "iid",
+    "local-steps": 2,
+    "batch-size": 64,
+    "num-server-rounds": 2,
+}
+
+
+def fast_config(**overrides: Any) -> dict[str, Any]:
+    """Run-config keys for a quick run; ``overrides`` use underscores for dashes.
+
+    >>> fast_config(local_steps=3, run_dir="/tmp/x")["local-steps"]
+    3
+    """
+    return {**FAST, **{k.replace("_", "-"): v for k, v in overrides.items()}}
+
+
+# ---------------------------------------------------------------- run directories and Flower processes
+FLOWER_PROCESSES = ("flower-superlink", "flower-supernode", "flower-superexec",
+                    "flwr-serverapp", "flwr-clientapp", "flwr-simulation")
+
+
+RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "model_init.pt",
+             "model_final.pt", "summary.json")
+
+
+ROUND_FIELDS = ("round", "test_accuracy", "test_loss", "train_loss", "clients_sampled",
+                "clients_replied", "clients_rejected", "bytes_down", "bytes_up", "seconds")
+
+
+def flower_pids() -> set[int]:
+    """Flower processes started by this pytest process (they inherit its
+    ``FLATFLOWER_TEST_PROCESS``, see conftest)."""
+    tag = f"FLATFLOWER_TEST_PROCESS={os.environ['FLATFLOWER_TEST_PROCESS']}".encode()
+    pids = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            if any(name in cmd for name in FLOWER_PROCESSES) and \
+                    tag in (entry / "environ").read_bytes().split(b"\0"):
+                pids.add(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_run_dir(run_dir: Path, rounds: int, clients: int, num_train: int) -> list[dict]:
+    for name in RUN_FILES:
+        assert (run_dir / name).is_file(), f"{name} missing from {run_dir}"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["config"]["num-server-rounds"] == rounds and "versions" in config
+    parts = json.loads((run_dir / "partition.json").read_text())["partitions"]
+    assert len(parts) == clients
+    all_idx = np.concatenate([np.array(p) for p in parts.values()])
+    assert len(all_idx) == num_train == len(set(all_idx.tolist()))  # disjoint and complete
+    rows = metrics(run_dir)
+    assert [r["round"] for r in rows] == list(range(rounds + 1))
+    for row in rows[1:]:
+        assert all(field in row for field in ROUND_FIELDS)
+        assert row["bytes_down"] > 0 and row["bytes_up"] > 0
+    init, final = (torch.load(run_dir / f) for f in ("model_init.pt", "model_final.pt"))
+    assert init.keys() == final.keys()
+    return rows
+
+
+DIGITS = {"dataset": "digits", "model": "mlp", "partition": "dirichlet", "local-epochs": 2}
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- the tiny deterministic problem the algorithm tests run (references: tests/reference.py)
+FIRST_NODE = 1000  # InProcessGrid's node id of partition 0
+
+
+PARTIAL = {"num_clients": 4, "fraction-train": 0.5, "num-server-rounds": 3}
+
+
+def run(tmp_path, name, num_clients=3, **overrides) -> dict:
+    """Run the real ServerApp + ClientApps in-process; ``overrides`` are run-config keys.
+
+    Returns the initial and final global models, the partitions, the run config, the
+    training rows of metrics.jsonl (round >= 1, each with ``sampled_partitions``), the run
+    directory and the in-process grid (whose node contexts hold the clients' state).
+    """
+    cfg = {
+        "dataset": "synthetic", "model": "logreg", "partition": "iid", "seed": 3,
+        "local-steps": K, "batch-size": 100_000, "lr": LR, "num-server-rounds": 2,
+        "run-dir": str(tmp_path / name), **overrides,
+    }
+    run_dir, grid = run_inprocess(cfg, num_clients=num_clients)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    return {
+        "init": torch.load(run_dir / "model_init.pt"),
+        "final": torch.load(run_dir / "model_final.pt"),
+        "parts": json.loads((run_dir / "partition.json").read_text())["partitions"],
+        "cfg": {**cfg},
+        "rows": [row for row in rows if row["round"] >= 1],
+        "run_dir": run_dir,
+        "grid": grid,
+        "num_clients": num_clients,
+    }
+
+
+def assert_matches(result, expected):
+    got = [v.double().numpy() for v in result["final"].values()]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=0, atol=1e-6)
+    # and training moved the model: the check is not vacuous
+    init = [v.double().numpy() for v in result["init"].values()]
+    assert max(np.abs(g - i).max() for g, i in zip(got, init)) > 1e-2
+
+
+def matches(result, prob, expected: np.ndarray) -> None:
+    """Final global model == reference to 1e-6, and training moved the model."""
+    assert_matches(result, prob.unflat(expected))
+
+
+def client_state(result, partition: int, record: str, prob: Problem) -> np.ndarray:
+    """A client's persistent record (flat float64); zeros if it never wrote one."""
+    state = result["grid"].contexts[FIRST_NODE + partition].state
+    if record not in state.array_records:
+        return prob.zeros()
+    return prob.flat(v.double().numpy() for v in P.from_record(state.array_records[record]).values())
+
+
+def assert_client_duals(result, prob, expected: dict[int, np.ndarray]) -> None:
+    for i in range(prob.N):
+        np.testing.assert_allclose(client_state(result, i, P.DUAL, prob), expected[i], rtol=0, atol=1e-6)
+
+
+def assert_partial(prob) -> None:
+    """The sampling really is partial and some client trains twice (so h_i persists)."""
+    assert all(len(s) < prob.N for s in prob.rounds)
+    trained = [i for s in prob.rounds for i in s]
+    assert len(set(trained)) < len(trained)
+
+
+def finals_equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a["final"][k], b["final"][k]) for k in a["final"])
+
+
+def assert_close_models(a: dict, b: dict, atol=1e-6) -> None:
+    for k in a["final"]:
+        torch.testing.assert_close(a["final"][k], b["final"][k], rtol=0, atol=atol)
+
+
+def assert_differ(a: dict, b: dict, min_diff=1e-4) -> None:
+    """Guard: the two runs differ by far more than the tolerance of the identities."""
+    diff = max(float((a["final"][k] - b["final"][k]).abs().max()) for k in a["final"])
+    assert diff > min_diff, diff
+
+
+def server_dual(seen) -> np.ndarray:
+    return Problem.flat(v.double().numpy() for v in seen["strategy"].records[P.DUAL].values())
+
+
+def server_record(seen, name: str) -> np.ndarray:
+    return Problem.flat(v.double().numpy() for v in seen["strategy"].records[name].values())
+
+
+def assert_state(result, prob, record, expected):
+    for i in range(prob.N):
+        np.testing.assert_allclose(client_state(result, i, record, prob), expected.get(i, prob.zeros()),
+                                   rtol=0, atol=1e-6)
+
+
+def count_gradient_passes(monkeypatch) -> dict:
+    """Counts gradient (forward + backward) passes: every one a rule asks of its batch goes
+    through ModelBatch._grad. The count is in the returned dict's "n"."""
+    calls = {"n": 0}
+    original = ModelBatch._grad
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ModelBatch, "_grad", counting)
+    return calls
+
+
+# ---------------------------------------------------------------- runs with faulty clients, and real deployments
+def run_with_faults(tmp_path, name, faults=None, client=None, clients=3, **overrides):
+    """An in-process run; ``faults`` maps partition id -> inject-fault value."""
+    overrides = {"algorithm": "feddyn", "num_partitions": clients, **overrides}
+    cfg = RunConfig.from_mapping(fast_config(run_dir=str(tmp_path / name), **overrides))
+    grid = InProcessGrid(client or client_app, clients, cfg.to_dict())
+    for pid, fault in (faults or {}).items():
+        grid.contexts[1000 + pid].node_config["inject-fault"] = fault
+    run_server(grid, cfg)
+    rows = metrics(Path(cfg.run_dir))
+    final = torch.load(Path(cfg.run_dir) / "model_final.pt")
+    return rows, final
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+DEPLOYED = {"dataset": "digits", "model": "mlp", "partition": "dirichlet", "local-epochs": 1,
+            "local-steps": 0, "batch-size": 32, "num-server-rounds": 3, "round-timeout": 30.0}
+
+
+def deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = None,
+              kill: str = "", restart: int | None = None, tls: bool = False, node_configs=None,
+              app: Path = ROOT):
+    """Run ``config`` on a real SuperLink + ``nodes`` SuperNodes (Flower App ``app``); after
+    row ``kill_after`` of metrics.jsonl, SIGKILL process ``kill`` (and restart SuperNode
+    ``restart``)."""
+    from tools.federation import COMPLETED, LocalFederation
+
+    run_dir = tmp_path / name
+    (run_dir / "logs").mkdir(parents=True)
+    cfg = RunConfig.from_mapping({**config, "run-dir": str(run_dir), "min-available-nodes": nodes,
+                                  "num-partitions": nodes,
+                                  "client-state-dir": str(run_dir / "client-state")})
+    done, restarts = [], []
+
+    def on_poll():
+        path = run_dir / "metrics.jsonl"
+        if kill_after and not done and path.exists() and f'"round": {kill_after}' in path.read_text():
+            fed.kill(kill)
+            done.append(time.monotonic())
+        # Flower refuses a node id that is still online: a SuperNode restarted with the same
+        # key gets in once the SuperLink has marked the killed one offline (2 missed 30 s
+        # heartbeats), so restart it as a supervisor would until it stays up.
+        if done and restart is not None and (not restarts or restarts[-1].poll() is not None):
+            if not restarts or time.monotonic() - done[-1] > 5:
+                restarts.append(fed.start_node(restart, name=f"supernode-{restart}-restart{len(restarts)}"))
+                done.append(time.monotonic())
+
+    with LocalFederation(nodes, tmp_path / f"{name}-work", run_dir / "logs", tls=tls,
+                         node_configs=node_configs) as fed:
+        run_id = fed.submit(app, cfg.to_dict())
+        row = fed.wait(run_id, 500, poll=0.5, on_poll=on_poll)
+        fed.save_log(run_id, run_dir / "logs" / "run.log")
+    assert row["status"] == COMPLETED, row
+    assert done or not kill_after, "the run ended before the kill"
+    return cfg, run_dir
+
+
+# ---------------------------------------------------------------- client state across rounds
+class SnapshotGrid(InProcessGrid):
+    """Records, per train round, every node's state before and after, and the messages."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds = []
+
+    def _states(self):
+        return {n: {name: P.from_record(rec) for name, rec in ctx.state.array_records.items()}
+                for n, ctx in self.contexts.items()}
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        before = self._states()
+        replies = super().send_and_receive(messages, timeout=timeout)
+        if messages and messages[0].metadata.message_type == MessageType.TRAIN:
+            sent = {m.metadata.dst_node_id: m.content for m in messages}
+            got = {r.metadata.src_node_id: r.content for r in replies}
+            self.rounds.append((before, self._states(), sent, got))
+        return replies
+
+
+def run_with_snapshots(tmp_path, **overrides):
+    cfg = RunConfig.from_mapping(fast_config(fraction_train=0.5, num_server_rounds=4,
+                                             run_dir=str(tmp_path / "run"), **overrides))
+    grid = SnapshotGrid(client_app, 4, cfg.to_dict())
+    run_server(grid, cfg)
+    return cfg, grid
+
+
+def assert_states_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name])
+
+
+# ---------------------------------------------------------------- strategies outside a run
+def initial_model(cfg: RunConfig, seed: int | None = None) -> OrderedDict:
+    data = dataset_for(cfg)
+    model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes,
+                        seed=cfg.seed if seed is None else seed)
+    return OrderedDict(model.state_dict())
+
+
+def make_strategy(cfg: RunConfig, seed: int | None = None):
+    return registry.get(cfg.algorithm).strategy_class()(cfg, initial_model(cfg, seed))
+
+
+MODEL = initial_model(RunConfig.from_mapping(fast_config()))  # logreg: '1.weight', '1.bias'
+
+
+TOGA = {"fedtoga.alpha": 0.3, "fedtoga.kappa": 0.7, "fedtoga.beta": 0.4, "sam.rho": 0.2}

@@ -1,0 +1,115 @@
+"""The engines agree and learn: every algorithm learns on digits in-process; the same seed
+gives the same final model in-process, in Flower's Ray simulation and over a real SuperLink
+and SuperNodes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tools.cli import main as cli
+from tools.inprocess import run_inprocess
+from tests.helpers import DIGITS, check_run_dir, flower_pids, metrics
+
+
+# ---------------------------------------------------------------- every algorithm learns
+SEED_ALGORITHMS = ("fedcm", "feddyn", "fedspeed", "fedgmt", "fedgmt-v2", "fednsam", "fedtoga")
+
+
+BASELINES = ("fedprox", "scaffold", "fedgamma", "fedsmoo", "fedlesam", "fedlesam-d", "fedlesam-s",
+             "fedacg", "fedadam", "fedyogi")
+
+
+@pytest.mark.parametrize("algorithm", SEED_ALGORITHMS + BASELINES)
+def test_learns_on_digits_with_20_non_iid_clients_at_half_participation(tmp_path, algorithm):
+    assert_learns_on_digits(tmp_path, algorithm)
+
+
+def assert_learns_on_digits(tmp_path, algorithm: str) -> None:
+    """The issues' bar, in-process: digits, 20 clients, Dirichlet 0.1, 50% participation."""
+    run_dir, _ = run_inprocess({
+        "algorithm": algorithm, "dataset": "digits", "partition": "dirichlet", "dirichlet-alpha": 0.1,
+        "fraction-train": 0.5, "local-epochs": 2, "num-server-rounds": 30,
+        "run-dir": str(tmp_path / "run")}, 20)
+    rows = metrics(run_dir)
+    assert rows[-1]["test_accuracy"] > 0.6, [round(r["test_accuracy"], 3) for r in rows]
+
+
+def test_inprocess_real_apps_learn_and_fill_run_dir(tmp_path):
+    run_dir, grid = run_inprocess({**DIGITS, "num-server-rounds": 3, "run-dir": str(tmp_path / "r"),
+                                   "algorithm": "mofedsam", "fraction-evaluate": 1.0}, num_clients=3)
+    rows = check_run_dir(run_dir, rounds=3, clients=3, num_train=1437)
+    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.3
+    assert 0 < rows[-1]["eval_accuracy"] <= 1  # federated evaluation ran on the clients
+    # MoFedSAM sends the model and its global update: 2 model-sized records down, 1 up
+    assert rows[1]["bytes_down"] == pytest.approx(2 * rows[1]["bytes_up"], rel=0.01)
+
+
+# ---------------------------------------------------------------- the same model in-process, in Ray and over a real deployment
+SIM_ARGS = ["--clients", "4", "--rounds", "3", "--fraction", "0.5", "--set", "dataset=digits",
+            "--set", "local-epochs=1", "--set", "partition=dirichlet"]
+
+
+@pytest.mark.integration
+@pytest.mark.ray
+@pytest.mark.parametrize("algorithm", ["fedtoga", "fedgmt-v2", "fedsmoo", "fedlesam-s"])
+def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path, algorithm):
+    """Client duals (and FedGMT-v2's client EMA, whose w^0 a Ray worker rebuilds from the
+    seed; FedSMOO's mu_i, FedLESAM-S's c_i and previous global model) persist in Ray's node
+    contexts exactly as in-process; uploads (s~_i, Delta c_i) and broadcasts (s, c) travel
+    through Ray's runtime as extra records."""
+    before = flower_pids()
+    args = ["--algorithm", algorithm, *SIM_ARGS]
+    assert cli(["simulate", "--engine", "ray", *args, "--run-dir", str(tmp_path / "ray")]) == 0
+    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
+    assert flower_pids() - before == set(), "simulation left Flower processes behind"
+    rows = check_run_dir(tmp_path / "ray", rounds=3, clients=4, num_train=1437)
+    seen = [p for r in rows[1:] for p in r["sampled_partitions"]]
+    assert len(seen) > len(set(seen)), "no client trained twice: state never carried over"
+    a, b = (torch.load(tmp_path / d / "model_final.pt") for d in ("ray", "inp"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "same seed, different final model"
+    assert [r["test_loss"] for r in rows] == [r["test_loss"] for r in metrics(tmp_path / "inp")]
+
+
+def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, epochs: int):
+    """``flatflower local`` with 2 SuperNodes on 127.0.0.1: completes, learns, leaves no
+    Flower process behind and ends with the in-process run's model. Returns its metric rows
+    and the model's size in bytes."""
+    before = flower_pids()
+    args = ["--algorithm", algorithm, "--clients", "2", "--rounds", str(rounds), "--dataset", "digits",
+            "--set", f"local-epochs={epochs}"]
+    code = cli(["local", *args, "--run-dir", str(tmp_path / "dep"), "--timeout", "400"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "finished:completed" in out and "final test accuracy" in out
+    assert flower_pids() - before == set(), "Flower processes left behind"
+    rows = check_run_dir(tmp_path / "dep", rounds=rounds, clients=2, num_train=1437)
+    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.3
+    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
+    a, b = (torch.load(tmp_path / d / "model_final.pt") for d in ("dep", "inp"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "deployment and in-process models differ"
+    return rows, json.loads((tmp_path / "dep" / "summary.json").read_text())["model_bytes"]
+
+
+@pytest.mark.integration
+def test_real_deployment_runs_fedtoga_and_matches_inprocess(tmp_path, capsys):
+    """FedTOGA over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1): client duals live
+    in the SuperNodes' contexts, Delta travels as an extra record; the final model is the
+    in-process one."""
+    rows, model_bytes = deploy_and_match_inprocess(tmp_path, capsys, "fedtoga", rounds=2, epochs=2)
+    assert all(r["clients_replied"] == 2 and r["clients_rejected"] == 0 for r in rows[1:])
+    logs = tmp_path / "dep" / "logs"
+    assert (logs / "superlink.log").is_file() and (logs / "supernode-1.log").is_file()
+    assert "round 2" in (logs / "run.log").read_text()
+    assert all(r["bytes_down"] == 2 * 2 * model_bytes for r in rows[1:])
+
+
+@pytest.mark.integration
+def test_real_deployment_runs_fedlesam_s_and_matches_inprocess(tmp_path, capsys):
+    """FedLESAM-S over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1): c goes down and
+    Delta c_i up as extra records, c_i and theta_i^old live in the SuperNodes; 2 down 2 up
+    per client; the final model is the in-process one."""
+    rows, model_bytes = deploy_and_match_inprocess(tmp_path, capsys, "fedlesam-s", rounds=3, epochs=1)
+    assert all(r["bytes_down"] == r["bytes_up"] == 2 * 2 * model_bytes for r in rows[1:])
