@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from common import fastpoll
 from common.config import RunConfig
 from server.run import run_server
 
@@ -13,4 +16,6 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    if os.environ.get(fastpoll.ENV) == "1":  # flatflower local --fast-poll
+        fastpoll.patch_serverapp()
     run_server(grid, RunConfig.from_mapping(context.run_config))

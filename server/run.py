@@ -25,6 +25,7 @@ from common.models import build_model
 from common.registry import get as get_spec
 from server.rundir import RunDir, check_resumable, default_run_dir, load_checkpoint
 from strategies.base import RoundStats, all_finite
+from strategies.participation import exchange
 
 log = logging.getLogger("flwr.flatflower.server")
 
@@ -85,7 +86,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         eval_messages = strategy.configure_evaluate(rnd, P.to_record(strategy.model), ConfigRecord(), grid)
         if eval_messages:
             client_eval = strategy.aggregate_evaluate(
-                rnd, grid.send_and_receive(eval_messages, timeout=cfg.round_timeout))
+                rnd, exchange(grid, eval_messages, cfg.round_timeout))
             row.update({k.replace("-", "_"): v for k, v in (client_eval or {}).items()})
         loss, acc = central_eval()
         row.update({"test_accuracy": acc, "test_loss": loss, **round_fields(stats),

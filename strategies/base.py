@@ -38,7 +38,8 @@ from common.config import RunConfig
 from common.registry import AlgorithmSpec
 from common.registry import get as get_spec
 from strategies.aggregate import Aggregator, client_weights, global_norm, sub
-from strategies.participation import NoNodesError, Participation, error_text, new_nonce, node_of
+from strategies.participation import (NoNodesError, Participation, error_text, exchange, new_nonce,
+                                     node_of)
 from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
                                    parse_evaluate_reply, parse_train_reply)
 
@@ -66,6 +67,9 @@ class RoundStats:
     # every refused reply of the round: {"stage": train|evaluate|handshake, "partition",
     # "node", "reason"}
     rejections: list[dict] = field(default_factory=list)
+    # every failed client of the round: {"partition", "node", "reason"} (its error reply, or
+    # no reply before the deadline)
+    failures: list[dict] = field(default_factory=list)
 
 
 class FlatStrategy(FlowerFedAvg):
@@ -166,6 +170,7 @@ class FlatStrategy(FlowerFedAvg):
     def _failed(self, server_round: int, pid: int, node: int, why: str) -> None:
         self.stats.clients_failed += 1
         self.stats.failed_partitions.append(pid)
+        self.stats.failures.append({"partition": pid, "node": node, "reason": why})
         log.warning("round %d: client %d (node %d) failed: %s", server_round, pid, node, why)
 
     def available_partitions(self, grid: Grid) -> dict[int, int]:
@@ -251,7 +256,7 @@ class FlatStrategy(FlowerFedAvg):
         own ``start`` loop): sample, send, collect, retry (``too-few-replies = retry``), then
         the algorithm's update, or the round is skipped."""
         msgs = list(self.configure_train(server_round, P.to_record(self.model), ConfigRecord(), grid))
-        updates = self.collect(server_round, grid.send_and_receive(msgs, timeout=self.cfg.round_timeout))
+        updates = self.collect(server_round, exchange(grid, msgs, self.cfg.round_timeout))
         self.finish_round(server_round, self.retry(server_round, grid, msgs[0].content if msgs else None, updates))
         return self.stats
 
@@ -276,7 +281,7 @@ class FlatStrategy(FlowerFedAvg):
             self._messages = [Message(content, dst_node_id=available[p], message_type=MessageType.TRAIN,
                                       group_id=str(server_round)) for p in again]
             self.stats.bytes_down += P.payload_bytes(content) * len(again)
-            replies = grid.send_and_receive(self._messages, timeout=self.cfg.round_timeout)
+            replies = exchange(grid, self._messages, self.cfg.round_timeout)
             updates = sorted(updates + self.collect(server_round, replies), key=lambda u: u.partition_id)
         return updates
 

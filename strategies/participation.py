@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,6 +43,32 @@ class NoNodesError(RuntimeError):
     """No usable SuperNode connected, or none passed the handshake, before the deadline."""
 
 
+POLL_FIRST, POLL_MAX = 0.01, 0.2  # seconds between pulls of replies: growing from the first to the max
+
+
+def exchange(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
+    """Send ``messages`` and return the replies that arrive within ``timeout`` seconds: Flower's
+    ``Grid.send_and_receive`` through its public ``push_messages``/``pull_messages``, polling
+    every 10 ms at first and at most every 0.2 s (Flower's own waits 3 s between pulls).
+    Replies come in the order of the messages they answer, whatever order they arrived in."""
+    order = list(grid.push_messages(list(messages)))
+    pending = set(order)
+    deadline = time.monotonic() + timeout
+    replies: list[Message] = []
+    pause = POLL_FIRST
+    while pending:
+        got = list(grid.pull_messages(pending))
+        replies += got
+        pending -= {m.metadata.reply_to_message_id for m in got}
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            break
+        time.sleep(min(pause, left))
+        pause = min(pause * 1.5, POLL_MAX)
+    rank = {message_id: i for i, message_id in enumerate(order)}
+    return sorted(replies, key=lambda m: rank.get(m.metadata.reply_to_message_id, len(rank)))
+
+
 def new_nonce() -> int:
     """A fresh random number a reply must echo (replies to earlier messages do not)."""
     return secrets.randbits(62)
@@ -57,7 +84,10 @@ def node_of(reply: Message, sent: Iterable[Message]) -> int:
 
 
 def error_text(reply: Message) -> str:
-    return f"error {reply.error.code}: {str(reply.error.reason)[:REASON_CHARS]}"
+    """An error reply's code and reason, bounded and without control characters (it is shown
+    to the operator)."""
+    reason = re.sub(r"[\x00-\x1f\x7f]+", " ", str(reply.error.reason)).strip()
+    return f"error {reply.error.code}: {reason[:REASON_CHARS]}"
 
 
 class Participation:
@@ -138,7 +168,7 @@ class Participation:
             refusals.append(f"node {node}: {why}")
             on_refused("handshake", pid, node, why)
 
-        for reply in grid.send_and_receive(msgs, timeout=self.cfg.node_wait_timeout):
+        for reply in exchange(grid, msgs, self.cfg.node_wait_timeout):
             node = node_of(reply, msgs)
             if node not in new or node in self.partition_of:
                 continue  # not ours to answer, or a second reply

@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(local)
     local.add_argument("--device", default="auto", help="SuperNode device: auto | cpu | cuda[:i]")
     local.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
+    local.add_argument("--clientapps", choices=("warm", "stock"), default="warm",
+                       help="warm (default): one long-lived ClientApp worker per SuperNode "
+                            "(--isolation process); stock: Flower's new process per message")
+    local.add_argument("--fast-poll", action="store_true",
+                       help="shorten the waits hard-coded inside flwr 1.39.0's SuperNode and "
+                            "ServerApp (patches Flower; refused with any other flwr version)")
     local.add_argument("--tls", action="store_true",
                        help="TLS on the SuperLink's APIs and SuperNode authentication "
                             "(certificates and node keys generated for the run)")

@@ -52,7 +52,8 @@ def local(args: argparse.Namespace) -> int:
     preflight(cfg, args.clients)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
     outcome = engines.run_local(cfg, args.clients, app, log_dir(cfg), timeout=args.timeout,
-                                on_poll=progress, device=args.device, tls=args.tls)
+                                on_poll=progress, device=args.device, tls=args.tls,
+                                clientapps=args.clientapps, fast_poll=args.fast_poll)
     return finish(cfg, outcome.ok, progress, outcome.details)
 
 

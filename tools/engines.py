@@ -28,21 +28,26 @@ class Outcome:
 
 
 def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
-              on_poll: OnPoll, device: str = "auto", tls: bool = False) -> Outcome:
-    """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (tools/federation.py)."""
+              on_poll: OnPoll, device: str = "auto", tls: bool = False, clientapps: str = "warm",
+              fast_poll: bool = False) -> Outcome:
+    """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (tools/federation.py), each
+    with a warm ClientApp worker (or Flower's process per message: ``clientapps="stock"``)."""
     from tools.federation import COMPLETED, LocalFederation
 
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     t0 = time.monotonic()
     try:
         security = " over TLS with SuperNode authentication" if tls else ""
-        print(f"starting a SuperLink and {clients} SuperNodes on 127.0.0.1{security} "
-              f"({cfg.algorithm}, {cfg.dataset}, {cfg.num_server_rounds} rounds)", flush=True)
+        mode = {"warm": "warm ClientApp workers", "stock": "a ClientApp process per message"}[clientapps]
+        print(f"starting a SuperLink and {clients} SuperNodes on 127.0.0.1{security}, {mode}"
+              f"{', fast polling' if fast_poll else ''} ({cfg.algorithm}, {cfg.dataset}, "
+              f"{cfg.num_server_rounds} rounds)", flush=True)
         node_config = {"device": device} if device != "auto" else {}
-        with LocalFederation(clients, work, logs, node_config=node_config, tls=tls) as fed:
+        with LocalFederation(clients, work, logs, node_config=node_config, tls=tls,
+                             clientapps=clientapps, fast_poll=fast_poll) as fed:
             run_id = fed.submit(app, cfg.to_dict())
-            print(f"submitted run {run_id}; waiting for rounds (Flower polls every ~3 s)", flush=True)
-            row = fed.wait(run_id, timeout, on_poll=on_poll)
+            print(f"submitted run {run_id}; waiting for rounds", flush=True)
+            row = fed.wait(run_id, timeout, poll=0.5, on_poll=on_poll)
             fed.save_log(run_id, logs / "run.log")
         print(f"flower: {row.get('status')} in {time.monotonic() - t0:.1f}s "
               f"(run elapsed {row.get('elapsed', '?')})", flush=True)

@@ -44,6 +44,10 @@ COMPLETED = "finished:completed"
 EXIT_SUPERNODE_REFUSED = 305
 
 
+CLIENTAPP_MODES = ("warm", "stock")  # a long-lived worker per SuperNode, or Flower's process per message
+FAST_POLL_ENV = "FLATFLOWER_FAST_POLL"  # common.fastpoll.ENV
+
+
 class FederationError(RuntimeError):
     """A Flower process failed to start or a ``flwr`` command failed."""
 
@@ -155,12 +159,23 @@ class LocalFederation:
 
     def __init__(self, num_nodes: int, work_dir: Path, log_dir: Path, *, simulation: bool = False,
                  node_config: Mapping[str, Any] | None = None, tls: bool = False,
-                 host: str = "127.0.0.1", node_configs: Mapping[int, Mapping[str, Any]] | None = None):
+                 host: str = "127.0.0.1", node_configs: Mapping[int, Mapping[str, Any]] | None = None,
+                 clientapps: str = "warm", fast_poll: bool = False):
         if not is_loopback(host) and not tls:
             raise FederationError(f"refusing to bind {host} without TLS: everything, models "
                                   "included, would cross the network in clear text; use tls=True")
         if tls and simulation:
             raise FederationError("tls=True is for deployed SuperNodes, not the simulation engine")
+        if clientapps not in CLIENTAPP_MODES:
+            raise FederationError(f"clientapps={clientapps!r} is not one of {', '.join(CLIENTAPP_MODES)}")
+        if fast_poll:
+            from common.fastpoll import FastPollError, check_version
+
+            try:
+                check_version()
+            except FastPollError as err:
+                raise FederationError(str(err)) from None
+        self.clientapps, self.fast_poll = clientapps, fast_poll
         self.num_nodes = num_nodes
         self.simulation = simulation
         self.tls = tls
@@ -183,9 +198,13 @@ class LocalFederation:
         self.seen: dict[int, bytes] = {}
         self.env = {**os.environ, "FLWR_HOME": str(self.flwr_home), "FLWR_DISABLE_UPDATE_CHECK": "1",
                     "FLWR_TELEMETRY_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+                    # the one official polling knob: how often a SuperExec looks for tasks (1 s)
+                    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
                     # Flower starts flower-superexec / flwr-clientapp by name: use our environment's
                     "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
         self.connection = "flatflower"
+        if fast_poll:
+            self.env[FAST_POLL_ENV] = "1"  # the ServerApp patches itself (common/fastpoll.py)
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
@@ -236,9 +255,10 @@ class LocalFederation:
                                     node_config=self.node_configs.get(i))
 
     def kill(self, name: str) -> None:
-        """SIGKILL one process started here (e.g. a SuperNode) and all its children."""
+        """SIGKILL one process started here (e.g. a SuperNode, with its ClientApp worker) and all
+        its children."""
         for entry in list(self.procs):
-            if entry[0] == name:
+            if entry[0] in (name, f"{name}-worker"):
                 proc = entry[1]
                 family = [proc.pid, *_children(proc.pid), *_detached_children(proc.pid)]
                 _signal(family, signal.SIGKILL)
@@ -285,10 +305,19 @@ class LocalFederation:
                         "--auth-supernode-private-key", str(private_key)]
         else:
             security = ["--insecure"]
-        return self._spawn(name, [
-            flower_command("flower-supernode"), *security, "--grpc-rere",
-            "--superlink", f"{self.dial_host}:{self.fleet_port}", "--port", str(free_port()),
+        port = free_port()
+        supernode = ([sys.executable, "-m", "common.fastpoll", "supernode"] if self.fast_poll
+                     else [flower_command("flower-supernode")])
+        isolation = ["--isolation", "process"] if self.clientapps == "warm" else []
+        proc = self._spawn(name, [
+            *supernode, *security, *isolation, "--grpc-rere",
+            "--superlink", f"{self.dial_host}:{self.fleet_port}", "--port", str(port),
             "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())])
+        if self.clientapps == "warm":  # its ClientApps run in one long-lived worker (tools/worker.py)
+            self._spawn(f"{name}-worker", [
+                flower_command("flatflower-worker"), "--runtime-api-address", f"127.0.0.1:{port}",
+                "--insecure", "--parent-pid", str(proc.pid)])
+        return proc
 
     def flower_exit_code(self, name: str) -> int | None:
         """The ``Exit Code: N`` a Flower process logged in ``<log_dir>/<name>.log`` (None if none).

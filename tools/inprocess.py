@@ -73,6 +73,7 @@ class InProcessGrid(Grid):
         """Deliver each message in its own thread, as nodes work in parallel (replies land
         in _pending)."""
         ids = []
+        self._workers = [w for w in self._workers if w.is_alive()]  # the finished ones
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
 

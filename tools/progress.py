@@ -34,6 +34,11 @@ class Progress:
                 extra = f"  clients {ok}/{row['clients_sampled']}  {row['seconds']:.1f}s"
             print(f"round {row['round']:>3}/{self.rounds}  test accuracy {100 * row['test_accuracy']:6.2f}%"
                   f"  loss {row['test_loss']:.4f}{extra}", flush=True)
+            for what, entries in (("failed", row.get("failures", [])), ("refused", row.get("rejections", []))):
+                for e in entries:
+                    stage = f"{e['stage']} reply " if "stage" in e else ""
+                    print(f"    client {e['partition']} (node {e['node']}) {stage}{what}: {e['reason']}",
+                          flush=True)
 
 
 def finish(cfg: RunConfig, ok: bool, progress: Progress, details: str = "") -> int:

@@ -1,0 +1,230 @@
+"""A warm ClientApp worker for one SuperNode (``flower-supernode --isolation process``).
+
+Flower's default, ``--isolation subprocess``, has each SuperNode start a SuperExec that starts
+a new ``flwr-clientapp`` process for every message: Python, flwr and torch are imported again
+each time (about 3 s of CPU per message on a small CPU). The worker is that SuperExec loop and
+that ClientApp process in one long-lived process, built from Flower's own runtime functions:
+it acquires the SuperNode's tasks from its Runtime API, pulls each task's message, context and
+FAB, runs the ClientApp in this process and pushes the reply and the context back, as
+``flwr-clientapp`` does. Client state is Flower's: ``context.state`` goes back to the
+SuperNode with the task's output, and a failed call's error reply carries its exception's type
+and message.
+
+One worker hosts one FAB's code (modules are imported once): a task of another FAB (a new run
+with other code) runs in a fresh ``flwr-clientapp`` process, and the worker then exits so its
+supervisor starts a fresh worker with the new code.
+
+``flatflower-worker`` is that supervisor: it restarts the worker whenever it exits (a crash, a
+ClientApp that calls ``os._exit``, a new FAB), and ends when the SuperNode it serves ends
+(``--parent-pid``). In docker compose the restart policy does the same for the container.
+
+    flatflower-worker --runtime-api-address 127.0.0.1:9094 [--insecure] [--parent-pid PID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from logging import ERROR, INFO
+
+WORKER_EXIT_NEW_FAB = 3  # the worker exits to load another FAB's code (not an error)
+REASON_CHARS = 1000  # how much of an exception an error reply carries
+
+
+def error_reason(err: BaseException) -> str:
+    """``<class 'T'>:<'message'>`` as Flower's runtime writes it, bounded and without control
+    characters (a reply's text ends up on the operator's screen)."""
+    text = f"{type(err)}:<'{err}'>"
+    return re.sub(r"[\x00-\x1f\x7f]+", " ", text)[:REASON_CHARS]
+
+
+class Worker:
+    """The task loop of one SuperNode (see the module docstring)."""
+
+    def __init__(self, address: str, insecure: bool, root_certificates: bytes | None, poll: float):
+        self.address, self.insecure, self.root_certificates = address, insecure, root_certificates
+        self.poll = poll
+        self.fab_hash: str | None = None  # the FAB whose code this process hosts
+        self.app = None
+
+    def client(self, *interceptors):
+        from flwr.supercore.retry import make_simple_http_retry_invoker
+        from flwr.supercore.runtime import RuntimeHttpClient
+
+        return RuntimeHttpClient.from_server_address(
+            server_address=self.address, insecure=self.insecure,
+            root_certificates=self.root_certificates, interceptors=list(interceptors),
+            retry_invoker=make_simple_http_retry_invoker())
+
+    def serve(self) -> int:
+        """Acquire and run tasks until a task of another FAB has run (then exit to reload)."""
+        from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
+        from flwr.supercore.constant import TaskType
+        from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+
+        client = self.client(RuntimeVersionHttpInterceptor(component_name="SuperExec"))
+        try:
+            while True:
+                res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+                if res.HasField("task") and res.token:
+                    if res.task.fab_hash and self.fab_hash not in (None, res.task.fab_hash):
+                        self.cold(res.token)
+                        return WORKER_EXIT_NEW_FAB
+                    self.run_task(res.token)
+                else:
+                    time.sleep(self.poll)
+        finally:
+            client.close()
+
+    def cold(self, token: str) -> None:
+        """Run one task in a fresh ``flwr-clientapp`` process (another FAB's code)."""
+        cmd = ["flwr-clientapp", "--runtime-api-address", self.address, "--token", token,
+               "--parent-pid", str(os.getpid())]
+        cmd += ["--insecure"] if self.insecure else []
+        subprocess.run(cmd, check=False)
+
+    def run_task(self, token: str) -> None:
+        """One task: pull its input, run the ClientApp here, push the reply and the context."""
+        from flwr.app import Error, Message
+        from flwr.common.constant import ErrorCode, SubStatus
+        from flwr.supercore import log
+        from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+        from flwr.supercore.interceptors import (RuntimeTokenHttpInterceptor,
+                                                 RuntimeVersionHttpInterceptor)
+        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
+
+        client = self.client(RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                             RuntimeTokenHttpInterceptor(token))
+        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+        heartbeat.start()
+        message = context = reply = None
+        status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
+        try:
+            message, context, run, fab = pull_task_input(client)
+            reply = self.load(run, fab)(message=message, context=context)
+            status, details = SubStatus.COMPLETED, ""
+        except Exception as err:  # noqa: BLE001 - as flwr-clientapp: an error reply
+            log(ERROR, "ClientApp raised an exception", exc_info=err)
+            details = error_reason(err)
+            if message is not None:
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details),
+                                reply_to=message)
+        finally:
+            try:
+                if reply is not None and context is not None:
+                    push_message(client, reply, context)
+                push_task_output(client=client, context=context, sub_status=status, details=details)
+            finally:
+                heartbeat.stop()
+                client.close()
+        log(INFO, "task done: %s", status)
+
+    def load(self, run, fab):
+        """The ClientApp of ``fab``, installed and imported once per process."""
+        if self.app is None:
+            from flwr.cli.install import install_from_fab
+            from flwr.clientapp.utils import get_load_client_app_fn
+
+            install_from_fab(fab.content, skip_prompt=True)
+            self.app = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)(
+                run.fab_id, run.fab_version, fab.hash_str)
+            self.fab_hash = fab.hash_str
+        return self.app
+
+
+def pull_task_input(client):
+    """(message, context, run, fab) of the acquired task: Flower's ``pull_task_input`` with
+    short object-pull backoffs (a parameter of Flower's own pull function)."""
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+    from flwr.proto.runtime_pb2 import (PullAppMessagesRequest,  # pylint: disable=E0611
+                                        PullTaskInputRequest)
+    from flwr.app import Message
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_confirm_message_received_fn_protobuf, make_pull_object_fn_protobuf)
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = (
+        res.task_id, res.run.run_id, res.context.node_id)
+    context, run, fab = context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node = Node(node_id=context.node_id)
+    tree = pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message, initial_backoff=0.05, backoff_cap=1.0)
+    message.metadata.__dict__["_message_id"] = tree.object_id
+    return message, context, run, fab
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flatflower-worker", description=(
+        "A warm ClientApp worker for one SuperNode started with --isolation process: it runs "
+        "the SuperNode's ClientApp tasks in one long-lived process (restarted when it exits)."))
+    p.add_argument("--runtime-api-address", default="127.0.0.1:9094",
+                   help="the SuperNode's Runtime API (its --host/--port; default 127.0.0.1:9094)")
+    tls = p.add_mutually_exclusive_group()
+    tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API")
+    tls.add_argument("--root-certificates", help="CA certificate of the Runtime API's TLS")
+    p.add_argument("--parent-pid", type=int, help="end when this process (the SuperNode) ends")
+    p.add_argument("--poll", type=float, default=0.1, help="seconds between task polls (default 0.1)")
+    p.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # the supervised child
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.insecure and not args.root_certificates:
+        print("error: give --insecure (plain HTTP on loopback) or --root-certificates",
+              file=sys.stderr)
+        return 2
+    if args.once:
+        return child(args)
+    return supervise(args, sys.argv[1:] if argv is None else argv)
+
+
+def child(args: argparse.Namespace) -> int:
+    import torch  # noqa: F401 - imported once, before the first task, as the point of the worker
+
+    from flwr.supercore.app_utils import start_parent_process_monitor
+
+    if args.parent_pid:
+        start_parent_process_monitor(args.parent_pid)
+    certificates = open(args.root_certificates, "rb").read() if args.root_certificates else None
+    return Worker(args.runtime_api_address, args.insecure, certificates, args.poll).serve()
+
+
+def supervise(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the worker; start it again whenever it exits, until the SuperNode is gone."""
+    failures = 0
+    while True:
+        started = time.monotonic()
+        code = subprocess.call([sys.executable, "-m", "tools.worker", *argv, "--once"])
+        if args.parent_pid and not _alive(args.parent_pid):
+            return 0
+        failures = 0 if code == WORKER_EXIT_NEW_FAB or time.monotonic() - started > 60 else failures + 1
+        print(f"flatflower-worker: worker exited with code {code}; restarting", file=sys.stderr, flush=True)
+        time.sleep(min(10.0, 0.5 * 2 ** min(failures, 5)))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
