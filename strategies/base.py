@@ -22,7 +22,6 @@ An algorithm subclass sets its records in :meth:`init_records` and implements
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field

@@ -451,7 +451,7 @@ class Federation:
         # polling floor per round, times 3 for a loaded 2-core machine, and never under 5 min.
         timeout = max(300.0, 3 * rounds * (16 + self.up_seconds) + 120)
         say(f"{self.name}: waiting for run {run_id} (at most {timeout:.0f}s)")
-        start, last = time.monotonic(), None
+        last = None
 
         def probe():
             nonlocal last

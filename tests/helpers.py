@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import MessageType
 
 from client.app import app as client_app
+from client.batch import ModelBatch
 from common import protocol as P
 from common import registry
 from common.config import RunConfig
 from common.data import dataset_for
 from common.models import build_model
 from server.run import run_server
-from tools.inprocess import InProcessGrid, run_inprocess
 from tests.reference import K, LR, Problem
-from client.batch import ModelBatch
-from typing import Any
+from tools.inprocess import InProcessGrid, run_inprocess
 
 
 # ---------------------------------------------------------------- quick run configs
@@ -234,7 +237,22 @@ def same(a, b) -> bool:
 
 
 DEPLOYED = {"dataset": "digits", "model": "mlp", "partition": "dirichlet", "local-epochs": 1,
-            "local-steps": 0, "batch-size": 32, "num-server-rounds": 3, "round-timeout": 30.0}
+            "local-steps": 0, "batch-size": 32, "num-server-rounds": 3}
+
+
+@functools.lru_cache(maxsize=None)
+def startup_seconds() -> float:
+    """Wall time of a fresh Python importing torch and flwr, here and now: how loaded the
+    machine is, in the unit that Flower processes pay (measured once per test process)."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch, flwr.serverapp"], check=True)
+    return time.monotonic() - t0
+
+
+def round_deadline() -> float:
+    """A round-timeout for deployment tests, from the measured start-up (not a fixed 30 s: a
+    loaded machine must not turn an honest client's slow reply into a lost one)."""
+    return max(20.0, 10 * startup_seconds())
 
 
 def deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = None,
@@ -247,7 +265,8 @@ def deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = 
 
     run_dir = tmp_path / name
     (run_dir / "logs").mkdir(parents=True)
-    cfg = RunConfig.from_mapping({**config, "run-dir": str(run_dir), "min-available-nodes": nodes,
+    cfg = RunConfig.from_mapping({"round-timeout": round_deadline(), **config, "run-dir": str(run_dir),
+                                  "min-available-nodes": nodes,
                                   "num-partitions": nodes,
                                   "client-state-dir": str(run_dir / "client-state")})
     done, restarts = [], []

@@ -46,7 +46,10 @@ COMBOS = {
     "gpu": (BASE, GPU),
     "tls+gpu": (BASE, TLS, GPU),
 }
-FLOWER_PROGRAMS = ("flower-superlink", "flower-supernode", "flower-superexec")
+# Flower's programs, and flatflower's warm ClientApp worker (tools/worker.py), which replaces
+# flower-superexec as each SuperNode's ClientApp executor
+WORKER = "flatflower-worker"
+FLOWER_PROGRAMS = ("flower-superlink", "flower-supernode", "flower-superexec", WORKER)
 # The ENTRYPOINT of Flower's official images.
 IMAGE_ENTRYPOINTS = {
     "flwr/superlink": ["flower-superlink"],
@@ -58,6 +61,7 @@ PARSERS = {
     "flower-superlink": ("flwr.superlink.cli.flower_superlink", "_parse_args_run_superlink"),
     "flower-supernode": ("flwr.supernode.cli.flower_supernode", "_parse_args_run_supernode"),
     "flower-superexec": ("flwr.supercore.cli.flower_superexec", "_parse_args"),
+    WORKER: ("tools.worker", "build_parser"),
 }
 APP_UID = "49999"  # user `app` in every Flower image
 
@@ -297,8 +301,10 @@ def flower_help(tmp_path_factory):
 
 
 def console_scripts() -> set[str]:
+    """The console scripts of flwr, and flatflower's (pyproject.toml [project.scripts])."""
     dist = importlib.metadata.distribution("flwr")
-    return {ep.name for ep in dist.entry_points if ep.group == "console_scripts"}
+    ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    return {ep.name for ep in dist.entry_points if ep.group == "console_scripts"} | set(ours)
 
 
 # ------------------------------------------------------------------------- the files
@@ -361,7 +367,7 @@ def test_flower_commands_are_real_scripts_with_real_flags(combo, flower_help):
         if name == "superlink-state-init":
             continue  # the one non-Flower command; test_superlink_state_volume_is_writable
         assert args[0] in FLOWER_PROGRAMS, f"{combo}: {name} runs {args[0]!r}"
-        assert args[0] in scripts, f"{args[0]} is not a console script of flwr {FLWR_VERSION}"
+        assert args[0] in scripts, f"{args[0]} is not a console script of flwr {FLWR_VERSION} or ours"
         used = {a.split("=", 1)[0] for a in args[1:] if a.startswith("-")}
         unknown = used - flower_help(args[0])
         assert not unknown, f"{combo}: {name}: {args[0]} has no {sorted(unknown)} in 1.39"
@@ -446,7 +452,7 @@ def test_supernodes_partitions_addresses_and_executors(combo):
         executor_name = f"superexec-clientapp-{i}"
         executor = services[executor_name]
         exe_program, exe = flower[executor_name]
-        assert exe_program == "flower-superexec"
+        assert exe_program == WORKER, "a warm worker runs the node's ClientApps (tools/worker.py)"
         runtime_port = int(opts.get("--port") or 9094)
         # A shared network namespace (network_mode: service:supernode-<i>) strands the executor
         # when its SuperNode restarts (tested for real: make test-docker). By name, on a network.

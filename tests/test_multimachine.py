@@ -182,6 +182,8 @@ def substitutions(lb: Loopback) -> dict[str, list[tuple[str, str]]]:
         subs[machine] = [
             ("--superlink a.example.org:9092", f"--superlink 127.0.0.1:{lb.fleet}"),
             ("--port 9094", f"--port {lb.node_ports[machine]}"),
+            ("--runtime-api-address 127.0.0.1:9094",
+             f"--runtime-api-address 127.0.0.1:{lb.node_ports[machine]}"),
             ('data-dir="/data"', f'data-dir="{home / "data"}"'),
             ('state-dir="/var/lib/flatflower/state"', f'state-dir="{home / "state"}"'),
         ]
@@ -247,12 +249,20 @@ def test_the_documented_procedure_can_still_be_extracted(tmp_path):
         assert "--root-certificates" in words and "--insecure" not in words
         config = words[words.index("--node-config") + 1]
         assert f"partition-id={i} " in config and "num-partitions=2" in config
+        assert words[words.index("--isolation") + 1] == "process"  # served by a warm worker
+
+    workers = proc.commands("flatflower-worker")
+    assert [s.machine for s in workers] == ["B", "C"]
+    for worker, node in zip(workers, supernodes):  # each on its own SuperNode's runtime API
+        port = node.argv[node.argv.index("--port") + 1]
+        assert worker.argv[worker.argv.index("--runtime-api-address") + 1] == f"127.0.0.1:{port}"
 
     run = proc.commands("flwr", "run", ".")
     assert len(run) == 1 and run[0].machine == "A" and run[0].argv[3] == proc.connection
     assert "min-available-nodes=2" in run[0].argv[run[0].argv.index("-c") + 1]
     # the order a reader follows: SuperLink, registrations, SuperNodes, then the run
     order = [proc.steps.index(s) for s in (*superlink, *register, *supernodes, *run)]
+    assert all(proc.steps.index(w) == proc.steps.index(n) + 1 for w, n in zip(workers, supernodes))
     assert order == sorted(order)
 
     local = localize(proc, substitutions(Loopback(tmp_path)))  # every substitution matches
@@ -413,6 +423,8 @@ def test_documented_server_on_a_clients_on_b_and_c_by_hand(tmp_path):
                 assert (key.stat().st_mode & 0o777) == 0o600
                 (home / "data").mkdir(exist_ok=True)  # the node's data-dir
                 spawn(f"supernode-{step.machine}", step)
+            elif words[0] == "flatflower-worker":  # the node's warm ClientApp worker
+                spawn(f"worker-{step.machine}", step)
             elif words[:3] == ["flwr", "supernode", "register"]:
                 out = machines.run(step, cwd=lb.home(step.machine))
                 found = re.search(r"SuperNode (\d+) registered", out)

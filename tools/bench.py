@@ -269,10 +269,18 @@ def _plain_flower_fedavg_seconds(cfg: RunConfig, clients: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path, timeout: float) -> dict:
+DEPLOYMENTS = {  # label -> extra flags of `flatflower local`
+    "deployment (stock)": ["--clientapps", "stock"],
+    "deployment (warm)": [],
+    "deployment (warm + fast poll)": ["--fast-poll"],
+}
+
+
+def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path, timeout: float,
+                       extra: list[str] = (), name: str = "") -> dict:
     """Run ``flatflower local|simulate`` for FedAvg in a subprocess; its round times and wall."""
-    run_dir = workdir / command
-    args = [sys.executable, "-m", "tools.cli", command, "--algorithm", "fedavg", "--clients", str(clients),
+    run_dir = workdir / (name or command).replace(" ", "_").replace("(", "").replace(")", "")
+    args = [sys.executable, "-m", "tools.cli", command, *extra, "--algorithm", "fedavg", "--clients", str(clients),
             "--rounds", str(cfg_dict["num-server-rounds"]), "--dataset", "digits", "--partition", "iid",
             "--model", cfg_dict["model"], "--set", f"local-epochs={cfg_dict['local-epochs']}",
             "--set", "checkpoint-every=0", "--run-dir", str(run_dir),
@@ -284,7 +292,7 @@ def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-400:], "wall_seconds": wall}
     rounds = _round_seconds(run_dir)
-    return {"round_seconds": statistics.median(rounds), "wall_seconds": wall,
+    return {"round_seconds": statistics.median(rounds[1:] or rounds), "wall_seconds": wall,
             "startup_and_teardown_seconds": wall - sum(rounds)}
 
 
@@ -311,14 +319,17 @@ def bench_overhead(settings: Settings, workdir: Path) -> dict[str, Any]:
     }
     out["ours_vs_plain_flower"] = out["inprocess_round_seconds"] / out["plain_flower_fedavg_round_seconds"]
     out["inprocess_vs_pure_training"] = out["inprocess_round_seconds"] / pure
-    if settings.full_overhead:
-        for engine, command in (("ray", "simulate"), ("deployment", "local")):
-            result = _cli_round_seconds(command, cfg_dict, clients, workdir, timeout=600)
-            out[engine] = result
-            if "round_seconds" in result:
-                out[f"{engine}_vs_pure_training"] = result["round_seconds"] / pure
-    else:
-        out["ray"] = out["deployment"] = {"skipped": "run with --full (starts Ray / Flower processes)"}
+    engines = {"ray": ("simulate", [])} | {label: ("local", flags) for label, flags in DEPLOYMENTS.items()}
+    for engine, (command, flags) in engines.items():
+        if not settings.full_overhead:
+            out[engine] = {"skipped": "run with --full (starts Ray / Flower processes)"}
+            continue
+        result = _cli_round_seconds(command, cfg_dict, clients, workdir, timeout=600, extra=flags,
+                                    name=engine)
+        out[engine] = result
+        if "round_seconds" in result:  # rounds 2.. (round 1 has the handshake and warm-up)
+            out[engine]["vs_inprocess_round"] = result["round_seconds"] / out["inprocess_round_seconds"]
+            out[engine]["vs_pure_training"] = result["round_seconds"] / pure
     return out
 
 
@@ -343,18 +354,24 @@ class _WireGrid:
     """Wraps an InProcessGrid to measure every train message and reply as serialized."""
 
     def __init__(self, grid):
-        self.grid, self.down, self.up, self.count = grid, 0, 0, 0
+        self.grid, self.down, self.up, self.count, self.train_ids = grid, 0, 0, 0, set()
 
     def __getattr__(self, name):
         return getattr(self.grid, name)
 
-    def send_and_receive(self, messages, *, timeout=None):
+    def push_messages(self, messages):
         messages = list(messages)
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-        if messages and messages[0].metadata.message_type == "train":
-            self.down += sum(_wire_bytes(m) for m in messages)
-            self.up += sum(_wire_bytes(r) for r in replies if not r.has_error())
-            self.count += len(messages)
+        ids = list(self.grid.push_messages(messages))
+        train = [m for m in messages if m.metadata.message_type == "train"]
+        self.down += sum(_wire_bytes(m) for m in train)
+        self.count += len(train)
+        self.train_ids |= {m.metadata.message_id for m in train}
+        return ids
+
+    def pull_messages(self, message_ids):
+        replies = list(self.grid.pull_messages(message_ids))
+        self.up += sum(_wire_bytes(r) for r in replies if not r.has_error()
+                       and r.metadata.reply_to_message_id in self.train_ids)
         return replies
 
 
@@ -479,9 +496,10 @@ def print_tables(report: dict[str, Any]) -> str:
     over = [{"what": "pure training (sum over clients)", "seconds": f"{o['pure_training_seconds']:.3f}"},
             {"what": "in-process round (ours)", "seconds": f"{o['inprocess_round_seconds']:.3f}"},
             {"what": "plain Flower FedAvg round", "seconds": f"{o['plain_flower_fedavg_round_seconds']:.3f}"}]
-    for engine in ("ray", "deployment"):
+    for engine in ("ray", *DEPLOYMENTS):
         if "round_seconds" in o[engine]:
-            over.append({"what": f"{engine} round", "seconds": f"{o[engine]['round_seconds']:.3f}"})
+            over.append({"what": f"{engine} round ({o[engine]['vs_inprocess_round']:.1f}x in-process)",
+                         "seconds": f"{o[engine]['round_seconds']:.3f}"})
     out.append(render_table(over, f"overhead: one FedAvg round, {o['clients']} clients "
                                   f"(ours / plain Flower = {o['ours_vs_plain_flower']:.3f})"))
     comm = [{"algorithm": r["algorithm"], "down": r["records_down"], "up": r["records_up"],

@@ -274,8 +274,10 @@ def summary(files: CertFiles, fleet_port: int = 9092, http_port: int = 8000) -> 
               for i in range(n)]
     lines += ["then on node i (with ca.crt and its own nodes/node-i only):",
               f"  flower-supernode --root-certificates ca.crt --superlink {addr}:{fleet_port} "
-              f"--auth-supernode-private-key node-i --port 9094 "
-              f"--node-config 'partition-id=i num-partitions={n}'"]
+              f"--auth-supernode-private-key node-i --port 9094 --isolation process "
+              f"--node-config 'partition-id=i num-partitions={n}'",
+              "  flatflower-worker --runtime-api-address 127.0.0.1:9094 --insecure   "
+              "# its warm ClientApp worker"]
     if not extra:
         lines.append("(this certificate is valid for loopback only; for other machines, "
                      "regenerate with --host <the SuperLink's name or IP>)")
