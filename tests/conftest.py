@@ -8,10 +8,9 @@
   runtime (Flower needs a task identity for that).
 * ``make test`` runs on two pytest-xdist workers. Each pytest process tags what it starts
   with its own ``FLATFLOWER_TEST_PROCESS`` environment value, and ``flower_pids`` counts only
-  the Flower processes carrying it, so a worker never sees the other's processes. The tests
-  that start Flower processes (the ``integration`` ones, ``flower_help``) or count them form
-  two xdist groups, each run one test at a time on one worker: ``ray`` (one Ray cluster at a
-  time) and ``flower-processes`` (SuperLinks and SuperNodes, whose free ports must not race).
+  the Flower processes carrying it, so a worker never sees the other's processes; ports come
+  from a ledger that no two federations share (tools.federation.free_port), so deployments run
+  side by side. The Ray tests form one xdist group, ``ray``: one Ray cluster at a time.
 """
 
 from __future__ import annotations
@@ -59,18 +58,8 @@ def make_message():
     return make
 
 
-def _uses_flower_processes(item: pytest.Item) -> bool:
-    """Starts Flower processes or Ray, or checks that none of this process's are left."""
-    function = getattr(item, "function", None)
-    return (item.get_closest_marker("integration") is not None
-            or "flower_help" in getattr(item, "fixturenames", ())
-            or (function is not None and "flower_pids" in function.__code__.co_names))
-
-
 def _xdist_group(item: pytest.Item) -> str | None:
-    if item.get_closest_marker("ray") is not None:
-        return "ray"
-    return "flower-processes" if _uses_flower_processes(item) else None
+    return "ray" if item.get_closest_marker("ray") is not None else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

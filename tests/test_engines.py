@@ -11,7 +11,8 @@ import torch
 
 from tools.cli import main as cli
 from tools.inprocess import run_inprocess
-from tests.helpers import DIGITS, check_run_dir, flower_pids, metrics
+from common.config import RunConfig
+from tests.helpers import DIGITS, ROOT, check_run_dir, flower_pids, metrics
 
 
 # ---------------------------------------------------------------- every algorithm learns
@@ -48,29 +49,41 @@ def test_inprocess_real_apps_learn_and_fill_run_dir(tmp_path):
 
 
 # ---------------------------------------------------------------- the same model in-process, in Ray and over a real deployment
-SIM_ARGS = ["--clients", "4", "--rounds", "3", "--fraction", "0.5", "--set", "dataset=digits",
-            "--set", "local-epochs=1", "--set", "partition=dirichlet"]
+SIM = {"num-server-rounds": 3, "fraction-train": 0.5, "dataset": "digits", "local-epochs": 1,
+       "partition": "dirichlet", "num-partitions": 4}
 
 
 @pytest.mark.integration
 @pytest.mark.ray
-@pytest.mark.parametrize("algorithm", ["fedtoga", "fedgmt-v2", "fedsmoo", "fedlesam-s"])
-def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path, algorithm):
+def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path):
     """Client duals (and FedGMT-v2's client EMA, whose w^0 a Ray worker rebuilds from the
     seed; FedSMOO's mu_i, FedLESAM-S's c_i and previous global model) persist in Ray's node
     contexts exactly as in-process; uploads (s~_i, Delta c_i) and broadcasts (s, c) travel
-    through Ray's runtime as extra records."""
+    through Ray's runtime as extra records. One Ray simulation federation (the one `flatflower
+    simulate` starts; its CLI path is tests/test_reliability.py's stop-and-resume test) runs
+    the four algorithms one after the other."""
+    from tools.engines import ray_federation_config
+    from tools.federation import COMPLETED, LocalFederation
+
     before = flower_pids()
-    args = ["--algorithm", algorithm, *SIM_ARGS]
-    assert cli(["simulate", "--engine", "ray", *args, "--run-dir", str(tmp_path / "ray")]) == 0
-    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
+    algorithms = ("fedtoga", "fedgmt-v2", "fedsmoo", "fedlesam-s")
+    fed = LocalFederation(0, tmp_path / "work", tmp_path / "logs", simulation=True)
+    fed.env["RAY_TMPDIR"] = str(tmp_path / "ray-tmp")
+    with fed:
+        for algorithm in algorithms:
+            cfg = RunConfig.from_mapping({**SIM, "algorithm": algorithm, "run-dir": str(tmp_path / algorithm)})
+            run_id = fed.submit(ROOT, cfg.to_dict(), ray_federation_config(4))
+            assert fed.wait(run_id, 600, poll=0.5)["status"] == COMPLETED, algorithm
     assert flower_pids() - before == set(), "simulation left Flower processes behind"
-    rows = check_run_dir(tmp_path / "ray", rounds=3, clients=4, num_train=1437)
-    seen = [p for r in rows[1:] for p in r["sampled_partitions"]]
-    assert len(seen) > len(set(seen)), "no client trained twice: state never carried over"
-    a, b = (torch.load(tmp_path / d / "model_final.pt") for d in ("ray", "inp"))
-    assert all(torch.equal(a[k], b[k]) for k in a), "same seed, different final model"
-    assert [r["test_loss"] for r in rows] == [r["test_loss"] for r in metrics(tmp_path / "inp")]
+    for algorithm in algorithms:
+        ray = tmp_path / algorithm
+        rows = check_run_dir(ray, rounds=3, clients=4, num_train=1437)
+        seen = [p for r in rows[1:] for p in r["sampled_partitions"]]
+        assert len(seen) > len(set(seen)), "no client trained twice: state never carried over"
+        inp, _ = run_inprocess({**SIM, "algorithm": algorithm, "run-dir": str(tmp_path / f"{algorithm}-inp")}, 4)
+        a, b = (torch.load(d / "model_final.pt") for d in (ray, inp))
+        assert all(torch.equal(a[k], b[k]) for k in a), f"{algorithm}: same seed, different final model"
+        assert [r["test_loss"] for r in rows] == [r["test_loss"] for r in metrics(inp)]
 
 
 def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, epochs: int):

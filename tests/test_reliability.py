@@ -238,7 +238,7 @@ def test_killed_inprocess_run_resumes_to_the_uninterrupted_model(tmp_path):
 @pytest.mark.ray
 def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_path):
     # Rounds long enough (and enough of them) that the stop lands well before the last one.
-    args = ["--algorithm", "fedgmt-v2", "--clients", "4", "--rounds", "20", "--fraction", "0.5",
+    args = ["--algorithm", "fedgmt-v2", "--clients", "4", "--rounds", "8", "--fraction", "0.5",
             "--dataset", "digits", "--set", "local-epochs=10"]
     before = flower_pids()
     cut = tmp_path / "cut"

@@ -67,15 +67,19 @@ def run_ray(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: flo
         fed.env["RAY_TMPDIR"] = str(work / "ray")
         print(f"Ray simulation: {clients} virtual clients, {cfg.algorithm}", flush=True)
         with fed:
-            run_id = fed.submit(app, cfg.to_dict(), {
-                "num-supernodes": clients, "client-resources-num-cpus": cpus_per_client,
-                "client-resources-num-gpus": gpus_per_client,
-                "init-args-num-cpus": os.cpu_count() or 1})
+            run_id = fed.submit(app, cfg.to_dict(), ray_federation_config(clients, cpus_per_client,
+                                                                         gpus_per_client))
             row = fed.wait(run_id, timeout, on_poll=on_poll)
             fed.save_log(run_id, logs / "run.log")
         return Outcome(row.get("status") == COMPLETED, row.get("status-details", ""))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def ray_federation_config(clients: int, cpus_per_client: int = 1, gpus_per_client: float = 0.0) -> dict:
+    """The simulation federation's settings (``flwr run --federation-config``)."""
+    return {"num-supernodes": clients, "client-resources-num-cpus": cpus_per_client,
+            "client-resources-num-gpus": gpus_per_client, "init-args-num-cpus": os.cpu_count() or 1}
 
 
 def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll) -> Outcome:

@@ -29,6 +29,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -52,10 +53,36 @@ class FederationError(RuntimeError):
     """A Flower process failed to start or a ``flwr`` command failed."""
 
 
+PORT_LEDGER = Path(tempfile.gettempdir()) / "flatflower-ports"  # ports recently handed out
+PORT_QUARANTINE = 600.0  # seconds before a port handed out may be handed out again
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 that no other flatflower process on this machine was given in
+    the last 10 minutes (a ledger under a lock: federations started side by side, as parallel
+    tests do, never race for a port between choosing it and binding it)."""
+    import fcntl
+
+    with open(PORT_LEDGER, "a+") as ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)
+        ledger.seek(0)
+        now = time.time()
+        recent = {}
+        for line in ledger.read().split():
+            port, _, stamp = line.partition("@")
+            if port.isdigit() and stamp.replace(".", "", 1).isdigit() and now - float(stamp) < PORT_QUARANTINE:
+                recent[int(port)] = float(stamp)
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in recent:
+                break
+        recent[port] = now
+        ledger.seek(0)
+        ledger.truncate()
+        ledger.write(" ".join(f"{p}@{t:.0f}" for p, t in recent.items()))
+    return port
 
 
 def flower_command(name: str) -> str:
