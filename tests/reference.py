@@ -9,7 +9,6 @@ import numpy as np
 
 from common.datasets import load_dataset
 
-
 K = 3  # local steps
 
 
@@ -467,3 +466,18 @@ def fedopt_reference(prob, eta_s, b1, b2, tau, yogi=False):
         v = v - (1 - b2) * d * d * np.sign(v - d * d) if yogi else b2 * v + (1 - b2) * d * d
         w = w + eta_s * m / (np.sqrt(v) + tau)
     return w, m, v
+
+
+# ---------------------------------------------------------------- what the papers say crosses the wire
+# Model-sized records per sampled client per round (down, up), as the papers state them:
+# FedGMT Table 1 (1.5x: w and e down), FedGMT-v2 (1x), FedTOGA §1.6 (theta and Delta down,
+# theta_i up), FedNSAM (theta and m down; notes §6), FedCM/MoFedSAM (w and Delta down).
+PAPER_PATTERN = {
+    "fedavg": (1, 1), "fedsam": (1, 1), "mofedsam": (2, 1), "fedcm": (2, 1), "feddyn": (1, 1),
+    "fedspeed": (1, 1), "fedgmt": (2, 1), "fedgmt-v2": (1, 1), "fednsam": (2, 1), "fedtoga": (2, 1),
+    # the baselines (fedtoga notes §2.3 "extra communication": FedGAMMA 2x, FedSMOO 2x, FedLESAM
+    # 1x; SCAFFOLD sends c down and Delta c up; FedLESAM-S is SCAFFOLD's; FedACG sends only its
+    # look-ahead model; FedProx, FedAdam and FedYogi are FedAvg on the wire)
+    "fedprox": (1, 1), "scaffold": (2, 2), "fedgamma": (2, 2), "fedsmoo": (2, 2), "fedlesam": (1, 1),
+    "fedlesam-d": (1, 1), "fedlesam-s": (2, 2), "fedacg": (1, 1), "fedadam": (1, 1), "fedyogi": (1, 1),
+}

@@ -1,15 +1,20 @@
 """The ``flatflower`` command: bad input before anything starts, existing and unwritable run
-directories, a failed run (tests/test_bad_input.py has the full table of bad input)."""
+directories, a failed run (tests/test_bad_input.py has the full table of bad input); what the
+algorithm specs generate (the docs' key table, ``flatflower algorithms``), ``--version`` and
+the wheel's contents."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 
 import pytest
 
 from common.config import RunConfig
 from common.registry import ALGORITHMS
+from tests.helpers import ROOT, flower_pids
 from tools.cli import main as cli
-from tests.helpers import flower_pids
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -61,3 +66,61 @@ def test_cli_unwritable_run_dir_is_a_clear_error(tmp_path, capsys):
     code = cli(["simulate", "--engine", "inprocess", "--run-dir", str(tmp_path / "file" / "run")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- what the specs generate
+def test_docs_key_table_is_flatflower_algorithms_markdown(capsys):
+    """docs/algorithms.md's table of every algorithm's records and keys is the command's output."""
+    from tools.commands import algorithm_table
+
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    block = text.split("<!-- algorithms:begin (flatflower algorithms --markdown) -->\n", 1)[1]
+    assert block.split("\n<!-- algorithms:end -->", 1)[0] == algorithm_table(markdown=True), \
+        "regenerate: flatflower algorithms --markdown"
+    assert cli(["algorithms", "--markdown"]) == 0
+    assert capsys.readouterr().out.strip() == algorithm_table(markdown=True)
+
+
+def test_readme_lists_every_general_key_and_no_algorithm_key():
+    from common.config import general_fields
+    from common.registry import algorithm_keys
+
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## Choosing the algorithm and hyperparameters", 1)[1].split("\nNode settings", 1)[0]
+    listed = set(re.findall(r"`([a-z][a-z0-9.-]*)`", "\n".join(
+        line.split("|")[1] for line in table.splitlines() if line.startswith("| `"))))
+    assert set(general_fields()) <= listed, sorted(set(general_fields()) - listed)
+    assert not listed & set(algorithm_keys()), "algorithm keys belong to `flatflower algorithms`"
+
+
+def test_algorithms_lists_each_algorithm_with_its_keys_and_meanings(capsys):
+    assert cli(["algorithms"]) == 0
+    out = capsys.readouterr().out
+    for name in ALGORITHMS:
+        assert f"\n{name}: " in f"\n{out}", name
+    assert "fedtoga.kappa = 1.0    correction kappa of the perturbation by Delta" in out
+
+
+def test_version_names_flatflower_flower_and_torch(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"flatflower \S+ \(flwr 1\.39\.0, torch \S+\)\n", out), out
+
+
+def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
+    """A non-editable install gets everything the commands need: every package, the presets
+    (package data) and both console scripts."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("flatflower-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    presets = sorted(p.name for p in (ROOT / "tools" / "presets").glob("*.toml"))
+    assert presets and all(f"tools/presets/{p}" in names for p in presets)
+    for package in ("client", "common", "server", "strategies", "tools"):
+        assert f"{package}/__init__.py" in names, package
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
+    assert b"flatflower = tools.cli:main" in entry_points and b"flatflower-worker = tools.worker:main" in entry_points

@@ -12,23 +12,11 @@ import torch
 from client.app import META
 from common import protocol as P
 from common.registry import ALGORITHMS
-from tools.inprocess import run_inprocess
 from tests.helpers import assert_states_equal, fast_config, metrics, run_with_snapshots
-
+from tests.reference import PAPER_PATTERN
+from tools.inprocess import run_inprocess
 
 # ---------------------------------------------------------------- what crosses the wire
-# Model-sized records per sampled client per round (down, up), as the papers state them:
-# FedGMT Table 1 (1.5x: w and e down), FedGMT-v2 (1x), FedTOGA §1.6 (theta and Delta down,
-# theta_i up), FedNSAM (theta and m down; notes §6), FedCM/MoFedSAM (w and Delta down).
-PAPER_PATTERN = {
-    "fedavg": (1, 1), "fedsam": (1, 1), "mofedsam": (2, 1), "fedcm": (2, 1), "feddyn": (1, 1),
-    "fedspeed": (1, 1), "fedgmt": (2, 1), "fedgmt-v2": (1, 1), "fednsam": (2, 1), "fedtoga": (2, 1),
-    # the baselines (fedtoga notes §2.3 "extra communication": FedGAMMA 2x, FedSMOO 2x, FedLESAM
-    # 1x; SCAFFOLD sends c down and Delta c up; FedLESAM-S is SCAFFOLD's; FedACG sends only its
-    # look-ahead model; FedProx, FedAdam and FedYogi are FedAvg on the wire)
-    "fedprox": (1, 1), "scaffold": (2, 2), "fedgamma": (2, 2), "fedsmoo": (2, 2), "fedlesam": (1, 1),
-    "fedlesam-d": (1, 1), "fedlesam-s": (2, 2), "fedacg": (1, 1), "fedadam": (1, 1), "fedyogi": (1, 1),
-}
 
 
 def test_every_registered_algorithm_has_a_stated_pattern():
