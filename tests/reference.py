@@ -329,6 +329,23 @@ def fedtoga_reference(prob, alpha, kappa, beta, rho, prox_scale="multiplier", pe
 
 
 # ---------------------------------------------------------------- the baselines
+def fedasam_reference(prob, rho, eta):
+    """FedASAM (Caldarola et al. 2022): local ASAM (Kwon et al. 2021) in a FedAvg step,
+    T = |w_k| + eta element-wise, d = g(w_k + rho T^2 g / ||T g||)."""
+    def asam(i):
+        def d(th):
+            g = prob.g(i, th)
+            t = np.abs(th) + eta
+            return prob.g(i, th + rho * t * t * g / (norm(t * g) + EPS))
+        return d
+
+    w = prob.w0.copy()
+    for r, sampled in enumerate(prob.rounds):
+        models = [local_sgd(prob, i, w, prob.round_lr(r), asam(i)) for i in sampled]
+        w = w + prob.server_lr * prob.mean_update(sampled, models, w)
+    return w
+
+
 def fedprox_reference(prob, mu):
     """FedProx (Li et al. 2020): d = g(w_k) + mu (w_k - w^t); server w <- w + eta_g u."""
     w = prob.w0.copy()
@@ -480,4 +497,5 @@ PAPER_PATTERN = {
     # look-ahead model; FedProx, FedAdam and FedYogi are FedAvg on the wire)
     "fedprox": (1, 1), "scaffold": (2, 2), "fedgamma": (2, 2), "fedsmoo": (2, 2), "fedlesam": (1, 1),
     "fedlesam-d": (1, 1), "fedlesam-s": (2, 2), "fedacg": (1, 1), "fedadam": (1, 1), "fedyogi": (1, 1),
+    "fedasam": (1, 1),  # Caldarola et al. 2022: FedAvg's communication
 }

@@ -6,7 +6,6 @@ Also the gradient passes each algorithm needs per step, and the SAM machinery.""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -15,8 +14,40 @@ from client.batch import ModelBatch, trainable
 from client.sam import sam_gradient
 from common import protocol as P
 from common.config import ConfigError, RunConfig
-from tests.helpers import K, PARTIAL, TOGA, assert_client_duals, assert_differ, assert_matches, assert_partial, assert_state, client_state, count_gradient_passes, finals_equal, matches, run, server_dual, server_record
-from tests.reference import Problem, fedacg_reference, fedcm_reference, feddyn_reference, fedgmt_reference, fedlesam_reference, fednsam_reference, fedopt_reference, fedprox_reference, fedsam_family_reference, fedsmoo_reference, fedtoga_reference, norm, scaffold_reference
+from tests.helpers import (
+    PARTIAL,
+    TOGA,
+    K,
+    assert_client_duals,
+    assert_differ,
+    assert_matches,
+    assert_partial,
+    assert_state,
+    client_state,
+    count_gradient_passes,
+    finals_equal,
+    matches,
+    run,
+    server_dual,
+    server_record,
+)
+from tests.reference import (
+    Problem,
+    fedacg_reference,
+    fedasam_reference,
+    fedcm_reference,
+    feddyn_reference,
+    fedgmt_reference,
+    fedlesam_reference,
+    fednsam_reference,
+    fedopt_reference,
+    fedprox_reference,
+    fedsam_family_reference,
+    fedsmoo_reference,
+    fedtoga_reference,
+    norm,
+    scaffold_reference,
+)
 
 
 # ---------------------------------------------------------------- FedAvg, FedSAM, MoFedSAM
@@ -285,6 +316,22 @@ def test_fedprox_matches_pseudocode(tmp_path, partial):
     result = run(tmp_path, "fedprox", algorithm="fedprox", **{"fedprox.mu": 0.7}, **extra)
     prob = Problem(result)
     matches(result, prob, fedprox_reference(prob, mu=0.7))
+
+# ================================================================ FedASAM
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_fedasam_matches_pseudocode(tmp_path, partial):
+    extra = PARTIAL if partial else {"num-server-rounds": 3}
+    result = run(tmp_path, "fedasam", algorithm="fedasam", **{"sam.rho": 0.3, "fedasam.eta": 0.05}, **extra)
+    prob = Problem(result)
+    matches(result, prob, fedasam_reference(prob, rho=0.3, eta=0.05))
+
+
+def test_fedasam_rho0_equals_fedavg_and_differs_from_fedsam(tmp_path):
+    assert finals_equal(run(tmp_path, "a", algorithm="fedasam", **{"sam.rho": 0.0}, **PARTIAL),
+                        run(tmp_path, "b", algorithm="fedavg", **PARTIAL))
+    assert_differ(run(tmp_path, "c", algorithm="fedasam", **{"sam.rho": 0.3}, **PARTIAL),
+                  run(tmp_path, "d", algorithm="fedsam", **{"sam.rho": 0.3}, **PARTIAL))
+
 
 # ================================================================ SCAFFOLD / FedGAMMA
 @pytest.mark.parametrize("algorithm,rho", [("scaffold", 0.0), ("fedgamma", 0.3)])

@@ -1,0 +1,33 @@
+"""FedASAM client (Caldarola et al., ECCV 2022, "Improving Generalization in Federated
+Learning by Seeking Flat Minima"): local ASAM (Kwon et al., ICML 2021, eq. 8 with the
+element-wise operator T_w = |w| + eta) in a FedAvg step; FedAvg's server.
+
+    g   = grad F(w_k)
+    T   = |w_k| + eta                       (element-wise)
+    eps = rho T (T g) / ||T g||             (global L2 norm: rho T^2 g / ||T g||)
+    w_{k+1} = w_k - lr grad F(w_k + eps)    (same mini-batch)
+
+rho (``sam.rho``) = 0 is FedAvg. T applies to every parameter, as the ASAM paper defines the
+operator; the ASAM authors' code leaves biases out (T = 1 there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from client.algorithms.base import ClientRule
+from client.sam import SAMParams, unit_scaled
+from common.params import NONNEGATIVE, key
+
+
+@dataclass(frozen=True)
+class FedASAMParams(SAMParams):
+    eta: float = key("fedasam.eta", 0.01, "ASAM's eta in the element-wise T_w = |w| + eta", NONNEGATIVE)
+
+
+class FedASAMClient(ClientRule):
+    def gradient(self, w, batch):
+        loss, g = batch.grad()
+        t = [p.abs() + self.params.eta for p in w]
+        shift = unit_scaled([ti * gi for ti, gi in zip(t, g)], self.params.rho)
+        return loss, batch.grad([ti * si for ti, si in zip(t, shift)])[1]
