@@ -81,5 +81,6 @@ class NodeSettings:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} requested but CUDA is not available on this node")
+            raise ValueError(f"partition {self.partition_id}: device={self.device!r} requested but CUDA "
+                             "is not available on this node")
         return device

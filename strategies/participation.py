@@ -87,6 +87,10 @@ def error_text(reply: Message) -> str:
     """An error reply's code and reason, bounded and without control characters (it is shown
     to the operator)."""
     reason = re.sub(r"[\x00-\x1f\x7f]+", " ", str(reply.error.reason)).strip()
+    # Flower writes a ClientApp exception as "<class 'ValueError'>:<'message'>"
+    raised = re.match(r"<class '(?:[\w.]+\.)?(\w+)'>:<'", reason)
+    if raised:
+        reason = f"{raised.group(1)}: " + reason[raised.end():].removesuffix("'>")
     return f"error {reply.error.code}: {reason[:REASON_CHARS]}"
 
 

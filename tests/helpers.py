@@ -279,9 +279,10 @@ def deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = 
         # Flower refuses a node id that is still online: a SuperNode restarted with the same
         # key gets in once the SuperLink has marked the killed one offline (2 missed 30 s
         # heartbeats), so restart it as a supervisor would until it stays up.
-        if done and restart is not None and (not restarts or restarts[-1].poll() is not None):
+        if done and restart is not None and (not restarts or fed.exited(restarts[-1])):
             if not restarts or time.monotonic() - done[-1] > 5:
-                restarts.append(fed.start_node(restart, name=f"supernode-{restart}-restart{len(restarts)}"))
+                restarts.append(f"supernode-{restart}-restart{len(restarts)}")
+                fed.start_node(restart, name=restarts[-1])
                 done.append(time.monotonic())
 
     with LocalFederation(nodes, tmp_path / f"{name}-work", run_dir / "logs", tls=tls,
@@ -306,14 +307,20 @@ class SnapshotGrid(InProcessGrid):
         return {n: {name: P.from_record(rec) for name, rec in ctx.state.array_records.items()}
                 for n, ctx in self.contexts.items()}
 
-    def send_and_receive(self, messages, *, timeout=None):
+    def push_messages(self, messages):
         messages = list(messages)
-        before = self._states()
-        replies = super().send_and_receive(messages, timeout=timeout)
         if messages and messages[0].metadata.message_type == MessageType.TRAIN:
-            sent = {m.metadata.dst_node_id: m.content for m in messages}
-            got = {r.metadata.src_node_id: r.content for r in replies}
-            self.rounds.append((before, self._states(), sent, got))
+            self._round = (self._states(), {m.metadata.dst_node_id: m.content for m in messages}, {})
+        return super().push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        replies = list(super().pull_messages(message_ids))
+        if getattr(self, "_round", None) and replies and replies[0].metadata.message_type == MessageType.TRAIN:
+            before, sent, got = self._round
+            got.update({r.metadata.src_node_id: r.content for r in replies})
+            if len(got) == len(sent):  # the round's last reply: its states are final
+                self.rounds.append((before, self._states(), sent, got))
+                self._round = None
         return replies
 
 

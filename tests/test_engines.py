@@ -73,7 +73,9 @@ def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path)
         for algorithm in algorithms:
             cfg = RunConfig.from_mapping({**SIM, "algorithm": algorithm, "run-dir": str(tmp_path / algorithm)})
             run_id = fed.submit(ROOT, cfg.to_dict(), ray_federation_config(4))
-            assert fed.wait(run_id, 600, poll=0.5)["status"] == COMPLETED, algorithm
+            if fed.wait(run_id, 600, poll=0.5)["status"] != COMPLETED:
+                fed.save_log(run_id, tmp_path / f"{algorithm}.log")
+                pytest.fail(f"{algorithm}: run failed; its log:\n{(tmp_path / f'{algorithm}.log').read_text()[-3000:]}")
     assert flower_pids() - before == set(), "simulation left Flower processes behind"
     for algorithm in algorithms:
         ray = tmp_path / algorithm
@@ -86,14 +88,15 @@ def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path)
         assert [r["test_loss"] for r in rows] == [r["test_loss"] for r in metrics(inp)]
 
 
-def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, epochs: int):
-    """``flatflower local`` with 2 SuperNodes on 127.0.0.1: completes, learns, leaves no
-    Flower process behind and ends with the in-process run's model. Returns its metric rows
+def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, epochs: int,
+                               flags: tuple[str, ...] = ()):
+    """``flatflower local [flags]`` with 2 SuperNodes on 127.0.0.1: completes, learns, leaves
+    no Flower process behind and ends with the in-process run's model. Returns its metric rows
     and the model's size in bytes."""
     before = flower_pids()
     args = ["--algorithm", algorithm, "--clients", "2", "--rounds", str(rounds), "--dataset", "digits",
             "--set", f"local-epochs={epochs}"]
-    code = cli(["local", *args, "--run-dir", str(tmp_path / "dep"), "--timeout", "400"])
+    code = cli(["local", *flags, *args, "--run-dir", str(tmp_path / "dep"), "--timeout", "400"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "finished:completed" in out and "final test accuracy" in out
@@ -108,10 +111,12 @@ def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, ep
 
 @pytest.mark.integration
 def test_real_deployment_runs_fedtoga_and_matches_inprocess(tmp_path, capsys):
-    """FedTOGA over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1): client duals live
-    in the SuperNodes' contexts, Delta travels as an extra record; the final model is the
-    in-process one."""
-    rows, model_bytes = deploy_and_match_inprocess(tmp_path, capsys, "fedtoga", rounds=2, epochs=2)
+    """FedTOGA over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1), with Flower's own
+    ClientApp process per message (``--clientapps stock``): client duals live in the
+    SuperNodes' contexts, Delta travels as an extra record; the final model is the in-process
+    one."""
+    rows, model_bytes = deploy_and_match_inprocess(tmp_path, capsys, "fedtoga", rounds=2, epochs=2,
+                                                   flags=("--clientapps", "stock"))
     assert all(r["clients_replied"] == 2 and r["clients_rejected"] == 0 for r in rows[1:])
     logs = tmp_path / "dep" / "logs"
     assert (logs / "superlink.log").is_file() and (logs / "supernode-1.log").is_file()
@@ -121,8 +126,9 @@ def test_real_deployment_runs_fedtoga_and_matches_inprocess(tmp_path, capsys):
 
 @pytest.mark.integration
 def test_real_deployment_runs_fedlesam_s_and_matches_inprocess(tmp_path, capsys):
-    """FedLESAM-S over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1): c goes down and
-    Delta c_i up as extra records, c_i and theta_i^old live in the SuperNodes; 2 down 2 up
-    per client; the final model is the in-process one."""
-    rows, model_bytes = deploy_and_match_inprocess(tmp_path, capsys, "fedlesam-s", rounds=3, epochs=1)
+    """FedLESAM-S over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1), warm workers and
+    ``--fast-poll``: c goes down and Delta c_i up as extra records, c_i and theta_i^old live in
+    the SuperNodes; 2 down 2 up per client; the final model is the in-process one."""
+    rows, model_bytes = deploy_and_match_inprocess(tmp_path, capsys, "fedlesam-s", rounds=3, epochs=1,
+                                                   flags=("--fast-poll",))
     assert all(r["bytes_down"] == r["bytes_up"] == 2 * 2 * model_bytes for r in rows[1:])

@@ -242,11 +242,25 @@ class LocalFederation:
         self.procs.append((name, proc))
         return proc
 
+    def exited(self, name: str) -> bool:
+        """Whether process ``name`` (started here) has ended. A Flower process that logged its
+        exit code but hangs on the way out is killed (flwr 1.39's SuperNode can, after the
+        SuperLink refused to activate it), with its worker; a name not running here counts as
+        ended. (A worker's log may hold exit codes of ClientApp runs its supervisor outlived.)"""
+        for entry_name, proc in list(self.procs):
+            if entry_name == name:
+                if (proc.poll() is None and not name.endswith("-worker")
+                        and self.flower_exit_code(name) is not None):
+                    self.kill(name)
+                    return True
+                return proc.poll() is not None
+        return True
+
     def _check_alive(self, only: str | None = None) -> None:
-        for name, proc in self.procs:
+        for name, proc in list(self.procs):
             if only and name != only:
                 continue
-            if proc.poll() is not None:
+            if self.exited(name):
                 log_file = self.log_dir / (name + ".log")
                 last = [line for line in _tail(log_file, 5).splitlines() if line.strip()]
                 raise FederationError(

@@ -176,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API")
     tls.add_argument("--root-certificates", help="CA certificate of the Runtime API's TLS")
     p.add_argument("--parent-pid", type=int, help="end when this process (the SuperNode) ends")
+    p.add_argument("--supervisor-pid", type=int, help=argparse.SUPPRESS)  # set by the supervisor
     p.add_argument("--poll", type=float, default=0.1, help="seconds between task polls (default 0.1)")
     p.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # the supervised child
     return p
@@ -193,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def child(args: argparse.Namespace) -> int:
-    import torch  # noqa: F401 - imported once, before the first task, as the point of the worker
-
     from flwr.supercore.app_utils import start_parent_process_monitor
 
-    if args.parent_pid:
-        start_parent_process_monitor(args.parent_pid)
+    for pid in (args.supervisor_pid, args.parent_pid):  # never outlive either
+        if pid:
+            start_parent_process_monitor(pid)
+    import torch  # noqa: F401 - imported once, before the first task, as the point of the worker
+
     certificates = open(args.root_certificates, "rb").read() if args.root_certificates else None
     return Worker(args.runtime_api_address, args.insecure, certificates, args.poll).serve()
 
@@ -208,7 +210,8 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
     failures = 0
     while True:
         started = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "tools.worker", *argv, "--once"])
+        code = subprocess.call([sys.executable, "-m", "tools.worker", *argv, "--once",
+                                "--supervisor-pid", str(os.getpid())])
         if args.parent_pid and not _alive(args.parent_pid):
             return 0
         failures = 0 if code == WORKER_EXIT_NEW_FAB or time.monotonic() - started > 60 else failures + 1
