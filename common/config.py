@@ -43,6 +43,8 @@ class RunConfig:
     dirichlet_alpha: float = 0.5
     classes_per_client: int = 2
     partition_seed: int = -1
+    synthetic_alpha: float = 1.0
+    synthetic_beta: float = 1.0
     # participation and server
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
@@ -76,8 +78,10 @@ class RunConfig:
     clip_norm: float = 0.0
     amp: str = "off"
     eval_batch_size: int = 512
+    client_eval: bool = True  # clients report loss/accuracy before and after training (clients.jsonl)
     # output
     run_dir: str = ""
+    tensorboard: bool = True  # TensorBoard event files in the run directory (when installed)
     # the algorithm's own hyperparameters (``<namespace>.<key>``), parsed by its spec
     params: Any = dataclasses.field(default=None, metadata={"internal": True})
 
@@ -167,6 +171,16 @@ class RunConfig:
         check(_pos(self.dirichlet_alpha) and self.dirichlet_alpha <= 1e6,
               "dirichlet-alpha must be in (0, 1e6] (large values are IID already)")
         check(self.classes_per_client >= 1, "classes-per-client must be >= 1")
+        check(_nonneg(self.synthetic_alpha) and _nonneg(self.synthetic_beta),
+              "synthetic-alpha and synthetic-beta must be finite numbers >= 0")
+        if self.dataset == "synthetic-fedprox":
+            check(self.partition == "natural", "dataset synthetic-fedprox is generated per client: "
+                  "use partition=natural (client i trains on its own generated data)")
+            check(self.num_partitions >= 1, "dataset synthetic-fedprox generates one client per "
+                  "partition: set num-partitions >= 1")
+        elif self.partition == "natural":
+            problems.append(f"partition=natural needs a dataset generated per client "
+                            f"(synthetic-fedprox), not {self.dataset!r}")
         check(-1 <= self.partition_seed <= MAX_SEED,
               f"partition-seed must be in [0, {MAX_SEED}], or -1 (use seed)")
         check(self.num_partitions >= 0,

@@ -51,8 +51,12 @@ def local(args: argparse.Namespace) -> int:
     app = app_dir(args.app_dir)
     preflight(cfg, args.clients)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
-    outcome = engines.run_local(cfg, args.clients, app, log_dir(cfg), timeout=args.timeout,
-                                on_poll=progress, device=args.device, tls=args.tls)
+    try:
+        outcome = engines.run_local(cfg, args.clients, app, log_dir(cfg), timeout=args.timeout,
+                                    on_poll=progress, device=args.device, tls=args.tls)
+    except BaseException:
+        progress.close()
+        raise
     return finish(cfg, outcome.ok, progress, outcome.details)
 
 
@@ -61,13 +65,17 @@ def simulate(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     preflight(cfg, args.clients)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
-    if args.engine == "inprocess":
-        outcome = engines.run_in_process(cfg, args.clients, on_poll=progress)
-    else:
-        outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
-                                  timeout=args.timeout, on_poll=progress,
-                                  cpus_per_client=args.cpus_per_client,
-                                  gpus_per_client=args.gpus_per_client)
+    try:
+        if args.engine == "inprocess":
+            outcome = engines.run_in_process(cfg, args.clients, on_poll=progress)
+        else:
+            outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
+                                      timeout=args.timeout, on_poll=progress,
+                                      cpus_per_client=args.cpus_per_client,
+                                      gpus_per_client=args.gpus_per_client)
+    except BaseException:
+        progress.close()
+        raise
     return finish(cfg, outcome.ok, progress, outcome.details)
 
 

@@ -33,9 +33,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", "-n", type=cli_int,
                    help=f"number of clients (default: the preset's, else {DEFAULT_CLIENTS})")
     p.add_argument("--rounds", "-r", type=cli_int, help="server rounds (num-server-rounds)")
-    p.add_argument("--dataset", help="digits | synthetic | mnist | fashion-mnist | cifar10 | cifar100")
+    p.add_argument("--dataset", help="digits | synthetic | synthetic-fedprox | mnist1d (offline); "
+                   "mnist | fashion-mnist | cifar10 | cifar100 (torchvision)")
     p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | resnet18-gn")
-    p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological")
+    p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological | "
+                   "natural (synthetic-fedprox's own clients)")
     p.add_argument("--seed", type=cli_int)
     p.add_argument("--fraction", type=cli_float, help="fraction of clients per round (fraction-train)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -83,6 +85,8 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
              "model": args.model, "partition": args.partition, "seed": args.seed,
              "fraction-train": args.fraction}
     values.update({k: v for k, v in flags.items() if v is not None})
+    if values.get("dataset") == "synthetic-fedprox":
+        values.setdefault("partition", "natural")  # its clients are generated, not split
     for key, value in (extra or {}).items():
         values.setdefault(key, value)
     check_run_arguments(args)

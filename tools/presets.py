@@ -104,8 +104,8 @@ def load_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Prese
     if clients is not None and (type(clients) is not int or clients < 1):  # bool is not int here
         raise PresetError(f"{path}: [preset] clients must be a positive integer, got {clients!r}")
 
-    try:
-        RunConfig.from_mapping(config)
+    try:  # with its clients: a dataset generated per client needs their number
+        RunConfig.from_mapping({"num-partitions": clients, **config} if clients else config)
     except ConfigError as err:
         raise PresetError(f"{path}: [config]: {err}") from None
     return Preset(meta["description"], meta.get("source", ""), clients, dict(config), path)
