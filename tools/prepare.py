@@ -43,6 +43,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any run-config key, e.g. --set rho=0.05 --set lr=0.05 (repeatable)")
     p.add_argument("--run-dir", help="where the run directory goes (default runs/<name>)")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="TensorBoard event files in the run directory (default: on when the "
+                        "tensorboard package is installed)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last checkpoint (same config; "
                         "--rounds may extend it)")
@@ -83,7 +86,7 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     values.update(parse_assignments(args.sets))
     flags = {"algorithm": args.algorithm, "num-server-rounds": args.rounds, "dataset": args.dataset,
              "model": args.model, "partition": args.partition, "seed": args.seed,
-             "fraction-train": args.fraction}
+             "fraction-train": args.fraction, "tensorboard": getattr(args, "tensorboard", None)}
     values.update({k: v for k, v in flags.items() if v is not None})
     if values.get("dataset") == "synthetic-fedprox":
         values.setdefault("partition", "natural")  # its clients are generated, not split
@@ -144,6 +147,8 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
     values = {**saved, "resume": True, "run-dir": str(run_dir)}
     if args.rounds is not None:
         values["num-server-rounds"] = args.rounds
+    if getattr(args, "tensorboard", None) is not None:
+        values["tensorboard"] = args.tensorboard
     values.update(extra or {})
     try:
         cfg = RunConfig.from_mapping(values)

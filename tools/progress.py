@@ -137,6 +137,32 @@ class _LiveBars:
         self.bars.stop()
 
 
+class Steps:
+    """What a long command (bench, sweep) is doing now: a status line on a terminal (rich),
+    plain ``<prefix>: <text>`` lines otherwise."""
+
+    def __init__(self, prefix: str, *, live: bool | None = None, out: TextIO | None = None):
+        self.prefix, self.out = prefix, out or sys.stdout
+        live = bool(getattr(self.out, "isatty", lambda: False)()) if live is None else live
+        self._status = None
+        if live:
+            from rich.console import Console
+
+            self._status = Console(file=self.out).status("")
+            self._status.start()
+
+    def __call__(self, text: str) -> None:
+        if self._status is not None:
+            self._status.update(f"{self.prefix}: {text}")
+        else:
+            print(f"{self.prefix}: {text}", file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+
 def finish(cfg: RunConfig, ok: bool, progress: Progress, details: str = "") -> int:
     """Print the outcome (final accuracy, or one ``error:`` line with the reason); the exit code."""
     run_dir = Path(cfg.run_dir)
