@@ -30,7 +30,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     from tools.prepare import apply_preset
 
     try:
-        if command in ("local", "simulate"):
+        if command in ("local", "simulate", "check"):
             apply_preset(args)  # before the command: --clients may come from the preset
         return globals()[command](args)
     except (UsageError, ConfigError, PresetError, DatasetUnavailableError, PartitionError,
@@ -77,6 +77,13 @@ def simulate(args: argparse.Namespace) -> int:
         progress.close()
         raise
     return finish(cfg, outcome.ok, progress, outcome.details)
+
+
+def check(args: argparse.Namespace) -> int:
+    """What ``simulate`` checks before it starts (config, data, partition, model), and nothing
+    else: the sweep asks it before starting runs in parallel processes."""
+    preflight(resolve_config(args), args.clients)
+    return EXIT_OK
 
 
 def presets(args: argparse.Namespace) -> int:

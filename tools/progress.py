@@ -139,10 +139,11 @@ class _LiveBars:
 
 class Steps:
     """What a long command (bench, sweep) is doing now: a status line on a terminal (rich),
-    plain ``<prefix>: <text>`` lines otherwise."""
+    plain ``<prefix>: <text>`` lines otherwise (at most one per ``every`` seconds)."""
 
-    def __init__(self, prefix: str, *, live: bool | None = None, out: TextIO | None = None):
-        self.prefix, self.out = prefix, out or sys.stdout
+    def __init__(self, prefix: str, *, live: bool | None = None, out: TextIO | None = None,
+                 every: float = 0.0):
+        self.prefix, self.out, self.every, self._said_at = prefix, out or sys.stdout, every, None
         live = bool(getattr(self.out, "isatty", lambda: False)()) if live is None else live
         self._status = None
         if live:
@@ -154,8 +155,11 @@ class Steps:
     def __call__(self, text: str) -> None:
         if self._status is not None:
             self._status.update(f"{self.prefix}: {text}")
-        else:
+            return
+        now = time.monotonic()
+        if self._said_at is None or now - self._said_at >= self.every:
             print(f"{self.prefix}: {text}", file=self.out, flush=True)
+            self._said_at = now
 
     def close(self) -> None:
         if self._status is not None:
