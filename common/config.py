@@ -99,8 +99,8 @@ class RunConfig:
         unknown = sorted(k for k in values if k not in known)
         if unknown:
             raise ConfigError(
-                f"unknown run-config key(s): {', '.join(unknown)}. "
-                f"Valid keys: {', '.join(sorted(known))}"
+                f"unknown run-config key(s): {', '.join(unknown)}"
+                f"{did_you_mean(unknown[0], known)}. Valid keys: {', '.join(sorted(known))}"
             )
         kwargs = {by_key[k].name: _coerce(k, v, by_key[k].type) for k, v in values.items() if k in by_key}
         cfg = cls(**kwargs)
@@ -134,6 +134,7 @@ class RunConfig:
             if value not in valid:
                 problems.append(
                     f"{_key(name)}={value!r} is not one of: {', '.join(sorted(valid))}"
+                    f"{did_you_mean(str(value), valid)}"
                 )
 
         def check(ok: bool, message: str) -> None:
@@ -227,6 +228,14 @@ class RunConfig:
         from common.datasets import DEFAULT_MODEL
 
         return DEFAULT_MODEL[self.dataset] if self.model == "auto" else self.model
+
+
+def did_you_mean(word: str, options) -> str:
+    """`` (did you mean 'fedsam'?)`` for the closest of ``options``, or ''."""
+    import difflib
+
+    close = difflib.get_close_matches(word, [str(o) for o in options], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _key(field_name: str) -> str:

@@ -245,3 +245,21 @@ def test_missing_mnist_is_one_line_and_leaves_no_empty_folders(tmp_path, monkeyp
     assert "\n" not in str(info.value) and "Error downloading train-images" in str(info.value)
     assert "mirror" not in capsys.readouterr().out
     assert not root.exists()
+
+
+def test_data_check_says_what_is_usable_offline(tmp_path, capsys) -> None:
+    from tools.cli import main as cli
+
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, n in (("train", 6), ("t10k", 4)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", 0x803, np.zeros((n, 28, 28)))
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", 0x801, np.arange(n) % 10)
+    assert cli(["data", "check", "--data-dir", str(tmp_path)]) == 0
+    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()}
+    assert set(lines) == set(DATASETS)
+    for name in ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "mnist"):
+        assert lines[name].startswith("ok "), lines[name]
+    assert "6 train / 4 test" in lines["mnist"]
+    assert lines["cifar10"].startswith("missing ") and "needs a download" in lines["cifar10"]
+    assert str(tmp_path / "cifar-10-batches-py") in lines["cifar10"]

@@ -104,6 +104,14 @@ def presets(args: argparse.Namespace) -> int:
     return EXIT_USAGE if failed else EXIT_OK
 
 
+def data(args: argparse.Namespace) -> int:
+    """``data check``: each dataset, usable offline here or what it needs (one line each)."""
+    from tools.datacheck import check
+
+    print(check(args.data_dir))
+    return EXIT_OK
+
+
 def algorithms(args: argparse.Namespace) -> int:
     """The algorithms, from their specs: paper, records down/up, client state, gradient passes
     per local step, and their own run-config keys with defaults (``--markdown``: the table of

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.config import cli_float, cli_int
+from common.config import cli_float, cli_int, did_you_mean
 from common.registry import ALGORITHMS
 from tools import commands
 from tools.prepare import add_run_arguments, add_simulate_arguments
@@ -55,8 +55,9 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if not algorithms or unknown:
-        raise ValueError(f"unknown algorithm(s) {', '.join(unknown) or '(none given)'}; valid names: "
-                         f"{', '.join(sorted(ALGORITHMS))}")
+        hint = did_you_mean(unknown[0], ALGORITHMS) if unknown else ""
+        raise ValueError(f"unknown algorithm(s) {', '.join(unknown) or '(none given)'}{hint}; "
+                         f"valid names: {', '.join(sorted(ALGORITHMS))}")
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
