@@ -3,7 +3,9 @@
 The ServerApp runs in another process than the CLI in a deployment, so it says where it is in
 a small file of the run directory that any engine's CLI reads, as it reads metrics.jsonl:
 ``{"round", "rounds", "stage", "sampled", "replied", "started", "time"}``, replaced
-(atomically) when a round's messages go out and when each reply arrives. Best effort: a
+(atomically) when a round's messages go out and when each reply arrives; ``stage`` is
+``handshake`` (asking the connected nodes for their partitions, before a round's training) or
+``train``. Best effort: a
 failed write never stops the run.
 """
 
@@ -40,8 +42,8 @@ def read_progress(run_dir: Path) -> dict[str, Any] | None:
 
 
 class RoundProgress:
-    """Watches ``grid`` for the run's train messages: when they are pushed (a new round, or a
-    retry within one) and when their replies are pulled, and writes progress.json each time.
+    """Watches ``grid`` for the run's handshake and train messages: when they are pushed (a new
+    round, or a retry within one) and when their replies are pulled, and writes progress.json.
 
     It wraps the grid's own ``push_messages`` / ``pull_messages`` (instance attributes), which
     its ``send_and_receive`` calls: the grid keeps its own loop, pace and timeout (Flower's
@@ -52,14 +54,18 @@ class RoundProgress:
         self.run_dir, self.rounds = Path(run_dir), rounds
         self.state: dict[str, Any] = {}
         self.ids: set[str] = set()
+        self.done = 0  # the last round whose training messages went out
         push, pull = grid.push_messages, grid.pull_messages
 
         def push_messages(messages: Iterable[Message]) -> Iterable[str]:
             messages = list(messages)
             ids = list(push(messages))
-            train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
-            if train:
-                self.sent(int(train[0].metadata.group_id or 0), len(train), ids)
+            kinds = {m.metadata.message_type for m in messages}
+            if MessageType.TRAIN in kinds:
+                train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
+                self.sent(int(train[0].metadata.group_id or 0), "train", len(train), ids)
+            elif MessageType.QUERY in kinds:  # the partition handshake, before a round's training
+                self.sent(self.done + 1, "handshake", len(messages), ids)
             return ids
 
         def pull_messages(message_ids: Iterable[str]) -> Iterable[Message]:
@@ -72,11 +78,13 @@ class RoundProgress:
 
         grid.push_messages, grid.pull_messages = push_messages, pull_messages
 
-    def sent(self, server_round: int, count: int, ids: list[str]) -> None:
-        if self.state.get("round") != server_round:
-            self.state = {"round": server_round, "rounds": self.rounds, "stage": "train",
+    def sent(self, server_round: int, stage: str, count: int, ids: list[str]) -> None:
+        if (self.state.get("round"), self.state.get("stage")) != (server_round, stage):
+            self.state = {"round": server_round, "rounds": self.rounds, "stage": stage,
                           "sampled": 0, "replied": 0, "started": time.time()}
             self.ids = set()
+        if stage == "train":
+            self.done = server_round
         self.state["sampled"] += count  # a retry re-sends to clients that failed
         self.ids |= set(ids)
         write_progress(self.run_dir, self.state)

@@ -128,7 +128,7 @@ class FakeGrid:
 def test_round_progress_counts_the_train_replies_as_the_grid_pulls_them(tmp_path):
     grid = FakeGrid()
     RoundProgress(grid, tmp_path, rounds=5)
-    grid.push_messages([_message(MessageType.QUERY)])  # a handshake is not a round
+    grid.push_messages([_message(MessageType.EVALUATE)])  # federated evaluation is not watched
     assert read_progress(tmp_path) is None
     grid.push_messages([_message(MessageType.TRAIN, "3") for _ in range(4)])
     assert read_progress(tmp_path)["round"] == 3 and read_progress(tmp_path)["replied"] == 0
@@ -191,3 +191,31 @@ def test_live_display_shows_rounds_and_clients(tmp_path):
     text = out.getvalue()
     assert "rounds" in text and "1/4" in text and "test accuracy 50.00%" in text and "ETA 6s" in text
     assert "round 2" in text and "3/5" in text and "clients replied" in text
+
+
+def test_tensorboard_flag_sets_the_run_config(tmp_path):
+    from tools.cli import build_parser
+    from tools.prepare import resolve_config
+
+    def cfg(*flags):
+        args = build_parser().parse_args(["simulate", *flags, "--run-dir", str(tmp_path / "r")])
+        return resolve_config(args)
+
+    assert cfg().tensorboard is True
+    assert cfg("--no-tensorboard").tensorboard is False
+    assert cfg("--set", "tensorboard=false", "--tensorboard").tensorboard is True  # the flag wins
+
+
+def test_the_handshake_before_a_round_is_progress_too(tmp_path):
+    grid = FakeGrid()
+    RoundProgress(grid, tmp_path, rounds=5)
+    grid.push_messages([_message(MessageType.QUERY) for _ in range(3)])
+    grid.replies = [_message("", reply_to="m1")]
+    grid.pull_messages(["m0", "m1", "m2"])
+    state = read_progress(tmp_path)
+    assert (state["round"], state["stage"], state["sampled"], state["replied"]) == (1, "handshake", 3, 1)
+    out = io.StringIO()
+    _write_rows(tmp_path, [{"round": 0, "test_accuracy": 0.1, "test_loss": 2.3}])
+    write_progress(tmp_path, {**state, "started": state["started"] - 20})
+    Progress(tmp_path, 5, live=False, out=out, every=10)()
+    assert "round   1/5  in progress: 1/3 nodes answered the partition handshake  20s" in out.getvalue()

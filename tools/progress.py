@@ -18,6 +18,7 @@ from common.config import RunConfig
 from server.progress import read_progress
 
 EXIT_OK, EXIT_FAILED = 0, 1
+STAGES = {"handshake": "nodes answered the partition handshake", "train": "clients replied"}
 
 
 def duration(seconds: float) -> str:
@@ -87,16 +88,17 @@ class Progress:
     def _in_round(self, state: dict[str, Any] | None) -> None:
         """The round in progress (one that metrics.jsonl does not have yet)."""
         done = self.last["round"] if self.last else -1
-        if not state or state.get("stage") != "train" or state.get("round", 0) <= done:
+        if not state or state.get("stage") not in STAGES or state.get("round", 0) <= done:
             return
         r, replied, sampled = state["round"], state.get("replied", 0), state.get("sampled", 0)
+        what = STAGES[state["stage"]]
         if self._live:
-            self._live.clients(r, replied, sampled)
+            self._live.clients(r, replied, sampled, what)
             return
         elapsed = time.time() - float(state.get("started", time.time()))
         now = time.monotonic()
         if elapsed >= self.every and (self._said_at is None or now - self._said_at >= self.every):
-            print(f"round {r:>3}/{self.rounds}  in progress: {replied}/{sampled} clients replied"
+            print(f"round {r:>3}/{self.rounds}  in progress: {replied}/{sampled} {what}"
                   f"  {duration(elapsed)}", file=self.out, flush=True)
             self._said_at = now
 
@@ -129,9 +131,9 @@ class _LiveBars:
         self.bars.update(self.rounds, completed=row["round"], info=info)
         self.bars.update(self.round, visible=False)
 
-    def clients(self, r: int, replied: int, sampled: int) -> None:
+    def clients(self, r: int, replied: int, sampled: int, what: str) -> None:
         self.bars.update(self.round, description=f"round {r}", total=max(sampled, 1),
-                         completed=replied, info="clients replied", visible=True)
+                         completed=replied, info=what, visible=True)
 
     def stop(self) -> None:
         self.bars.stop()
