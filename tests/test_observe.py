@@ -219,3 +219,14 @@ def test_the_handshake_before_a_round_is_progress_too(tmp_path):
     write_progress(tmp_path, {**state, "started": state["started"] - 20})
     Progress(tmp_path, 5, live=False, out=out, every=10)()
     assert "round   1/5  in progress: 1/3 nodes answered the partition handshake  20s" in out.getvalue()
+
+
+def test_a_resumed_run_redoes_the_clients_rows_past_its_checkpoint(tmp_path):
+    config = fast_config(num_server_rounds=2, run_dir=str(tmp_path / "r"))
+    run_dir, _ = run_inprocess(config, 2)
+    with (run_dir / "clients.jsonl").open("a") as f:  # a row the killed run wrote past its checkpoint
+        f.write(json.dumps({"round": 3, "partition": 0, "status": "stale"}) + "\n")
+    run_inprocess({**config, "num-server-rounds": 3, "resume": True}, 2)
+    rows = clients(run_dir)
+    assert [r["round"] for r in rows] == [1, 1, 2, 2, 3, 3]
+    assert all(r["status"] == "accepted" for r in rows)
