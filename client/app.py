@@ -8,6 +8,7 @@ that later raises; the simulation runtime drops them).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -20,7 +21,7 @@ from client.train import build_rule, local_train, round_generator, rule_outputs
 from common import protocol as P
 from common import registry
 from common.config import RunConfig
-from common.data import client_split, dataset_for
+from common.data import client_split, client_test_split, dataset_for
 from common.evaluate import evaluate as evaluate_model
 from common.models import build_model
 
@@ -87,10 +88,13 @@ def train(msg: Message, context: Context) -> Message:
     state = mirror.load_before(server_round) if mirror else _read_state(context)
     lr = cfg.round_lr(server_round)
     rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
+    held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+    reported = _self_report(cfg, model, data, held_out, "before")
     result = local_train(
         model, data, rule, cfg, lr,
         round_generator(cfg.seed, server_round, node.partition_id),
     )
+    reported.update(_self_report(cfg, model, data, held_out, "after"))
     uploads, new_state = rule_outputs(rule, layout, model)
     content = RecordDict(
         {
@@ -103,6 +107,7 @@ def train(msg: Message, context: Context) -> Message:
                     "train-loss": result.mean_loss,
                     "partition-id": node.partition_id,
                     "nonce": _nonce(msg),
+                    **reported,
                 }
             ),
         }
@@ -121,6 +126,19 @@ def train(msg: Message, context: Context) -> Message:
     log.info("partition %d round %d: %d steps, loss %.4f", node.partition_id, server_round,
              result.num_steps, result.mean_loss)
     return Message(content, reply_to=msg)
+
+
+def _self_report(cfg: RunConfig, model, data, held_out, when: str) -> dict[str, float]:
+    """``client-eval``: loss and accuracy of ``model`` on this client's training data (one
+    forward pass, no gradients) and accuracy on its own held-out data where it has some; the
+    server checks them and writes them to clients.jsonl, never aggregates them."""
+    if not cfg.client_eval:
+        return {}
+    loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
+    out = {f"loss-{when}": loss, f"accuracy-{when}": acc}
+    if held_out is not None and len(held_out):
+        out[f"heldout-accuracy-{when}"] = evaluate_model(model, held_out, cfg.eval_batch_size)[1]
+    return {k: v for k, v in out.items() if math.isfinite(v)}  # an overflowed loss is not reported
 
 
 @app.evaluate()

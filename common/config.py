@@ -43,6 +43,8 @@ class RunConfig:
     dirichlet_alpha: float = 0.5
     classes_per_client: int = 2
     partition_seed: int = -1
+    synthetic_alpha: float = 1.0
+    synthetic_beta: float = 1.0
     # participation and server
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
@@ -76,8 +78,10 @@ class RunConfig:
     clip_norm: float = 0.0
     amp: str = "off"
     eval_batch_size: int = 512
+    client_eval: bool = True  # clients report loss/accuracy before and after training (clients.jsonl)
     # output
     run_dir: str = ""
+    tensorboard: bool = True  # TensorBoard event files in the run directory (when installed)
     # the algorithm's own hyperparameters (``<namespace>.<key>``), parsed by its spec
     params: Any = dataclasses.field(default=None, metadata={"internal": True})
 
@@ -95,8 +99,8 @@ class RunConfig:
         unknown = sorted(k for k in values if k not in known)
         if unknown:
             raise ConfigError(
-                f"unknown run-config key(s): {', '.join(unknown)}. "
-                f"Valid keys: {', '.join(sorted(known))}"
+                f"unknown run-config key(s): {', '.join(unknown)}"
+                f"{did_you_mean(unknown[0], known)}. Valid keys: {', '.join(sorted(known))}"
             )
         kwargs = {by_key[k].name: _coerce(k, v, by_key[k].type) for k, v in values.items() if k in by_key}
         cfg = cls(**kwargs)
@@ -130,6 +134,7 @@ class RunConfig:
             if value not in valid:
                 problems.append(
                     f"{_key(name)}={value!r} is not one of: {', '.join(sorted(valid))}"
+                    f"{did_you_mean(str(value), valid)}"
                 )
 
         def check(ok: bool, message: str) -> None:
@@ -167,6 +172,16 @@ class RunConfig:
         check(_pos(self.dirichlet_alpha) and self.dirichlet_alpha <= 1e6,
               "dirichlet-alpha must be in (0, 1e6] (large values are IID already)")
         check(self.classes_per_client >= 1, "classes-per-client must be >= 1")
+        check(_nonneg(self.synthetic_alpha) and _nonneg(self.synthetic_beta),
+              "synthetic-alpha and synthetic-beta must be finite numbers >= 0")
+        if self.dataset == "synthetic-fedprox":
+            check(self.partition == "natural", "dataset synthetic-fedprox is generated per client: "
+                  "use partition=natural (client i trains on its own generated data)")
+            check(self.num_partitions >= 1, "dataset synthetic-fedprox generates one client per "
+                  "partition: set num-partitions >= 1")
+        elif self.partition == "natural":
+            problems.append(f"partition=natural needs a dataset generated per client "
+                            f"(synthetic-fedprox), not {self.dataset!r}")
         check(-1 <= self.partition_seed <= MAX_SEED,
               f"partition-seed must be in [0, {MAX_SEED}], or -1 (use seed)")
         check(self.num_partitions >= 0,
@@ -213,6 +228,14 @@ class RunConfig:
         from common.datasets import DEFAULT_MODEL
 
         return DEFAULT_MODEL[self.dataset] if self.model == "auto" else self.model
+
+
+def did_you_mean(word: str, options) -> str:
+    """`` (did you mean 'fedsam'?)`` for the closest of ``options``, or ''."""
+    import difflib
+
+    close = difflib.get_close_matches(word, [str(o) for o in options], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _key(field_name: str) -> str:

@@ -15,21 +15,32 @@ from common.datasets import FederatedDataset, Split, load_dataset
 from common.partition import partition_indices
 
 
+def generator_options(cfg: RunConfig) -> dict[str, float]:
+    """The options of a generated dataset: synthetic-fedprox makes one client per partition,
+    from ``synthetic-alpha``, ``synthetic-beta`` and the partition seed."""
+    if cfg.dataset != "synthetic-fedprox":
+        return {}
+    return {"clients": cfg.num_partitions, "alpha": cfg.synthetic_alpha,
+            "beta": cfg.synthetic_beta, "seed": cfg.data_seed()}
+
+
 def dataset_for(cfg: RunConfig, data_dir: str = "") -> FederatedDataset:
     """The run's dataset; a node's own ``data-dir`` wins over the run config's."""
-    return load_dataset(cfg.dataset, data_dir or cfg.data_dir, cfg.download)
+    return load_dataset(cfg.dataset, data_dir or cfg.data_dir, cfg.download, **generator_options(cfg))
 
 
 @functools.lru_cache(maxsize=8)
-def _partitions(dataset: str, data_dir: str, download: bool, scheme: str, n: int,
+def _partitions(dataset: str, data_dir: str, download: bool, generator: tuple, scheme: str, n: int,
                 seed: int, alpha: float, cpc: int) -> tuple[np.ndarray, ...]:
-    labels = load_dataset(dataset, data_dir, download).train.y.numpy()
-    return tuple(partition_indices(labels, n, scheme, seed, alpha=alpha, classes_per_client=cpc))
+    data = load_dataset(dataset, data_dir, download, **dict(generator))
+    return tuple(partition_indices(data.train.y.numpy(), n, scheme, seed, alpha=alpha,
+                                   classes_per_client=cpc, groups=data.train_groups))
 
 
 def partitions_for(cfg: RunConfig, num_partitions: int, data_dir: str = "") -> tuple[np.ndarray, ...]:
     """Indices into the training split, one array per partition id."""
-    return _partitions(cfg.dataset, data_dir or cfg.data_dir, cfg.download, cfg.partition,
+    generator = tuple(sorted(generator_options(cfg).items()))
+    return _partitions(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator, cfg.partition,
                        num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client)
 
 
@@ -41,3 +52,13 @@ def client_split(cfg: RunConfig, partition_id: int, num_partitions: int, data_di
         )
     indices = partitions_for(cfg, num_partitions, data_dir)[partition_id]
     return dataset_for(cfg, data_dir).train.subset(indices)
+
+
+def client_test_split(cfg: RunConfig, partition_id: int, num_partitions: int,
+                      data_dir: str = "") -> Split | None:
+    """A client's own held-out data, where the dataset has some (synthetic-fedprox: the 10%
+    of its generated samples it does not train on); None otherwise."""
+    data = dataset_for(cfg, data_dir)
+    if data.test_groups is None or cfg.partition != "natural":
+        return None
+    return data.test.subset(np.flatnonzero(data.test_groups == partition_id))

@@ -1,12 +1,16 @@
 """Datasets: name -> train/test splits held compactly in memory.
 
-``digits`` (scikit-learn) and ``synthetic`` need no files or network; the torchvision
+Offline, no files: ``digits`` (scikit-learn's bundled images), ``synthetic`` (Gaussian
+classes), ``synthetic-fedprox`` (Synthetic(alpha, beta) of Li et al. 2020, generated per
+client) and ``mnist1d`` (generated from templates by the ``mnist1d`` package). The torchvision
 datasets are read from ``data_dir`` (downloaded there when allowed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -14,11 +18,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
-DATASETS = ("digits", "synthetic", "mnist", "fashion-mnist", "cifar10", "cifar100")
+DATASETS = ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "mnist", "fashion-mnist",
+            "cifar10", "cifar100")
+OFFLINE = ("digits", "synthetic", "synthetic-fedprox", "mnist1d")  # generated or bundled
 
 DEFAULT_MODEL = {
     "digits": "mlp",
     "synthetic": "logreg",
+    "synthetic-fedprox": "logreg",  # FedProx's multinomial logistic regression
+    "mnist1d": "mlp",
     "mnist": "cnn",
     "fashion-mnist": "cnn",
     "cifar10": "lenet",
@@ -82,6 +90,9 @@ class FederatedDataset:
     test: Split
     num_classes: int
     input_shape: tuple[int, ...]
+    # generated per client (synthetic-fedprox): the client each train / test sample belongs to
+    train_groups: np.ndarray | None = None
+    test_groups: np.ndarray | None = None
 
 
 def default_data_dir() -> str:
@@ -89,20 +100,27 @@ def default_data_dir() -> str:
     return os.path.expanduser(os.environ.get("FLATFLOWER_DATA") or "~/.cache/flatflower/data")
 
 
-def load_dataset(name: str, data_dir: str = "", download: bool = True) -> FederatedDataset:
-    """Load dataset ``name`` (cached per process); torchvision data lives in ``data_dir``."""
+def load_dataset(name: str, data_dir: str = "", download: bool = True,
+                 **generator: float) -> FederatedDataset:
+    """Load dataset ``name`` (cached per process); torchvision data lives in ``data_dir``.
+    ``generator``: the options of a generated dataset (synthetic-fedprox: ``clients``,
+    ``alpha``, ``beta``, ``seed``)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     root = os.path.abspath(os.path.expanduser(data_dir or default_data_dir()))
-    return _load_cached(name, root, bool(download))
+    return _load_cached(name, root, bool(download), tuple(sorted(generator.items())))
 
 
-@functools.lru_cache(maxsize=None)
-def _load_cached(name: str, root: str, download: bool) -> FederatedDataset:
+@functools.lru_cache(maxsize=8)
+def _load_cached(name: str, root: str, download: bool, generator: tuple) -> FederatedDataset:
     if name == "digits":
         return _digits()
     if name == "synthetic":
         return _synthetic()
+    if name == "synthetic-fedprox":
+        return synthetic_fedprox(**dict(generator))
+    if name == "mnist1d":
+        return _mnist1d()
     return _torchvision(name, root, download)
 
 
@@ -155,6 +173,61 @@ def _synthetic(
     return FederatedDataset("synthetic", train, sample(n_test), num_classes, (dim,))
 
 
+def synthetic_fedprox(clients: int = 30, alpha: float = 1.0, beta: float = 1.0, seed: int = 0,
+                      dim: int = 60, num_classes: int = 10) -> FederatedDataset:
+    """Synthetic(alpha, beta) of Li et al. 2020 (FedProx, Sec. 5.1), as its generator
+    (``generate_synthetic.py``) draws it: client k has its own model and inputs,
+    u_k ~ N(0, alpha^2), W_k, b_k ~ N(u_k, 1); B_k ~ N(0, beta^2), v_k ~ N(B_k, 1);
+    x ~ N(v_k, diag(j^-1.2)); y = argmax(W_k x + b_k); lognormal(4, 2) + 50 samples, 90% of them
+    its training data and 10% its held-out test data. alpha: how much the clients' models
+    differ, beta: how much their inputs differ (the code draws with standard deviation alpha
+    and beta; the paper says variance). The test split is the union of the clients' held-out
+    data; ``train_groups`` / ``test_groups`` say whose each sample is."""
+    rng = np.random.default_rng([seed, clients])
+    sizes = rng.lognormal(4, 2, clients).astype(int) + 50
+    mean_w = rng.normal(0, alpha, clients)
+    mean_x = rng.normal(rng.normal(0, beta, clients)[:, None], 1, (clients, dim))
+    sd_x = np.arange(1, dim + 1) ** -0.6  # sqrt of the diagonal covariance j^-1.2
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("xtr", "ytr", "gtr", "xte", "yte", "gte")}
+    for k in range(clients):
+        w = rng.normal(mean_w[k], 1, (dim, num_classes))
+        b = rng.normal(mean_w[k], 1, num_classes)
+        x = mean_x[k] + sd_x * rng.normal(size=(sizes[k], dim))
+        y = np.argmax(x @ w + b, axis=1)
+        cut = int(0.9 * sizes[k])
+        for tag, rows in (("tr", slice(None, cut)), ("te", slice(cut, None))):
+            parts["x" + tag].append(x[rows])
+            parts["y" + tag].append(y[rows])
+            parts["g" + tag].append(np.full(len(y[rows]), k))
+    cat = {k: np.concatenate(v) for k, v in parts.items()}
+    train = _split(cat["xtr"].astype(np.float32), cat["ytr"].astype(np.int64))
+    test = _split(cat["xte"].astype(np.float32), cat["yte"].astype(np.int64))
+    return FederatedDataset("synthetic-fedprox", train, test, num_classes, (dim,),
+                            train_groups=cat["gtr"], test_groups=cat["gte"])
+
+
+def _mnist1d() -> FederatedDataset:
+    """MNIST-1D (Greydanus 2020): 4000 train / 1000 test sequences of 40 values, 10 classes,
+    generated from the package's templates with its default arguments (seed 42), no
+    download. The package seeds numpy's and Python's global RNGs; they are restored."""
+    import random
+
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError:
+        raise DatasetUnavailableError("dataset 'mnist1d' needs the mnist1d package "
+                                      "(pip install mnist1d)") from None
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        data = make_dataset(get_dataset_args())
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    train = _split(data["x"].astype(np.float32), data["y"].astype(np.int64))
+    test = _split(data["x_test"].astype(np.float32), data["y_test"].astype(np.int64))
+    return FederatedDataset("mnist1d", train, test, 10, (data["x"].shape[1],))
+
+
 def _split(x: np.ndarray, y: np.ndarray) -> Split:
     x_t, y_t = (torch.from_numpy(np.ascontiguousarray(a)) for a in (x, y))
     return Split(x_t, y_t)
@@ -166,11 +239,14 @@ def _torchvision(name: str, root: str, download: bool) -> FederatedDataset:
 
     cls_name, num_classes, mean, std = _TORCHVISION[name]
     cls = getattr(tvd, cls_name)
+    before = _existing_dirs(root)
     try:
-        train, test = (cls(root, train=flag, download=download) for flag in (True, False))
+        with contextlib.redirect_stdout(io.StringIO()):  # torchvision prints every mirror it tries
+            train, test = (cls(root, train=flag, download=download) for flag in (True, False))
         splits = [_tv_split(ds, mean, std) for ds in (train, test)]
     except Exception as exc:  # torchvision raises RuntimeError, OSError, URLError, ...
-        raise DatasetUnavailableError(_unavailable_message(name, root, download, exc)) from exc
+        _remove_new_empty_dirs(root, before)
+        raise DatasetUnavailableError(_unavailable_message(name, root, download, exc)) from None
     shape = tuple(splits[0].x.shape[1:])
     return FederatedDataset(name, splits[0], splits[1], num_classes, shape)
 
@@ -182,15 +258,35 @@ def _tv_split(ds, mean: tuple[float, ...], std: tuple[float, ...]) -> Split:
     return Split(x.contiguous(), y, mean=mean, std=std, scale=255.0)
 
 
+def _existing_dirs(root: str) -> set[str]:
+    return {d for d, _, _ in os.walk(root)} if os.path.isdir(root) else set()
+
+
+def _remove_new_empty_dirs(root: str, before: set[str]) -> None:
+    """Remove the empty folders a failed torchvision load created (deepest first)."""
+    for d in sorted(_existing_dirs(root) - before, key=len, reverse=True):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass  # not empty: something was downloaded
+    if root not in before and os.path.isdir(root):
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
+
+
 def _unavailable_message(name: str, root: str, download: bool, exc: Exception) -> str:
     how = (
         "the download failed - this machine may be offline"
         if download
         else "downloading is disabled (download=false)"
     )
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    cause = f"{type(exc).__name__}: {lines[0][:160]}" if lines else type(exc).__name__
     return (
         f"dataset {name!r} is not available: it was not found in {root} and {how} "
-        f"({type(exc).__name__}: {exc}). To fix: put the dataset files in {root} "
+        f"({cause}). To fix: put the dataset files in {root} "
         f"(the layout torchvision expects), or set data-dir / $FLATFLOWER_DATA to a "
         f"directory that holds them, or allow download (download=true) on a machine "
         f"with network access."

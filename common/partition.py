@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PARTITIONS = ("iid", "dirichlet", "dirichlet-balanced", "pathological")
+PARTITIONS = ("iid", "dirichlet", "dirichlet-balanced", "pathological", "natural")
 
 _MAX_DIRICHLET_TRIES = 1000
 
@@ -24,12 +24,24 @@ def partition_indices(
     seed: int,
     alpha: float = 0.5,
     classes_per_client: int = 2,
+    groups: np.ndarray | None = None,
 ) -> list[np.ndarray]:
-    """Indices into ``labels`` for each of ``num_partitions`` clients under ``scheme``."""
+    """Indices into ``labels`` for each of ``num_partitions`` clients under ``scheme``;
+    ``natural``: partition i = the samples whose ``groups`` entry is i (a dataset generated per
+    client)."""
     labels = np.asarray(labels)
     _validate(labels, num_partitions, scheme, alpha, classes_per_client)
     rng = np.random.default_rng(seed)
-    if scheme == "iid":
+    if scheme == "natural":
+        if groups is None:
+            raise PartitionError("partition 'natural' needs a dataset generated per client "
+                                 "(synthetic-fedprox); use iid, dirichlet, ... for this one")
+        groups = np.asarray(groups)
+        if len(groups) != len(labels) or groups.max() >= num_partitions:
+            raise PartitionError(f"partition 'natural': the dataset was generated for "
+                                 f"{int(groups.max()) + 1} clients, not {num_partitions}")
+        parts = [np.flatnonzero(groups == i) for i in range(num_partitions)]
+    elif scheme == "iid":
         parts = np.array_split(rng.permutation(len(labels)), num_partitions)
     elif scheme == "dirichlet":
         parts = _dirichlet(labels, num_partitions, alpha, rng)

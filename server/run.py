@@ -23,7 +23,10 @@ from common.data import dataset_for, partitions_for
 from common.evaluate import evaluate
 from common.models import build_model
 from common.registry import get as get_spec
+from server.clients import client_rows
+from server.progress import RoundProgress
 from server.rundir import RunDir, check_resumable, default_run_dir, load_checkpoint
+from server.tensorboard import Board
 from strategies.base import RoundStats, all_finite
 from strategies.participation import exchange
 
@@ -62,6 +65,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         strategy.load_state_dict(ckpt["strategy"])
         first = ckpt["round"] + 1
         run_dir.truncate_metrics(ckpt["round"])
+        run_dir.truncate_metrics(ckpt["round"], "clients.jsonl")
         log.info("resuming from the checkpoint of round %d", ckpt["round"])
     else:
         run_dir.save_model("model_init.pt", model.state_dict())
@@ -71,10 +75,21 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         model.load_state_dict(strategy.model)
         return evaluate(model, data.test, cfg.eval_batch_size)
 
+    board = Board(run_dir.path, cfg.tensorboard)
+    try:
+        return _rounds(grid, cfg, run_dir, strategy, central_eval, first, board, t_start)
+    finally:
+        board.close()
+
+
+def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval, first: int,
+            board: Board, t_start: float) -> Path:
     loss, acc = central_eval()
     if not cfg.resume:
         run_dir.append_metrics({"round": 0, "test_accuracy": acc, "test_loss": loss})
+        board.add_round({"round": 0, "test_accuracy": acc, "test_loss": loss})
         log.info("round 0: test accuracy %.4f, loss %.4f", acc, loss)
+    RoundProgress(grid, run_dir.path, cfg.num_server_rounds)  # progress.json inside each round
     skipped = 0
     for rnd in range(first, cfg.num_server_rounds + 1):
         t_round = time.monotonic()
@@ -91,7 +106,10 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         loss, acc = central_eval()
         row.update({"test_accuracy": acc, "test_loss": loss, **round_fields(stats),
                     "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})
+        clients = client_rows(strategy, rnd)
+        run_dir.append_rows("clients.jsonl", clients)
         run_dir.append_metrics(row)  # before the checkpoint: a resume redoes rows past it
+        board.add_round(row, clients)
         if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.num_server_rounds):
             run_dir.save_checkpoint(cfg, rnd, strategy.state_dict())
         log.info("round %d: test accuracy %.4f, loss %.4f, clients %d/%d ok, %.1fs", rnd, acc, loss,

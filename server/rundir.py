@@ -3,6 +3,9 @@
     config.json      resolved run config + versions + seed
     partition.json   partition id -> indices into the training split
     metrics.jsonl    one line per round (round 0 = the initial model)
+    clients.jsonl    one line per sampled client per round (server/clients.py)
+    progress.jsonl   events inside a round (server/progress.py), for the CLI's live display
+    events.out.tfevents.*  TensorBoard (server/tensorboard.py), when it is installed
     model_init.pt    state_dict before round 1
     model_final.pt   state_dict after the last round
     summary.json     final accuracy, rounds, wall time (written when the run ends)
@@ -102,7 +105,7 @@ CHECKPOINT_FORMAT = 2  # 2: participation state (N, partition sizes) inside the 
 # client-state-dir too: the clients' duals and control variates live there).
 RESUME_MAY_CHANGE = ("num-server-rounds", "resume", "run-dir", "round-timeout", "node-wait-timeout",
                      "min-available-nodes", "checkpoint-every", "data-dir",
-                     "download", "fraction-evaluate", "eval-batch-size")
+                     "download", "fraction-evaluate", "eval-batch-size", "client-eval", "tensorboard")
 
 
 def load_checkpoint(run_dir: str | Path) -> dict:
@@ -168,17 +171,21 @@ class RunDir:
         })
 
     def append_metrics(self, row: Mapping[str, Any]) -> None:
-        path = self.path / "metrics.jsonl"
+        self.append_rows("metrics.jsonl", [row])
+
+    def append_rows(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Append JSON lines to ``name`` (metrics.jsonl, clients.jsonl)."""
+        path = self.path / name
         try:
             with open(path, "a") as f:
-                f.write(json.dumps(dict(row)) + "\n")
+                f.write("".join(json.dumps(dict(row)) + "\n" for row in rows))
                 f.flush()
         except OSError as err:
             raise RunWriteError(f"cannot write {path}: {err.strerror or err}") from None
 
-    def truncate_metrics(self, last_round: int) -> None:
+    def truncate_metrics(self, last_round: int, name: str = "metrics.jsonl") -> None:
         """Keep the complete rows of rounds <= last_round (a resumed run redoes the rest)."""
-        path = self.path / "metrics.jsonl"
+        path = self.path / name
         rows = []
         for line in path.read_text().splitlines() if path.exists() else []:
             try:

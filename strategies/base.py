@@ -95,6 +95,8 @@ class FlatStrategy(FlowerFedAvg):
         self.participation = Participation(cfg, partition_sizes)
         self.aggregator = Aggregator.from_config(cfg)
         self.stats = RoundStats()
+        self.failure_reasons: dict[int, str] = {}  # this round's failed partitions -> why
+        self.accepted: tuple[OrderedDict, list[ClientUpdate]] = (self.model, [])  # start point, updates
         self._messages: list[Message] = []  # this round's train messages (ids map error replies)
         self._nonce = 0  # this round's train nonce, echoed by every valid reply
         self._eval_messages: list[Message] = []
@@ -167,6 +169,7 @@ class FlatStrategy(FlowerFedAvg):
                     pid, node, why)
 
     def _failed(self, server_round: int, pid: int, node: int, why: str) -> None:
+        self.failure_reasons[pid] = why
         self.stats.clients_failed += 1
         self.stats.failed_partitions.append(pid)
         self.stats.failures.append({"partition": pid, "node": node, "reason": why})
@@ -182,6 +185,7 @@ class FlatStrategy(FlowerFedAvg):
     ) -> Iterable[Message]:
         """Sample clients and send each the model, the round config and the extra records."""
         self.stats = RoundStats()
+        self.failure_reasons = {}
         self.model = P.from_record(arrays)
         available = self.available_partitions(grid)
         chosen = self.participation.sample(server_round, list(available), self.fraction_train)
@@ -290,6 +294,7 @@ class FlatStrategy(FlowerFedAvg):
         the round is skipped: model and server state stay as they were."""
         self.stats.clients_replied = len(updates) + self.stats.clients_rejected
         updates = self.reject_outliers(server_round, updates)
+        self.accepted = (self.start_point(), updates)  # for the per-client record (server/clients.py)
         needed = max(self.cfg.min_replies, self.aggregator.required())
         reason = None
         if len(updates) < needed:

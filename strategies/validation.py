@@ -47,6 +47,7 @@ class ClientUpdate:
     train_loss: float
     model: OrderedDict  # w_i, the local model after training
     records: dict[str, OrderedDict] = field(default_factory=dict)  # the algorithm's uploads
+    reported: dict[str, float] = field(default_factory=dict)  # REPORTED metrics: for clients.jsonl only
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def metric(metrics: Any, key: str, kind: type = float, low: float = -math.inf,
     value = metrics[key]
     allowed = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, allowed):
-        raise RejectedReply(f"metric '{key}'={str(value)[:40]} is not a{'' if kind is int else 'n'} "
+        raise RejectedReply(f"metric '{key}'={str(value)[:40]} is not a "
                             f"{'whole number' if kind is int else 'number'}")
     if not math.isfinite(value) or not low <= value <= high:
         raise RejectedReply(f"metric '{key}'={value} is out of range [{low:g}, {high:g}]")
@@ -148,6 +149,21 @@ def check_identity(metrics: Any, expected: Expected) -> None:
                             f"has {expected.num_examples}")
 
 
+# Optional train-reply metrics a client may add about itself (client/app.py): checked like every
+# metric (a bad one refuses the reply), written to clients.jsonl, never used for aggregation.
+REPORTED = {  # key -> upper bound (all >= 0)
+    "loss-before": math.inf, "loss-after": math.inf,  # on its training data, before / after training
+    "accuracy-before": 1.0, "accuracy-after": 1.0,
+    "heldout-accuracy-before": 1.0, "heldout-accuracy-after": 1.0,  # on its own held-out data
+}
+
+
+def reported_metrics(metrics: Any) -> dict[str, float]:
+    """The REPORTED metrics present in a reply, each finite and in range (else RejectedReply)."""
+    return {key: float(metric(metrics, key, float, 0.0, high)) for key, high in REPORTED.items()
+            if key in metrics}
+
+
 # ---------------------------------------------------------------------------- replies
 def parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientUpdate:
     """The reply as a ClientUpdate, or RejectedReply with the reason."""
@@ -172,6 +188,7 @@ def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> Client
         num_examples=expected.num_examples,
         num_steps=expected.num_steps,
         train_loss=train_loss,
+        reported=reported_metrics(metrics),
         model=parse_record(P.MODEL, content.array_records[P.MODEL], expected.layout),
         records={name: parse_record(name, content.array_records[name], expected.layout)
                  for name in expected.uploads},

@@ -97,6 +97,11 @@ def check_cli(argv: list[str], tmp: Path, capfd, caplog, code: int, message: str
 CONFIG_CASES = [
     # names
     pytest.param(["--algorithm", "fedfoo"], "algorithm='fedfoo' is not one of:", id="algorithm-unknown"),
+    pytest.param(["--algorithm", "fedsma"], "(did you mean 'fedsam'?)", id="algorithm-misspelt"),
+    pytest.param(["--set", "sam.roh=0.1"], "unknown run-config key(s): sam.roh (did you mean 'sam.rho'?)",
+                 id="key-misspelt"),
+    pytest.param(["--preset", "digits-quik"], "unknown preset 'digits-quik' (did you mean 'digits-quick'?)",
+                 id="preset-misspelt"),
     pytest.param(["--set", "learning-rate=0.1"], "unknown run-config key(s): learning-rate", id="key-unknown"),
     pytest.param(["--set", "=1"], "--set expects key=value, got '=1'", id="key-empty"),
     pytest.param(["--set", "lr"], "--set expects key=value, got 'lr'", id="set-without-equals"),

@@ -201,18 +201,31 @@ def test_round_lr_decays_geometrically() -> None:
 
 
 EXPECTED_AUTO_MODEL = {
-    "digits": "mlp", "synthetic": "logreg", "mnist": "cnn", "fashion-mnist": "cnn",
-    "cifar10": "lenet", "cifar100": "lenet",
+    "digits": "mlp", "synthetic": "logreg", "synthetic-fedprox": "logreg", "mnist1d": "mlp",
+    "mnist": "cnn", "fashion-mnist": "cnn", "cifar10": "lenet", "cifar100": "lenet",
 }
+GENERATED_PER_CLIENT = {"partition": "natural", "num-partitions": 4}
 
 
 @pytest.mark.parametrize("dataset", DATASETS)
 def test_resolved_model_auto_per_dataset(dataset: str) -> None:
-    cfg = RunConfig.from_mapping({"dataset": dataset})
+    extra = GENERATED_PER_CLIENT if dataset == "synthetic-fedprox" else {}
+    cfg = RunConfig.from_mapping({"dataset": dataset, **extra})
     assert cfg.model == "auto"
     assert cfg.resolved_model() == EXPECTED_AUTO_MODEL[dataset]
-    assert RunConfig.from_mapping({"dataset": dataset, "model": "resnet18-gn"}).resolved_model() \
-        == "resnet18-gn"
+    assert RunConfig.from_mapping({"dataset": dataset, "model": "resnet18-gn", **extra}) \
+        .resolved_model() == "resnet18-gn"
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"dataset": "synthetic-fedprox", "num-partitions": 4}, "use partition=natural"),
+    ({"dataset": "synthetic-fedprox", "partition": "natural"}, "set num-partitions >= 1"),
+    ({"dataset": "digits", "partition": "natural"}, "partition=natural needs a dataset generated"),
+    ({"synthetic-alpha": -1.0}, "synthetic-alpha and synthetic-beta must be"),
+])
+def test_generated_per_client_dataset_rules(values, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_mapping(values)
 
 
 def test_to_dict_from_mapping_round_trip() -> None:

@@ -170,3 +170,96 @@ def test_cifar_layout_becomes_nchw() -> None:
     assert split.x.shape == (2, 3, 4, 4) and split.x.dtype == torch.uint8
     assert torch.equal(split.x[1, 2], torch.from_numpy(FakeCifar.data[1, :, :, 2]))
     assert split.y.dtype == torch.int64 and split.y.tolist() == [3, 7]
+
+
+def test_synthetic_fedprox_is_generated_per_client() -> None:
+    ds = load_dataset("synthetic-fedprox", clients=6, alpha=1.0, beta=1.0, seed=0)
+    assert ds.input_shape == (60,) and ds.num_classes == 10 and ds.train.x.dtype == torch.float32
+    assert set(ds.train_groups.tolist()) == set(ds.test_groups.tolist()) == set(range(6))
+    train_sizes, test_sizes = np.bincount(ds.train_groups), np.bincount(ds.test_groups)
+    assert train_sizes.min() >= 45 and np.all(test_sizes == (train_sizes + test_sizes) - train_sizes)
+    assert np.all(train_sizes == ((train_sizes + test_sizes) * 0.9).astype(int))  # 90% / 10% per client
+    # each client draws its own model: the clients' label distributions differ
+    hists = np.stack([np.bincount(ds.train.y.numpy()[ds.train_groups == k], minlength=10)
+                      for k in range(6)]).astype(float)
+    hists /= hists.sum(1, keepdims=True)
+    assert 0.5 * np.abs(hists[:, None] - hists[None]).sum(-1).max() > 0.5
+    again = load_dataset("synthetic-fedprox", clients=6, alpha=1.0, beta=1.0, seed=0)
+    assert torch.equal(ds.train.x, again.train.x)
+    other = datasets.synthetic_fedprox(clients=6, alpha=1.0, beta=1.0, seed=1)
+    assert not torch.equal(ds.train.x[:10], other.train.x[:10])
+
+
+def test_synthetic_fedprox_beta_spreads_the_clients_inputs() -> None:
+    def spread(beta: float) -> float:
+        ds = datasets.synthetic_fedprox(clients=20, alpha=0.0, beta=beta, seed=0)
+        means = [ds.train.x[ds.train_groups == k].mean().item() for k in range(20)]
+        return float(np.std(means))
+
+    assert spread(5.0) > 3 * spread(0.0)
+
+
+def test_client_test_split_is_the_clients_held_out_data() -> None:
+    from common.config import RunConfig
+    from common.data import client_split, client_test_split
+
+    cfg = RunConfig.from_mapping({"dataset": "synthetic-fedprox", "partition": "natural",
+                                  "num-partitions": 5})
+    ds = load_dataset("synthetic-fedprox", clients=5, alpha=1.0, beta=1.0, seed=0)
+    held_out = client_test_split(cfg, 3, 5)
+    assert len(held_out) == int((ds.test_groups == 3).sum()) > 0
+    assert len(client_split(cfg, 3, 5)) == int((ds.train_groups == 3).sum())
+    assert client_test_split(RunConfig.from_mapping({"dataset": "digits"}), 0, 4) is None
+
+
+def test_mnist1d_is_generated_offline_and_leaves_global_rngs_alone() -> None:
+    import random
+
+    np.random.seed(123)
+    random.seed(123)
+    expected = (np.random.random(), random.random())
+    np.random.seed(123)
+    random.seed(123)
+    ds = datasets._mnist1d()
+    assert (np.random.random(), random.random()) == expected
+    assert (len(ds.train), len(ds.test)) == (4000, 1000)
+    assert ds.input_shape == (40,) and ds.num_classes == 10
+    assert torch.bincount(ds.train.y).min() > 350
+    assert torch.equal(ds.train.x, datasets._mnist1d().train.x)
+
+
+def test_missing_mnist_is_one_line_and_leaves_no_empty_folders(tmp_path, monkeypatch, capsys) -> None:
+    """An offline download (simulated: torchvision makes its folders, prints each mirror, then
+    raises a many-line error) is one line, prints nothing else and leaves no empty folders."""
+    import torchvision.datasets as tvd
+
+    def offline_download(self) -> None:
+        (tmp_path / "data" / "MNIST" / "raw").mkdir(parents=True)
+        print("Downloading https://mirror-1/...\nFailed to download (trying next):")
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz:\nTried mirror-1, got:\nno route")
+
+    monkeypatch.setattr(tvd.MNIST, "download", offline_download)
+    root = tmp_path / "data"
+    with pytest.raises(DatasetUnavailableError) as info:
+        load_dataset("mnist", data_dir=str(root), download=True)
+    assert "\n" not in str(info.value) and "Error downloading train-images" in str(info.value)
+    assert "mirror" not in capsys.readouterr().out
+    assert not root.exists()
+
+
+def test_data_check_says_what_is_usable_offline(tmp_path, capsys) -> None:
+    from tools.cli import main as cli
+
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, n in (("train", 6), ("t10k", 4)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", 0x803, np.zeros((n, 28, 28)))
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", 0x801, np.arange(n) % 10)
+    assert cli(["data", "check", "--data-dir", str(tmp_path)]) == 0
+    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()}
+    assert set(lines) == set(DATASETS)
+    for name in ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "mnist"):
+        assert lines[name].startswith("ok "), lines[name]
+    assert "6 train / 4 test" in lines["mnist"]
+    assert lines["cifar10"].startswith("missing ") and "needs a download" in lines["cifar10"]
+    assert str(tmp_path / "cifar-10-batches-py") in lines["cifar10"]

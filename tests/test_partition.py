@@ -13,8 +13,11 @@ DIGITS = load_digits().target
 LABEL_SETS = {"synthetic": SYNTHETIC, "digits": DIGITS}
 
 
+LABEL_SCHEMES = [s for s in PARTITIONS if s != "natural"]  # natural: the dataset's own clients
+
+
 def _cases():
-    for scheme in PARTITIONS:
+    for scheme in LABEL_SCHEMES:
         for name in LABEL_SETS:
             yield pytest.param(scheme, name, id=f"{scheme}-{name}")
 
@@ -34,7 +37,7 @@ def test_partition_is_valid_and_deterministic(scheme: str, labels_name: str) -> 
     assert not all(np.array_equal(a, b) for a, b in zip(parts, other))
 
 
-@pytest.mark.parametrize("scheme", PARTITIONS)
+@pytest.mark.parametrize("scheme", LABEL_SCHEMES)
 def test_single_partition_holds_everything(scheme: str) -> None:
     (part,) = partition_indices(DIGITS, 1, scheme, seed=0, classes_per_client=10)
     assert np.array_equal(part, np.arange(len(DIGITS)))
@@ -131,3 +134,13 @@ def test_dirichlet_gives_up_with_advice() -> None:
 
 def test_partition_error_is_a_value_error() -> None:
     assert issubclass(PartitionError, ValueError)
+
+
+def test_natural_partition_is_the_generated_clients() -> None:
+    groups = np.array([2, 0, 1, 2, 0, 2])
+    parts = partition_indices(np.zeros(6, dtype=int), 3, "natural", seed=0, groups=groups)
+    assert [p.tolist() for p in parts] == [[1, 4], [2], [0, 3, 5]]
+    with pytest.raises(PartitionError, match="generated for 3 clients, not 2"):
+        partition_indices(np.zeros(6, dtype=int), 2, "natural", seed=0, groups=groups)
+    with pytest.raises(PartitionError, match="needs a dataset generated per client"):
+        partition_indices(np.zeros(6, dtype=int), 3, "natural", seed=0)

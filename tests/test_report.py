@@ -209,3 +209,85 @@ def test_main_missing_directory_returns_2(tmp_path: Path, capsys: pytest.Capture
     assert str(missing) in err
     assert "Traceback" not in err
     assert not (tmp_path / "x.png").exists()
+
+
+# ---------------------------------------------------------------- settings, units, CSV, drift
+def _with_config(run_dir: Path, **config) -> Path:
+    data = json.loads((run_dir / "config.json").read_text())
+    data["config"].update({k.replace("_", "-"): v for k, v in config.items()})
+    (run_dir / "config.json").write_text(json.dumps(data))
+    return run_dir
+
+
+SAME = dict(num_partitions=20, num_server_rounds=6, partition="dirichlet", dirichlet_alpha=0.1,
+            partition_seed=0)
+
+
+def test_runs_of_different_settings_are_flagged_or_refused(tmp_path: Path, capsys) -> None:
+    a = _with_config(write_run(tmp_path, "a", ACC), **SAME)
+    b = _with_config(write_run(tmp_path, "b", ACC, seed=1), **SAME)
+    c = _with_config(write_run(tmp_path, "c", ACC), **{**SAME, "num_partitions": 3, "dirichlet_alpha": 0.5})
+    out = str(tmp_path / "p.png")
+    assert main([str(a), str(b), "--out", out]) == 0
+    assert "warning" not in capsys.readouterr().err  # two seeds of one setting
+    assert main([str(a), str(c), "--out", out]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the runs have different settings")
+    assert "clients: 20 (a); 3 (c)" in err and "partition: dirichlet(0.1)" in err
+    assert "dirichlet(0.5)" in err and "rounds" not in err and "dataset" not in err
+    assert main([str(a), str(c), "--strict", "--out", out]) == 2
+    assert capsys.readouterr().err.startswith("error: the runs have different settings")
+
+
+def test_bytes_are_printed_in_human_units(tmp_path: Path) -> None:
+    from tools.report import human_bytes
+
+    assert [human_bytes(n) for n in (999, 3_898_000, 23_400_000_000)] == ["999 B", "3.90 MB", "23.40 GB"]
+    text = render_table([{"algorithm": "fedsam", "bytes_total": 3_898_000.0}], "t")
+    assert "3.90 MB" in text and "3898000" not in text
+
+
+def test_csv_has_every_round_of_every_run(tmp_path: Path) -> None:
+    import csv
+
+    dirs = [write_run(tmp_path, f"r{s}", ACC[:3], seed=s) for s in range(2)]
+    out = tmp_path / "rounds.csv"
+    assert main([*map(str, dirs), "--out", str(tmp_path / "p.png"), "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 6 and rows[0]["run"] == str(dirs[0]) and rows[0]["algorithm"] == "fedsam"
+    assert [r["round"] for r in rows] == ["0", "1", "2"] * 2 and rows[4]["seed"] == "1"
+    assert float(rows[2]["test_accuracy"]) == pytest.approx(ACC[2]) and rows[2]["bytes_up"] == "20"
+
+
+def _write_clients(run_dir: Path, cosines: dict[int, list[float]]) -> None:
+    lines = [json.dumps({"round": r, "partition": i, "status": "accepted", "cosine_to_mean": c,
+                         "update_norm": 1.0 + i}) for r, cs in cosines.items() for i, c in enumerate(cs)]
+    (run_dir / "clients.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_client_drift_table_and_plot(tmp_path: Path, capsys) -> None:
+    from tools.report import drift_by_algorithm
+
+    a = write_run(tmp_path, "a", ACC[:3], algorithm="fedavg")
+    b = write_run(tmp_path, "b", ACC[:3], algorithm="fedtoga")
+    _write_clients(a, {1: [0.2, 0.4], 2: [0.4, 0.6]})
+    _write_clients(b, {1: [0.9, 0.7], 2: [1.0, 0.8]})
+    rows = drift_by_algorithm([load_run(a), load_run(b)])
+    assert [r["algorithm"] for r in rows] == ["fedavg", "fedtoga"]
+    assert rows[0]["cosine_mean"] == pytest.approx(0.4) and rows[0]["cosine_min"] == pytest.approx(0.3)
+    assert rows[1]["cosine_mean"] == pytest.approx(0.85)
+    assert rows[0]["norm_spread"] == pytest.approx(np.std([1, 2]) / 1.5)
+    png = tmp_path / "p.png"
+    assert main([str(a), str(b), "--out", str(png)]) == 0
+    assert "Client drift per algorithm" in capsys.readouterr().out
+    assert (tmp_path / "p-drift.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_seed_curves_carry_their_std(tmp_path: Path) -> None:
+    from tools.report import _curves
+
+    runs = [load_run(write_run(tmp_path, f"r{s}", acc, seed=s))
+            for s, acc in enumerate(([0.1, 0.5, 0.7], [0.1, 0.7, 0.9]))]
+    ((label, x, mean, std),) = _curves(runs, lambda run: run.rounds)
+    assert "mean ± std of 2" in label and x == [0, 1, 2]
+    assert mean == pytest.approx([0.1, 0.6, 0.8]) and std == pytest.approx([0.0, 0.1, 0.1])

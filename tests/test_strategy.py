@@ -89,6 +89,12 @@ REJECTED = [
     ("partition-mismatch", dict(metrics={"partition-id": 2}), "reply claims partition 2, node holds 1"),
     ("no-nonce", dict(metrics={"nonce": None}), "metrics lack 'nonce'"),
     ("stale-nonce", dict(metrics={"nonce": 8}), "does not echo this message's nonce"),
+    # what a client reports about itself (clients.jsonl only) is checked like every metric
+    ("loss-before-nan", dict(metrics={"loss-before": float("nan")}), "'loss-before'=nan is out of range"),
+    ("loss-after-negative", dict(metrics={"loss-after": -0.5}), "'loss-after'=-0.5 is out of range"),
+    ("accuracy-above-1", dict(metrics={"heldout-accuracy-after": 1.5}),
+     "'heldout-accuracy-after'=1.5 is out of range [0, 1]"),
+    ("accuracy-list", dict(metrics={"accuracy-before": [0.5, 0.6]}), "is not a number"),
 ]
 
 
@@ -103,8 +109,14 @@ def test_invalid_reply_is_rejected(make_message, case: str, patch: dict, expecte
 def test_valid_reply_is_accepted(make_message) -> None:
     update = parse_train_reply(make_message(reply_content()), 1001, EXPECTED)
     assert (update.node_id, update.partition_id, update.num_examples, update.num_steps) == (1001, 1, 500, 2)
-    assert update.train_loss == 1.5 and update.records == {}
+    assert update.train_loss == 1.5 and update.records == {} and update.reported == {}
     assert all(torch.equal(update.model[k], MODEL[k]) for k in MODEL)
+
+
+def test_reported_metrics_are_kept_for_the_record(make_message) -> None:
+    reported = {"loss-before": 2.5, "loss-after": 0.25, "accuracy-after": 0.75}
+    update = parse_train_reply(make_message(reply_content(metrics=reported)), 1001, EXPECTED)
+    assert update.reported == reported and update.num_examples == 500
 
 
 def test_upload_records_are_validated_too(make_message) -> None:

@@ -79,3 +79,26 @@ def test_partition_seed_decouples_the_partition_from_the_seed(tmp_path):
     assert all((x == y).all() for x, y in zip(a, b))
     c, d = (partitions_for(RunConfig.from_mapping({**base, "seed": s}), 4) for s in (0, 1))
     assert any(len(x) != len(y) or (x != y).any() for x, y in zip(c, d))
+
+
+def test_jobs_run_in_parallel_processes_with_their_logs_and_one_report(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert sweep(out, "--jobs", "2", algorithms="fedavg,fedsam", seeds="0") == 0
+    text = capsys.readouterr().out
+    assert "sweep: started fedavg-s0 (1/2)" in text and "sweep: fedsam-s0 finished" in text
+    for name in ("fedavg-s0", "fedsam-s0"):
+        assert (out / name / "summary.json").is_file()
+        assert "final test accuracy" in (out / f"{name}.log").read_text()  # the run's own output
+    parts = {(out / n / "partition.json").read_text() for n in ("fedavg-s0", "fedsam-s0")}
+    assert len(parts) == 1
+    report = json.loads((out / "report.json").read_text())
+    assert [r["algorithm"] for r in report["runs"]] == ["fedavg", "fedsam"]
+
+
+def test_jobs_with_bad_options_start_nothing(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert sweep(out, "--jobs", "2", "--set", "lr=-1", algorithms="fedavg,fedsam", seeds="0") == 2
+    assert "lr must be a finite number > 0" in capsys.readouterr().err
+    assert not list(out.glob("*.log")) and not (out / "fedavg-s0").exists()
+    assert sweep(out, "--jobs", "0", algorithms="fedavg", seeds="0") == 2
+    assert "--jobs must be >= 1" in capsys.readouterr().err

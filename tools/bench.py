@@ -157,7 +157,11 @@ def _algorithm_seconds(name: str, overrides: dict, settings: Settings, x, y, ini
     return seconds, result.num_steps, counter.grads, counter.forwards
 
 
-def bench_compute(settings: Settings) -> list[dict[str, Any]]:
+def _silent(text: str) -> None:
+    """The default ``say``: no progress output."""
+
+
+def bench_compute(settings: Settings, say=_silent) -> list[dict[str, Any]]:
     """Per variant, the fastest of ``repeats`` timed rounds against the fastest of the
     ``repeats`` plain SGD rounds timed between them: load from other processes only ever adds
     time, so minima are the steadier estimate."""
@@ -169,7 +173,8 @@ def bench_compute(settings: Settings) -> list[dict[str, Any]]:
     baseline = build_model(settings.model, settings.input_shape, settings.num_classes, seed=0).to(device)
     _plain_sgd_seconds(baseline, x, y, 3, 0.01, device)  # warm-up (allocator, kernels)
     rows = []
-    for label, name, overrides in VARIANTS:
+    for i, (label, name, overrides) in enumerate(VARIANTS, 1):
+        say(f"compute: {label} ({i}/{len(VARIANTS)})")
         times, sgd_times = [], []
         for _ in range(settings.repeats):  # interleaved with the baseline
             sgd_times.append(_plain_sgd_seconds(baseline, x, y, settings.steps, 0.01, device))
@@ -193,6 +198,8 @@ def _overhead_config(run_dir: Path, quick: bool) -> dict[str, Any]:
     """FedAvg on digits, iid: 1 local epoch of the MLP (quick) or 5 of the CNN."""
     return {"algorithm": "fedavg", "dataset": "digits", "partition": "iid",
             "model": "mlp" if quick else "cnn", "local-epochs": 1 if quick else 5,
+            # the same work as Flower's FedAvg app: no client self-report passes, no event files
+            "client-eval": False, "tensorboard": False,
             "num-server-rounds": 3, "checkpoint-every": 0, "run-dir": str(run_dir)}
 
 
@@ -261,8 +268,9 @@ def _plain_flower_fedavg_seconds(cfg: RunConfig, clients: int) -> list[float]:
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     grid = InProcessGrid(plain, clients, cfg.to_dict())
-    strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients,
+    strategy = FedAvg(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=clients,
                       min_available_nodes=clients)
+    strategy.fraction_evaluate = 0.0  # set after: 0 in the constructor makes Flower warn
     with contextlib.redirect_stdout(open(os.devnull, "w")):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
                        num_rounds=cfg.num_server_rounds, evaluate_fn=central)
@@ -296,17 +304,23 @@ def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path
             "startup_and_teardown_seconds": wall - sum(rounds)}
 
 
-def bench_overhead(settings: Settings, workdir: Path) -> dict[str, Any]:
+def bench_overhead(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
     from tools.inprocess import run_inprocess
 
     clients = 4
     cfg_dict = _overhead_config(workdir / "ours", settings.quick)
     cfg = RunConfig.from_mapping(cfg_dict)
+    say("overhead: pure training")
     pure = statistics.median(_pure_training_seconds(cfg, clients) for _ in range(3))
-    ours = []
+    ours, observed = [], []
+    say("overhead: in-process rounds")
     for i in range(2 if settings.quick else 3):
         run_dir, _ = run_inprocess({**cfg_dict, "run-dir": str(workdir / f"ours-{i}")}, clients)
         ours += _round_seconds(run_dir)[1:]  # round 1 carries one-off warm-up
+        run_dir, _ = run_inprocess({**cfg_dict, "client-eval": True, "tensorboard": True,
+                                    "run-dir": str(workdir / f"observed-{i}")}, clients)
+        observed += _round_seconds(run_dir)[1:]
+    say("overhead: plain Flower FedAvg")
     flower = []
     for _ in range(2 if settings.quick else 3):
         flower += _plain_flower_fedavg_seconds(cfg, clients)
@@ -316,6 +330,8 @@ def bench_overhead(settings: Settings, workdir: Path) -> dict[str, Any]:
         "pure_training_seconds": pure,
         "inprocess_round_seconds": statistics.median(ours),
         "plain_flower_fedavg_round_seconds": statistics.median(flower),
+        # the defaults: clients' before/after evaluation passes and TensorBoard event files
+        "inprocess_round_seconds_observed": statistics.median(observed),
     }
     out["ours_vs_plain_flower"] = out["inprocess_round_seconds"] / out["plain_flower_fedavg_round_seconds"]
     out["inprocess_vs_pure_training"] = out["inprocess_round_seconds"] / pure
@@ -324,6 +340,7 @@ def bench_overhead(settings: Settings, workdir: Path) -> dict[str, Any]:
         if not settings.full_overhead:
             out[engine] = {"skipped": "run with --full (starts Ray / Flower processes)"}
             continue
+        say(f"overhead: {engine} rounds")
         result = _cli_round_seconds(command, cfg_dict, clients, workdir, timeout=600, extra=flags,
                                     name=engine)
         out[engine] = result
@@ -375,7 +392,7 @@ class _WireGrid:
         return replies
 
 
-def bench_communication(workdir: Path) -> list[dict[str, Any]]:
+def bench_communication(workdir: Path, say=_silent) -> list[dict[str, Any]]:
     from client.app import app as client_app
     from tools.inprocess import InProcessGrid
     from server.run import run_server
@@ -383,6 +400,7 @@ def bench_communication(workdir: Path) -> list[dict[str, Any]]:
     rows = []
     clients = 4
     for name, spec in ALGORITHMS.items():
+        say(f"communication: {name}")
         cfg = RunConfig.from_mapping({"algorithm": name, "dataset": "synthetic", "model": "mlp",
                                       "partition": "iid", "local-steps": 2, "batch-size": 64,
                                       "num-server-rounds": 2, "fraction-train": 0.5,
@@ -416,10 +434,11 @@ def _state_bytes(records) -> int:
     return sum(arr.numpy().nbytes for rec in records.values() for arr in rec.values())
 
 
-def bench_memory(settings: Settings, workdir: Path) -> list[dict[str, Any]]:
+def bench_memory(settings: Settings, workdir: Path, say=_silent) -> list[dict[str, Any]]:
     rows = []
     sizes = MEMORY_CLIENTS_QUICK if settings.quick else MEMORY_CLIENTS_FULL
     for name, spec in ALGORITHMS.items():
+        say(f"memory: {name}")
         for clients in sizes:
             with _quiet():
                 run_dir, grid = _fast_run(workdir, name, clients, **{"checkpoint-every": 2})
@@ -469,16 +488,17 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def run_bench(settings: Settings, workdir: Path) -> dict[str, Any]:
+def run_bench(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
+    """Every section; ``say(text)`` is told what is being measured (tools.progress.Steps)."""
     t0 = time.perf_counter()
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     report: dict[str, Any] = {"machine": machine(), "settings": asdict(settings)}
-    report["compute"] = bench_compute(settings)
+    report["compute"] = bench_compute(settings, say)
     with _quiet():
-        report["overhead"] = bench_overhead(settings, workdir)
-    report["communication"] = bench_communication(workdir)
-    report["memory"] = bench_memory(settings, workdir)
+        report["overhead"] = bench_overhead(settings, workdir, say)
+    report["communication"] = bench_communication(workdir, say)
+    report["memory"] = bench_memory(settings, workdir, say)
     report["seconds"] = time.perf_counter() - t0
     return report
 
@@ -495,7 +515,9 @@ def print_tables(report: dict[str, Any]) -> str:
     o = report["overhead"]
     over = [{"what": "pure training (sum over clients)", "seconds": f"{o['pure_training_seconds']:.3f}"},
             {"what": "in-process round (ours)", "seconds": f"{o['inprocess_round_seconds']:.3f}"},
-            {"what": "plain Flower FedAvg round", "seconds": f"{o['plain_flower_fedavg_round_seconds']:.3f}"}]
+            {"what": "plain Flower FedAvg round", "seconds": f"{o['plain_flower_fedavg_round_seconds']:.3f}"},
+            {"what": "in-process round, clients' self-report + TensorBoard on (the defaults)",
+             "seconds": f"{o['inprocess_round_seconds_observed']:.3f}"}]
     for engine in ("ray", *DEPLOYMENTS):
         if "round_seconds" in o[engine]:
             over.append({"what": f"{engine} round ({o[engine]['vs_inprocess_round']:.1f}x in-process)",
@@ -553,8 +575,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="flatflower-bench-") as tmp:
-        report = run_bench(settings, Path(tmp))
+    from tools.progress import Steps
+
+    steps = Steps("bench")
+    try:
+        with tempfile.TemporaryDirectory(prefix="flatflower-bench-") as tmp:
+            report = run_bench(settings, Path(tmp), steps)
+    finally:
+        steps.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=float))
     print(print_tables(report))

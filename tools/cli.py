@@ -6,6 +6,7 @@
     flatflower sweep    --algorithms A,B --seeds 0,1,2 --out DIR     algorithms x seeds, then a report
     flatflower bench    [--quick | --full]                           cost, overhead, bytes, memory
     flatflower presets                                               list the presets
+    flatflower data check                                            datasets usable offline here
     flatflower certs    OUT_DIR --nodes N [--host H ...]             TLS certificates + node keys
 
 ``--preset NAME_OR_FILE`` starts from a paper's setting (tools/presets.py); ``--set`` values
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("sweep", help="several algorithms x seeds on one partition, then one report",
                    add_help=False)
     sub.add_parser("presets", help="list the presets (paper settings)")
+    data = sub.add_parser("data", help="datasets: `flatflower data check` says which are usable offline")
+    data.add_argument("action", choices=("check",), help="check: one line per dataset")
+    data.add_argument("--data-dir", default="", help="where torchvision datasets live "
+                                                     "(default $FLATFLOWER_DATA or ~/.cache/flatflower/data)")
     algs = sub.add_parser("algorithms", help="list the algorithms, their records and their keys")
     algs.add_argument("--markdown", action="store_true", help="as the table of docs/algorithms.md")
     certs = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode keys")

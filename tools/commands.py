@@ -30,7 +30,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     from tools.prepare import apply_preset
 
     try:
-        if command in ("local", "simulate"):
+        if command in ("local", "simulate", "check"):
             apply_preset(args)  # before the command: --clients may come from the preset
         return globals()[command](args)
     except (UsageError, ConfigError, PresetError, DatasetUnavailableError, PartitionError,
@@ -51,9 +51,13 @@ def local(args: argparse.Namespace) -> int:
     app = app_dir(args.app_dir)
     preflight(cfg, args.clients)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
-    outcome = engines.run_local(cfg, args.clients, app, log_dir(cfg), timeout=args.timeout,
-                                on_poll=progress, device=args.device, tls=args.tls,
-                                clientapps=args.clientapps, fast_poll=args.fast_poll)
+    try:
+        outcome = engines.run_local(cfg, args.clients, app, log_dir(cfg), timeout=args.timeout,
+                                    on_poll=progress, device=args.device, tls=args.tls,
+                                    clientapps=args.clientapps, fast_poll=args.fast_poll)
+    except BaseException:
+        progress.close()
+        raise
     return finish(cfg, outcome.ok, progress, outcome.details)
 
 
@@ -62,14 +66,25 @@ def simulate(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     preflight(cfg, args.clients)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
-    if args.engine == "inprocess":
-        outcome = engines.run_in_process(cfg, args.clients, on_poll=progress)
-    else:
-        outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
-                                  timeout=args.timeout, on_poll=progress,
-                                  cpus_per_client=args.cpus_per_client,
-                                  gpus_per_client=args.gpus_per_client)
+    try:
+        if args.engine == "inprocess":
+            outcome = engines.run_in_process(cfg, args.clients, on_poll=progress)
+        else:
+            outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
+                                      timeout=args.timeout, on_poll=progress,
+                                      cpus_per_client=args.cpus_per_client,
+                                      gpus_per_client=args.gpus_per_client)
+    except BaseException:
+        progress.close()
+        raise
     return finish(cfg, outcome.ok, progress, outcome.details)
+
+
+def check(args: argparse.Namespace) -> int:
+    """What ``simulate`` checks before it starts (config, data, partition, model), and nothing
+    else: the sweep asks it before starting runs in parallel processes."""
+    preflight(resolve_config(args), args.clients)
+    return EXIT_OK
 
 
 def presets(args: argparse.Namespace) -> int:
@@ -88,6 +103,14 @@ def presets(args: argparse.Namespace) -> int:
         clients = f"  ({preset.clients} clients)" if preset.clients else ""
         print(f"{name}{clients}\n    {preset.description}\n    source: {preset.source or '-'}")
     return EXIT_USAGE if failed else EXIT_OK
+
+
+def data(args: argparse.Namespace) -> int:
+    """``data check``: each dataset, usable offline here or what it needs (one line each)."""
+    from tools.datacheck import check
+
+    print(check(args.data_dir))
+    return EXIT_OK
 
 
 def algorithms(args: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ class InProcessGrid(Grid):
         self._run = None
         self._pending: dict[str, Message] = {}
         self._workers: list[threading.Thread] = []
+        self._arrived = threading.Condition()  # notified when a reply lands in _pending
 
     # -- Grid API
     def set_run(self, run) -> None:
@@ -78,7 +79,10 @@ class InProcessGrid(Grid):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
 
             def work(msg=msg) -> None:
-                self._pending[msg.metadata.message_id] = self._deliver(msg)
+                reply = self._deliver(msg)
+                with self._arrived:
+                    self._pending[msg.metadata.message_id] = reply
+                    self._arrived.notify_all()
 
             worker = threading.Thread(target=work, daemon=True)
             worker.start()
@@ -87,15 +91,27 @@ class InProcessGrid(Grid):
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self._pending.pop(i) for i in message_ids if i in self._pending]
+        with self._arrived:
+            return [self._pending.pop(i) for i in message_ids if i in self._pending]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None):
+        """Push, then pull each reply as it lands (as Flower's grids pull, without their
+        sleep), until all replied or ``timeout``; the replies in the order of the messages."""
         ids = list(self.push_messages(messages))
+        pending, replies = set(ids), []
         deadline = None if timeout is None else time.monotonic() + timeout
-        for worker in self._workers:
-            worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        while pending:
+            got = list(self.pull_messages(list(pending)))
+            replies += got
+            pending -= {r.metadata.reply_to_message_id for r in got}
+            left = None if deadline is None else deadline - time.monotonic()
+            if not pending or (left is not None and left <= 0):
+                break
+            with self._arrived:
+                self._arrived.wait_for(lambda: not pending.isdisjoint(self._pending), left)
         self._workers = [w for w in self._workers if w.is_alive()]  # hung clients
-        return list(self.pull_messages(ids))
+        order = {message_id: i for i, message_id in enumerate(ids)}
+        return sorted(replies, key=lambda r: order[r.metadata.reply_to_message_id])
 
 
 def run_inprocess(run_config: Mapping[str, Any], num_clients: int,

@@ -33,14 +33,19 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", "-n", type=cli_int,
                    help=f"number of clients (default: the preset's, else {DEFAULT_CLIENTS})")
     p.add_argument("--rounds", "-r", type=cli_int, help="server rounds (num-server-rounds)")
-    p.add_argument("--dataset", help="digits | synthetic | mnist | fashion-mnist | cifar10 | cifar100")
+    p.add_argument("--dataset", help="digits | synthetic | synthetic-fedprox | mnist1d (offline); "
+                   "mnist | fashion-mnist | cifar10 | cifar100 (torchvision)")
     p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | resnet18-gn")
-    p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological")
+    p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological | "
+                   "natural (synthetic-fedprox's own clients)")
     p.add_argument("--seed", type=cli_int)
     p.add_argument("--fraction", type=cli_float, help="fraction of clients per round (fraction-train)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any run-config key, e.g. --set rho=0.05 --set lr=0.05 (repeatable)")
     p.add_argument("--run-dir", help="where the run directory goes (default runs/<name>)")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="TensorBoard event files in the run directory (default: on when the "
+                        "tensorboard package is installed)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last checkpoint (same config; "
                         "--rounds may extend it)")
@@ -81,8 +86,10 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     values.update(parse_assignments(args.sets))
     flags = {"algorithm": args.algorithm, "num-server-rounds": args.rounds, "dataset": args.dataset,
              "model": args.model, "partition": args.partition, "seed": args.seed,
-             "fraction-train": args.fraction}
+             "fraction-train": args.fraction, "tensorboard": getattr(args, "tensorboard", None)}
     values.update({k: v for k, v in flags.items() if v is not None})
+    if values.get("dataset") == "synthetic-fedprox":
+        values.setdefault("partition", "natural")  # its clients are generated, not split
     for key, value in (extra or {}).items():
         values.setdefault(key, value)
     check_run_arguments(args)
@@ -140,6 +147,8 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
     values = {**saved, "resume": True, "run-dir": str(run_dir)}
     if args.rounds is not None:
         values["num-server-rounds"] = args.rounds
+    if getattr(args, "tensorboard", None) is not None:
+        values["tensorboard"] = args.tensorboard
     values.update(extra or {})
     try:
         cfg = RunConfig.from_mapping(values)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig, flat_keys
+from common.config import ConfigError, RunConfig, did_you_mean, flat_keys
 
 try:
     import tomllib
@@ -66,7 +66,8 @@ def find_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Path:
     if candidate.is_file():
         return candidate
     names = ", ".join(available(directory)) or "none"
-    raise PresetError(f"unknown preset {text!r}; available presets: {names}")
+    raise PresetError(f"unknown preset {text!r}{did_you_mean(text, available(directory))}; "
+                      f"available presets: {names}")
 
 
 def load_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Preset:
@@ -104,8 +105,8 @@ def load_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Prese
     if clients is not None and (type(clients) is not int or clients < 1):  # bool is not int here
         raise PresetError(f"{path}: [preset] clients must be a positive integer, got {clients!r}")
 
-    try:
-        RunConfig.from_mapping(config)
+    try:  # with its clients: a dataset generated per client needs their number
+        RunConfig.from_mapping({"num-partitions": clients, **config} if clients else config)
     except ConfigError as err:
         raise PresetError(f"{path}: [config]: {err}") from None
     return Preset(meta["description"], meta.get("source", ""), clients, dict(config), path)

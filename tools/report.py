@@ -1,7 +1,11 @@
-"""Summarize finished (or running) runs: tables, an accuracy plot and a JSON dump.
+"""Summarize finished (or running) runs: tables, plots, JSON and CSV.
 
-Reads what a run directory holds (``config.json`` and ``metrics.jsonl``, one JSON object
-per round) and backs ``flatflower report RUN_DIR [RUN_DIR ...]``.
+Reads what a run directory holds (``config.json``, ``metrics.jsonl``: one JSON object per
+round, ``clients.jsonl``: one per client per round) and backs ``flatflower report RUN_DIR
+[RUN_DIR ...]``: accuracy per run and per algorithm (mean ± std over seeds, with std bands in
+the plots), client drift per algorithm (cosine of the clients' updates to their mean, spread of
+their norms), and a warning (``--strict``: a refusal) when the runs compared differ in their
+setting (clients, rounds, dataset, partition).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from common.config import cli_float, cli_int
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
+CLIENTS_FILE = "clients.jsonl"
+SETTING = ("clients", "rounds", "dataset", "partition")  # what makes two runs comparable
 
 
 class ReportError(ValueError):
@@ -42,6 +48,9 @@ class RunSummary:
     loss: list[float] = field(default_factory=list)
     bytes_total: int = 0
     cumulative_bytes: list[int] = field(default_factory=list)  # bytes down + up up to each round
+    config: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl
+    drift: dict[int, dict[str, float]] = field(default_factory=dict)  # round -> clients.jsonl summary
 
 
 # ---------------------------------------------------------------------------
@@ -78,6 +87,62 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: int(row["round"]))
 
 
+def _read_drift(path: Path) -> dict[int, dict[str, float]]:
+    """Round -> client drift of that round (server/tensorboard.py: drift) from clients.jsonl."""
+    from server.tensorboard import drift
+
+    if not path.is_file():
+        return {}
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "round" in row:
+            by_round.setdefault(int(row["round"]), []).append(row)
+    return {r: d for r, rows in sorted(by_round.items()) if (d := drift(rows))}
+
+
+def setting(config: dict[str, Any]) -> dict[str, str]:
+    """The parts of a run's config that make runs comparable, as text ('?' when unknown)."""
+    scheme = config.get("partition", "?")
+    if scheme == "?":
+        return {"clients": str(config.get("num-partitions", "?")),
+                "rounds": str(config.get("num-server-rounds", "?")),
+                "dataset": str(config.get("dataset", "?")), "partition": "?"}
+    if scheme in ("dirichlet", "dirichlet-balanced"):
+        scheme = f"{scheme}({config.get('dirichlet-alpha', '?')})"
+    elif scheme == "pathological":
+        scheme = f"{scheme}({config.get('classes-per-client', '?')} classes)"
+    seed = config.get("partition-seed", -1)
+    seed = config.get("seed", "?") if seed == -1 else seed
+    if scheme != "natural":  # synthetic-fedprox's seed is its generator's, named with the dataset
+        scheme = f"{scheme}, partition seed {seed}"
+    dataset = str(config.get("dataset", "?"))
+    if dataset == "synthetic-fedprox":
+        dataset += (f"({config.get('synthetic-alpha', '?')}, {config.get('synthetic-beta', '?')}; "
+                    f"seed {seed})")
+    return {"clients": str(config.get("num-partitions", "?")),
+            "rounds": str(config.get("num-server-rounds", "?")), "dataset": dataset,
+            "partition": scheme}
+
+
+def setting_differences(runs: Sequence[RunSummary]) -> list[str]:
+    """What differs between the runs' settings, e.g. ``clients: 3 (run-a); 20 (run-b)``."""
+    out = []
+    settings = [setting(run.config) for run in runs]
+    for key in SETTING:
+        values: dict[str, list[str]] = {}
+        for run, s in zip(runs, settings):
+            values.setdefault(s[key], []).append(run.run_dir.name)
+        if len(values) > 1:
+            out.append(f"{key}: " + "; ".join(f"{v} ({', '.join(names[:3])}"
+                                               f"{', ...' if len(names) > 3 else ''})"
+                                               for v, names in values.items()))
+    return out
+
+
 def _make_label(config: dict[str, Any], run_dir: Path) -> str:
     """``"<algorithm> seed<seed>"`` from the config, else the directory name."""
     algorithm, seed = config.get("algorithm"), config.get("seed")
@@ -99,6 +164,7 @@ def load_run(run_dir: str | Path) -> RunSummary:
         raise ReportError(f"no rounds recorded in {metrics_path}")
     config = _read_config(run_dir)
     return RunSummary(
+        config=config, rows=rows, drift=_read_drift(run_dir / CLIENTS_FILE),
         run_dir=run_dir,
         label=_make_label(config, run_dir),
         algorithm=str(config.get("algorithm", run_dir.name)),
@@ -142,6 +208,44 @@ def summarize(run: RunSummary, last_k: int = 5, target: float | None = None) -> 
     }
 
 
+def drift_summary(run: RunSummary) -> dict[str, float] | None:
+    """A run's client drift over its rounds: mean of each round's mean and min cosine of the
+    clients' updates to their mean, and of the spread (std / mean) of their norms."""
+    if not run.drift:
+        return None
+    rows = list(run.drift.values())
+    return {key: float(np.mean([r[key] for r in rows if key in r]))
+            for key in ("cosine_mean", "cosine_min", "norm_spread") if any(key in r for r in rows)}
+
+
+def drift_by_algorithm(runs: Sequence[RunSummary]) -> list[dict[str, Any]]:
+    """One row per algorithm with clients.jsonl: its runs' drift, mean ± std over seeds."""
+    groups: dict[str, list[dict[str, float]]] = {}
+    for run in runs:
+        if (summary := drift_summary(run)) is not None:
+            groups.setdefault(run.algorithm, []).append(summary)
+    rows = []
+    for algorithm, summaries in groups.items():
+        row: dict[str, Any] = {"algorithm": algorithm, "num_seeds": len(summaries)}
+        for key in ("cosine_mean", "cosine_min", "norm_spread"):
+            values = [s[key] for s in summaries if key in s]
+            row[key] = float(np.mean(values)) if values else None
+            row[f"{key}_std"] = float(np.std(values)) if values else None
+        rows.append(row)
+    return rows
+
+
+def drift_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """drift_by_algorithm's rows as table cells."""
+    def cell(row, key):
+        return "-" if row[key] is None else f"{row[key]:.3f} ± {row[key + '_std']:.3f}"
+
+    return [{"algorithm": r["algorithm"], "seeds": str(r["num_seeds"]),
+             "mean cosine to the mean update": cell(r, "cosine_mean"),
+             "min cosine": cell(r, "cosine_min"), "norm spread (std / mean)": cell(r, "norm_spread")}
+            for r in rows]
+
+
 def _mean_or_none(values: Iterable[float | None]) -> float | None:
     """Mean of the non-None values; None when there are none."""
     present = [v for v in values if v is not None]
@@ -180,21 +284,31 @@ def group_by_algorithm(summaries: Sequence[dict[str, Any]]) -> list[dict[str, An
 # ---------------------------------------------------------------------------
 
 
-def _curves(runs: Sequence[RunSummary], x_of) -> list[tuple[str, list[float], list[float]]]:
-    """(label, x, accuracy) per run; with several seeds of one algorithm, one mean curve per
-    algorithm (over the rounds all its runs have)."""
+def _curves(runs: Sequence[RunSummary], x_of, y_of=lambda run: run.accuracy
+            ) -> list[tuple[str, list[float], list[float], list[float] | None]]:
+    """(label, x, y, std of y or None) per run; with several seeds of one algorithm, one mean
+    curve per algorithm with its std over seeds (over the points all its runs have)."""
     by_alg: dict[str, list[RunSummary]] = {}
     for run in runs:
         by_alg.setdefault(run.algorithm, []).append(run)
     if all(len(group) == 1 for group in by_alg.values()):
-        return [(run.label, list(x_of(run)), run.accuracy) for run in runs]
+        return [(run.label, list(x_of(run)), list(y_of(run)), None) for run in runs]
     curves = []
     for alg, group in by_alg.items():
-        n = min(len(run.accuracy) for run in group)
+        n = min(len(y_of(run)) for run in group)
         x = np.mean([x_of(run)[:n] for run in group], axis=0)
-        acc = np.mean([run.accuracy[:n] for run in group], axis=0)
-        curves.append((f"{alg} (mean of {len(group)})", x.tolist(), acc.tolist()))
+        ys = np.asarray([y_of(run)[:n] for run in group], dtype=float)
+        curves.append((f"{alg} (mean ± std of {len(group)})", x.tolist(), ys.mean(axis=0).tolist(),
+                       ys.std(axis=0).tolist()))
     return curves
+
+
+def _plot(ax, curves) -> None:
+    for label, xs, ys, std in curves:
+        line, = ax.plot(xs, ys, marker="o", markersize=2, label=label)
+        if std is not None:
+            lo, hi = np.asarray(ys) - np.asarray(std), np.asarray(ys) + np.asarray(std)
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
 
 
 def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "round") -> Path:
@@ -210,8 +324,7 @@ def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "rou
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x_of = (lambda run: run.rounds) if x == "round" else (lambda run: [b / 1e6 for b in run.cumulative_bytes])
     try:
-        for label, xs, acc in _curves(runs, x_of):
-            ax.plot(xs, acc, marker="o", markersize=3, label=label)
+        _plot(ax, _curves(runs, x_of))
         ax.set_xlabel("round" if x == "round" else "cumulative bytes down + up (MB)")
         ax.set_ylabel("test accuracy")
         ax.set_title("Test accuracy per round" if x == "round" else "Test accuracy vs communication")
@@ -224,12 +337,62 @@ def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "rou
     return out_png
 
 
+def plot_drift(runs: Sequence[RunSummary], out_png: str | Path) -> Path | None:
+    """Client drift per round (clients.jsonl), one curve per run or per algorithm (mean ± std
+    over seeds): mean and min cosine of the clients' updates to their mean, and the spread of
+    the update norms. None when no run has clients.jsonl."""
+    runs = [run for run in runs if run.drift]
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("cosine_mean", "mean cosine to the mean update"),
+              ("cosine_min", "min cosine to the mean update"),
+              ("norm_spread", "update norm spread (std / mean)"))
+    try:
+        for ax, (key, title) in zip(axes, panels):
+            def x_of(run, key=key):
+                return [r for r, d in run.drift.items() if key in d]
+
+            def y_of(run, key=key):
+                return [d[key] for d in run.drift.values() if key in d]
+
+            _plot(ax, _curves(runs, x_of, y_of))
+            ax.set_title(title)
+            ax.set_xlabel("round")
+            ax.grid(True, alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle("Client drift: how far the clients' updates disagree")
+        fig.tight_layout()
+        fig.savefig(out_png, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    return out_png
+
+
+def human_bytes(n: float) -> str:
+    """``3898000`` -> ``3.90 MB`` (decimal units, as network traffic is counted)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
 def _format_cell(key: str, value: Any) -> str:
-    """Accuracies as percentages, ``None`` as ``-``, everything else as is."""
+    """Accuracies as percentages, bytes in kB/MB/GB, ``None`` as ``-``, the rest as is."""
     if value is None:
         return "-"
     if "accuracy" in key or key.startswith("last_k"):
         return f"{100 * value:.2f}%"
+    if "bytes" in key and isinstance(value, (int, float)):
+        return human_bytes(value)
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
@@ -279,33 +442,86 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-bytes", type=Path, default=None,
                         help="accuracy vs cumulative bytes plot (default: <out stem>-bytes.png)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--csv", type=Path, default=None,
+                        help="also write every round of every run as CSV here (one row per run and round)")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse runs whose settings differ (clients, rounds, dataset, partition) "
+                             "instead of warning")
     parser.add_argument("--by-algorithm", action="store_true", help="always print the per-algorithm table")
     return parser
 
 
+def _csv_cell(value: Any) -> Any:
+    """Numbers as they are; a list of numbers space-separated; anything else as JSON."""
+    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+        return " ".join(map(str, value))
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
+
+
+def write_csv(runs: Sequence[RunSummary], path: Path) -> Path:
+    """Every metrics.jsonl row of every run, with the run's directory, algorithm and seed;
+    columns are the union of the rows' scalar fields (lists such as sampled_partitions are
+    written as space-separated values)."""
+    import csv
+
+    fields: list[str] = []
+    for run in runs:
+        for row in run.rows:
+            fields += [k for k in row if k not in fields]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["run", "algorithm", "seed", *fields])
+        writer.writeheader()
+        for run in runs:
+            for row in run.rows:
+                cells = {k: _csv_cell(v) for k, v in row.items()}
+                writer.writerow({"run": str(run.run_dir), "algorithm": run.algorithm,
+                                 "seed": run.seed, **cells})
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``flatflower report``; 0 on success, 2 on a bad run directory."""
+    """Entry point of ``flatflower report``; 0 on success, 2 on a bad run directory (or, with
+    ``--strict``, runs of different settings)."""
     args = build_parser().parse_args(argv)
     try:
         runs = [load_run(run_dir) for run_dir in args.run_dirs]
     except ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    differences = setting_differences(runs)
+    if differences:
+        what = "; ".join(differences)
+        if args.strict:
+            print(f"error: the runs have different settings, not comparable: {what}", file=sys.stderr)
+            return 2
+        print(f"warning: the runs have different settings, compare with care: {what}", file=sys.stderr)
     summaries = [summarize(run, last_k=args.last_k, target=args.target) for run in runs]
     print(render_table(summaries, title=f"Runs (last {args.last_k} rounds)"))
     grouped = group_by_algorithm(summaries)
     show_groups = args.by_algorithm or any(row["num_seeds"] > 1 for row in grouped)
     if show_groups:
         print(render_table(grouped, title="Per algorithm (mean ± std over seeds)"))
+    drift_rows = drift_by_algorithm(runs)
+    if drift_rows:
+        print(render_table(drift_table(drift_rows),
+                           title="Client drift per algorithm (clients.jsonl: mean over rounds, "
+                                 "± std over seeds)"))
     png = plot_accuracy(runs, args.out)
     print(f"plot: {png}")
     out_bytes = args.out_bytes or args.out.with_name(f"{args.out.stem}-bytes{args.out.suffix or '.png'}")
     print(f"plot: {plot_accuracy(runs, out_bytes, x='bytes')}")
+    drift_png = plot_drift(runs, args.out.with_name(f"{args.out.stem}-drift{args.out.suffix or '.png'}"))
+    if drift_png is not None:
+        print(f"plot: {drift_png}")
     if args.json is not None:
-        payload = {"runs": summaries, "by_algorithm": grouped}
+        payload = {"runs": summaries, "by_algorithm": grouped, "drift": drift_rows,
+                   "setting_differences": differences}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"json: {args.json}")
+    if args.csv is not None:
+        print(f"csv: {write_csv(runs, args.csv)}")
     return 0
 
 

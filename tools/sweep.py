@@ -9,17 +9,22 @@ seeds) into OUT/report.json, OUT/report.png (accuracy vs rounds) and OUT/report-
 (accuracy vs cumulative bytes).
 
 A run that fails is reported and the sweep goes on; finished runs are kept, and
-``--resume-existing`` skips them when the sweep is run again.
+``--resume-existing`` skips them when the sweep is run again. ``--jobs N`` runs N runs at a
+time, each ``flatflower simulate`` in its own process with its output in OUT/<run>.log, and
+shows which are running and how far they are.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
-from common.config import cli_float, cli_int
+from common.config import cli_float, cli_int, did_you_mean
 from common.registry import ALGORITHMS
 from tools import commands
 from tools.prepare import add_run_arguments, add_simulate_arguments
@@ -38,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
     p.add_argument("--resume-existing", action="store_true",
                    help="skip (algorithm, seed) runs that already finished in OUT")
+    p.add_argument("--jobs", "-j", type=cli_int, default=1,
+                   help="runs at a time, each in its own process (default 1: one after the other, "
+                        "in this process); at most the number of CPU cores helps")
     add_run_arguments(p)
     add_simulate_arguments(p)
     return p
@@ -47,8 +55,9 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if not algorithms or unknown:
-        raise ValueError(f"unknown algorithm(s) {', '.join(unknown) or '(none given)'}; valid names: "
-                         f"{', '.join(sorted(ALGORITHMS))}")
+        hint = did_you_mean(unknown[0], ALGORITHMS) if unknown else ""
+        raise ValueError(f"unknown algorithm(s) {', '.join(unknown) or '(none given)'}{hint}; "
+                         f"valid names: {', '.join(sorted(ALGORITHMS))}")
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
@@ -61,6 +70,8 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
                              "--seeds / --out")
     if args.last_k < 1:
         raise ValueError("--last-k must be >= 1")
+    if args.jobs < 1:
+        raise ValueError("--jobs must be >= 1")
     return algorithms, seeds
 
 
@@ -80,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if not any(s.strip().startswith("partition-seed=") for s in args.sets):
         args.sets = [*args.sets, f"partition-seed={seeds[0]}"]
+    todo = []
     runs, failed = [], []
     for algorithm in algorithms:
         for seed in seeds:
@@ -88,19 +100,29 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sweep: {run_dir.name} already finished, skipped", flush=True)
                 runs.append(run_dir)
                 continue
-            print(f"sweep: {algorithm}, seed {seed} -> {run_dir}", flush=True)
             one = copy.copy(args)
             one.algorithm, one.seed, one.run_dir, one.sets = algorithm, seed, str(run_dir), list(args.sets)
-            code = commands.run("simulate", one)
-            if code == EXIT_USAGE and not runs and not failed:
-                print("sweep: stopped, the first run's options are invalid (nothing else was run)",
-                      file=sys.stderr)
-                return EXIT_USAGE
-            if code == 0:
-                runs.append(run_dir)
-            else:
-                failed.append(run_dir.name)
-                print(f"sweep: {run_dir.name} failed (exit {code}); going on", file=sys.stderr, flush=True)
+            todo.append(one)
+    if args.jobs > 1 and todo:
+        if commands.run("check", copy.copy(todo[0])) == EXIT_USAGE:
+            print("sweep: stopped, the first run's options are invalid (nothing was run)", file=sys.stderr)
+            return EXIT_USAGE
+        done, failed = run_parallel(todo, args.jobs, args.out)
+        runs += done
+    for one in todo if args.jobs == 1 else []:
+        run_dir = Path(one.run_dir)
+        print(f"sweep: {one.algorithm}, seed {one.seed} -> {run_dir}", flush=True)
+        code = commands.run("simulate", one)
+        if code == EXIT_USAGE and not runs and not failed:
+            print("sweep: stopped, the first run's options are invalid (nothing else was run)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        if code == 0:
+            runs.append(run_dir)
+        else:
+            failed.append(run_dir.name)
+            print(f"sweep: {run_dir.name} failed (exit {code}); going on", file=sys.stderr, flush=True)
+    runs = _order(todo, runs)
     if runs:
         report_args = [*map(str, runs), "--by-algorithm", "--last-k", str(args.last_k),
                        "--out", str(args.out / "report.png"), "--json", str(args.out / "report.json")]
@@ -111,6 +133,81 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _order(todo: list[argparse.Namespace], runs: list[Path]) -> list[Path]:
+    """The report's order: skipped (finished) runs, then the sweep's (algorithm, seed) order."""
+    planned = [Path(one.run_dir) for one in todo]
+    return [r for r in runs if r not in planned] + [p for p in planned if p in runs]
+
+
+def simulate_argv(one: argparse.Namespace) -> list[str]:
+    """``flatflower simulate`` arguments for one (algorithm, seed) of the sweep."""
+    argv = ["simulate", "--algorithm", one.algorithm, "--seed", str(one.seed), "--run-dir", one.run_dir,
+            "--engine", one.engine, "--timeout", repr(one.timeout),
+            "--cpus-per-client", str(one.cpus_per_client), "--gpus-per-client", repr(one.gpus_per_client)]
+    for flag, value in (("--preset", one.preset), ("--clients", one.clients), ("--rounds", one.rounds),
+                        ("--dataset", one.dataset), ("--model", one.model), ("--partition", one.partition),
+                        ("--fraction", one.fraction), ("--app-dir", one.app_dir)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if one.tensorboard is not None:
+        argv.append("--tensorboard" if one.tensorboard else "--no-tensorboard")
+    for item in one.sets:
+        argv += ["--set", item]
+    return argv
+
+
+def _status(run_dir: Path) -> str:
+    """``fedsam-s0 12/30 61.2%``: a running run's last round (metrics.jsonl)."""
+    try:
+        last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        rounds = json.loads((run_dir / "config.json").read_text())["config"]["num-server-rounds"]
+        return f"{run_dir.name} {last['round']}/{rounds} {100 * last['test_accuracy']:.1f}%"
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return f"{run_dir.name} starting"
+
+
+def run_parallel(todo: list[argparse.Namespace], jobs: int, out: Path) -> tuple[list[Path], list[str]]:
+    """Each run as its own ``flatflower simulate`` process, ``jobs`` at a time, output in
+    OUT/<run>.log; (finished run directories, names of the failed runs)."""
+    from tools.progress import Steps
+
+    out.mkdir(parents=True, exist_ok=True)
+    waiting, running, runs, failed = list(todo), {}, [], []
+    steps = Steps("sweep", every=30.0)
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                one = waiting.pop(0)
+                run_dir = Path(one.run_dir)
+                log = open(out / f"{run_dir.name}.log", "w")
+                proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *simulate_argv(one)],
+                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                running[proc] = (run_dir, log)
+                print(f"sweep: started {run_dir.name} ({len(todo) - len(waiting)}/{len(todo)}), "
+                      f"log {log.name}", flush=True)
+            time.sleep(1.0)
+            for proc in [p for p in running if p.poll() is not None]:
+                run_dir, log = running.pop(proc)
+                log.close()
+                if proc.returncode == 0:
+                    runs.append(run_dir)
+                    print(f"sweep: {run_dir.name} finished ({_status(run_dir)})", flush=True)
+                else:
+                    failed.append(run_dir.name)
+                    print(f"sweep: {run_dir.name} failed (exit {proc.returncode}; see {log.name}); "
+                          "going on", file=sys.stderr, flush=True)
+            if running:
+                steps(f"{len(runs) + len(failed)}/{len(todo)} done; running "
+                      + ", ".join(_status(d) for d, _ in running.values()))
+    finally:
+        steps.close()
+        for proc, (_, log) in running.items():  # interrupted: stop the runs this sweep started
+            proc.terminate()
+            proc.wait()
+            log.close()
+    return runs, failed
 
 
 if __name__ == "__main__":

@@ -1,0 +1,64 @@
+"""clients.jsonl: one line per sampled client per round, what the server knows of each.
+
+Server-side, computed from what it received and accepted: the examples and local steps it
+assigned, the update norm ||w_i - w|| (w: the point the clients started from) and the cosine of
+each update to the round's weighted mean update, the reason a reply was refused or a client
+failed. Client-reported (validated like every metric, never aggregated): loss and accuracy on
+its training data before and after training, accuracy on its own held-out data.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from strategies.aggregate import client_weights
+from strategies.base import FlatStrategy
+
+REPORTED_FIELDS = {  # client metric -> clients.jsonl field
+    "loss-before": "loss_before", "loss-after": "loss_after",
+    "accuracy-before": "accuracy_before", "accuracy-after": "accuracy_after",
+    "heldout-accuracy-before": "heldout_accuracy_before",
+    "heldout-accuracy-after": "heldout_accuracy_after",
+}
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors.values() if t.is_floating_point()])
+
+
+def client_rows(strategy: FlatStrategy, server_round: int) -> list[dict[str, Any]]:
+    """The round's rows, in the order the partitions were sampled."""
+    start, updates = strategy.accepted
+    part = strategy.participation
+    rows: dict[int, dict[str, Any]] = {}
+    for pid in strategy.stats.sampled_partitions:
+        rows[pid] = {"round": server_round, "partition": pid, "status": "failed",
+                     "reason": strategy.failure_reasons.get(pid, "no accepted reply"),
+                     "examples": part.num_examples(pid), "steps": part.num_steps(pid)}
+    for refusal in strategy.stats.rejections:
+        if refusal["stage"] == "train" and refusal["partition"] in rows:
+            rows[refusal["partition"]].update(status="rejected", reason=refusal["reason"])
+    if updates:
+        w0 = _flat(start)
+        deltas = [_flat(u.model) - w0 for u in updates]
+        weights = client_weights([u.num_examples for u in updates], strategy.cfg.aggregation)
+        mean = sum(w * d for w, d in zip(weights, deltas))
+        mean_norm = float(mean.norm())
+        for u, w, d in zip(updates, weights, deltas):
+            norm = float(d.norm())
+            cosine = float(d @ mean) / (norm * mean_norm) if norm > 0 and mean_norm > 0 else None
+            row = rows.setdefault(u.partition_id, {"round": server_round, "partition": u.partition_id,
+                                                   "examples": u.num_examples, "steps": u.num_steps})
+            row.update(status="accepted", reason=None, node=u.node_id, weight=float(w),
+                       train_loss=u.train_loss, update_norm=norm,
+                       cosine_to_mean=None if cosine is None else max(-1.0, min(1.0, cosine)))
+            row.update({REPORTED_FIELDS[k]: v for k, v in u.reported.items()})
+    for row in rows.values():
+        for key in ("node", "weight", "train_loss", "update_norm", "cosine_to_mean", *REPORTED_FIELDS.values()):
+            row.setdefault(key, None)
+            if isinstance(row[key], float) and not math.isfinite(row[key]):
+                row[key] = None
+    return list(rows.values())
