@@ -29,7 +29,7 @@ demo: $(STAMP)
 		--run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 # Everything: unit, algorithm and integration tests (real processes on loopback, Ray), on two
-# workers; the Ray tests, and the SuperLink/SuperNode tests, each run one at a time (tests/conftest.py).
+# workers; the Ray tests run one at a time (their xdist group), deployments side by side on free ports.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=12 tests
 

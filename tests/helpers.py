@@ -317,7 +317,7 @@ class SnapshotGrid(InProcessGrid):
         replies = list(super().pull_messages(message_ids))
         if getattr(self, "_round", None) and replies and replies[0].metadata.message_type == MessageType.TRAIN:
             before, sent, got = self._round
-            got.update({r.metadata.src_node_id: r.content for r in replies})
+            got.update({r.metadata.src_node_id: r.content if r.has_content() else r.error for r in replies})
             if len(got) == len(sent):  # the round's last reply: its states are final
                 self.rounds.append((before, self._states(), sent, got))
                 self._round = None

@@ -5,6 +5,8 @@ and SuperNodes on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -68,14 +70,19 @@ def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path)
     before = flower_pids()
     algorithms = ("fedtoga", "fedgmt-v2", "fedsmoo", "fedlesam-s")
     fed = LocalFederation(0, tmp_path / "work", tmp_path / "logs", simulation=True)
-    fed.env["RAY_TMPDIR"] = str(tmp_path / "ray-tmp")
-    with fed:
-        for algorithm in algorithms:
-            cfg = RunConfig.from_mapping({**SIM, "algorithm": algorithm, "run-dir": str(tmp_path / algorithm)})
-            run_id = fed.submit(ROOT, cfg.to_dict(), ray_federation_config(4))
-            if fed.wait(run_id, 600, poll=0.5)["status"] != COMPLETED:
-                fed.save_log(run_id, tmp_path / f"{algorithm}.log")
-                pytest.fail(f"{algorithm}: run failed; its log:\n{(tmp_path / f'{algorithm}.log').read_text()[-3000:]}")
+    # Ray's socket paths must stay under 108 bytes: a short directory, not tmp_path
+    fed.env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="ray-")
+    try:
+        with fed:
+            for algorithm in algorithms:
+                cfg = RunConfig.from_mapping({**SIM, "algorithm": algorithm, "run-dir": str(tmp_path / algorithm)})
+                run_id = fed.submit(ROOT, cfg.to_dict(), ray_federation_config(4))
+                if fed.wait(run_id, 600, poll=0.5)["status"] != COMPLETED:
+                    fed.save_log(run_id, tmp_path / f"{algorithm}.log")
+                    pytest.fail(f"{algorithm}: run failed; its log:\n"
+                                f"{(tmp_path / f'{algorithm}.log').read_text()[-3000:]}")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert flower_pids() - before == set(), "simulation left Flower processes behind"
     for algorithm in algorithms:
         ray = tmp_path / algorithm
@@ -86,6 +93,21 @@ def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path)
         a, b = (torch.load(d / "model_final.pt") for d in (ray, inp))
         assert all(torch.equal(a[k], b[k]) for k in a), f"{algorithm}: same seed, different final model"
         assert [r["test_loss"] for r in rows] == [r["test_loss"] for r in metrics(inp)]
+
+
+def test_inprocess_clients_parse_array_headers_one_at_a_time():
+    """The in-process clients decode arrays in parallel threads; numpy parses each header with
+    ast.parse, which CPython < 3.13 cannot run in two threads at once (python/cpython#106905:
+    SystemError "AST constructor recursion depth mismatch", seen here under load)."""
+    import ast
+    import sys
+
+    from client.app import app as client_app
+    from tools.inprocess import InProcessGrid
+
+    InProcessGrid(client_app, 2, {})
+    assert sys.version_info >= (3, 13) or getattr(ast.parse, "one_at_a_time", False)
+    assert ast.literal_eval("{'descr': '<f4', 'shape': (3, 4)}") == {"descr": "<f4", "shape": (3, 4)}
 
 
 def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, epochs: int,

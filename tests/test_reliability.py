@@ -275,7 +275,9 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
     # from then on it is lost at the deadline, or (once the SuperLink marks it offline) not sampled
     assert all(r["failed_partitions"] == [2] or 2 not in r["sampled_partitions"] for r in rows[first:])
     log = (run_dir / "logs" / "run.log").read_text()
-    assert f"round {first}: client 2 (node" in log and "(client lost)" in log
+    # lost at the round deadline, or earlier when the SuperLink answers for the silent node
+    assert f"round {first}: client 2 (node" in log
+    assert "(client lost)" in log or "Node Unavailable" in log
     assert "train reply of client 1" in log and "refused" in log and "NaN" in log
     _, inproc = run_with_faults(tmp_path, "inp", {1: "nan", 2: f"raise@{first}"},
                                 **{k.replace("-", "_"): v for k, v in config.items()})

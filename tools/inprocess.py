@@ -10,7 +10,9 @@ its thread). Used by the tests and by ``flatflower simulate --engine inprocess``
 
 from __future__ import annotations
 
+import ast
 import copy
+import sys
 import threading
 import time
 import traceback
@@ -25,12 +27,32 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
 CLIENT_APP_RAISED_EXCEPTION = 2
+_AST_LOCK = threading.Lock()
+
+
+def _one_ast_parse_at_a_time() -> None:
+    """CPython before 3.13 keeps ``ast.parse``'s recursion depth in state shared by threads:
+    two parses at once can fail with ``SystemError: AST constructor recursion depth mismatch``
+    (python/cpython#106905). numpy's ``np.load`` parses every array header with it, so clients
+    decoding their ArrayRecords in parallel threads hit it under load. One lock around
+    ``ast.parse`` in this process (Flower's own runtimes run one ClientApp per process)."""
+    if sys.version_info >= (3, 13) or getattr(ast.parse, "one_at_a_time", False):
+        return
+    parse = ast.parse
+
+    def locked(*args, **kwargs):
+        with _AST_LOCK:
+            return parse(*args, **kwargs)
+
+    locked.one_at_a_time = True
+    ast.parse = locked
 
 
 class InProcessGrid(Grid):
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: Mapping[str, Any],
                  node_config: Mapping[str, Any] | None = None, first_node_id: int = 1000):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0
+        _one_ast_parse_at_a_time()
         self.client_app = client_app
         self.contexts = {
             first_node_id + i: Context(
