@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -240,19 +241,26 @@ DEPLOYED = {"dataset": "digits", "model": "mlp", "partition": "dirichlet", "loca
             "local-steps": 0, "batch-size": 32, "num-server-rounds": 3}
 
 
-@functools.lru_cache(maxsize=None)
-def startup_seconds() -> float:
+def measure_startup() -> float:
     """Wall time of a fresh Python importing torch and flwr, here and now: how loaded the
-    machine is, in the unit that Flower processes pay (measured once per test process)."""
+    machine is, in the unit that Flower processes pay."""
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-c", "import torch, flwr.serverapp"], check=True)
     return time.monotonic() - t0
 
 
-def round_deadline() -> float:
+@functools.lru_cache(maxsize=None)
+def startup_seconds() -> float:
+    """:func:`measure_startup`, measured once per test process."""
+    return measure_startup()
+
+
+def round_deadline(fresh: bool = False) -> float:
     """A round-timeout for deployment tests, from the measured start-up (not a fixed 30 s: a
-    loaded machine must not turn an honest client's slow reply into a lost one)."""
-    return max(20.0, 10 * startup_seconds())
+    loaded machine must not turn an honest client's slow reply into a lost one). Its floor is
+    the time the SuperLink takes to answer for a dead SuperNode (2 missed 30 s heartbeats),
+    so a longer deadline costs the tests with a killed node nothing."""
+    return max(60.0, 10 * (measure_startup() if fresh else startup_seconds()))
 
 
 def deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = None,
@@ -265,17 +273,23 @@ def deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = 
 
     run_dir = tmp_path / name
     (run_dir / "logs").mkdir(parents=True)
-    cfg = RunConfig.from_mapping({"round-timeout": round_deadline(), **config, "run-dir": str(run_dir),
+    cfg = RunConfig.from_mapping({"round-timeout": round_deadline(fresh=True), **config, "run-dir": str(run_dir),
                                   "min-available-nodes": nodes,
                                   "num-partitions": nodes,
                                   "client-state-dir": str(run_dir / "client-state")})
-    done, restarts = [], []
+    done, restarts, stop = [], [], threading.Event()
+
+    def killer():
+        """SIGKILL ``kill`` within 0.1 s of the row: the wait loop below can block for seconds
+        (`flwr ls` on a loaded machine) while the last rounds run."""
+        path = run_dir / "metrics.jsonl"
+        while not stop.wait(0.1):
+            if path.exists() and f'"round": {kill_after}' in path.read_text():
+                fed.kill(kill)
+                done.append(time.monotonic())
+                return
 
     def on_poll():
-        path = run_dir / "metrics.jsonl"
-        if kill_after and not done and path.exists() and f'"round": {kill_after}' in path.read_text():
-            fed.kill(kill)
-            done.append(time.monotonic())
         # Flower refuses a node id that is still online: a SuperNode restarted with the same
         # key gets in once the SuperLink has marked the killed one offline (2 missed 30 s
         # heartbeats), so restart it as a supervisor would until it stays up.
@@ -288,7 +302,15 @@ def deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = 
     with LocalFederation(nodes, tmp_path / f"{name}-work", run_dir / "logs", tls=tls,
                          node_configs=node_configs) as fed:
         run_id = fed.submit(app, cfg.to_dict())
-        row = fed.wait(run_id, 500, poll=0.5, on_poll=on_poll)
+        watcher = threading.Thread(target=killer, daemon=True)
+        if kill_after:
+            watcher.start()
+        try:
+            row = fed.wait(run_id, 500, poll=0.5, on_poll=on_poll)
+        finally:
+            stop.set()
+            if kill_after:
+                watcher.join()
         fed.save_log(run_id, run_dir / "logs" / "run.log")
     assert row["status"] == COMPLETED, row
     assert done or not kill_after, "the run ended before the kill"

@@ -267,13 +267,13 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
                             node_configs={1: {"inject-fault": "nan"}})
     assert flower_pids() - before == set(), "Flower processes left behind"
     rows = metrics(run_dir)
-    assert all(r["rejected_partitions"] == [1] for r in rows[1:])
+    assert all(r["rejected_partitions"] == [1] for r in rows[1:]), rows
     lost = [r["round"] for r in rows[1:] if r["failed_partitions"] == [2]]
-    assert lost, "the killed client was never lost at a deadline"
+    assert lost, ("the killed client was never lost at a deadline", rows)
     first = lost[0]  # the round after the kill (or the one it interrupted)
-    assert all(not r["failed_partitions"] for r in rows[1:first])
+    assert all(not r["failed_partitions"] for r in rows[1:first]), rows
     # from then on it is lost at the deadline, or (once the SuperLink marks it offline) not sampled
-    assert all(r["failed_partitions"] == [2] or 2 not in r["sampled_partitions"] for r in rows[first:])
+    assert all(r["failed_partitions"] == [2] or 2 not in r["sampled_partitions"] for r in rows[first:]), rows
     log = (run_dir / "logs" / "run.log").read_text()
     # lost at the round deadline, or earlier when the SuperLink answers for the silent node
     assert f"round {first}: client 2 (node" in log
@@ -334,9 +334,10 @@ def test_restarted_supernode_keeps_its_identity_and_client_state(tmp_path):
 
 @pytest.mark.integration
 def test_killed_server_of_a_tls_deployment_resumes_to_the_uninterrupted_model(tmp_path):
-    """`flatflower local --tls`: the ServerApp process is killed after round 2 (the run fails,
-    the command exits 1 and stops everything); `--resume` finishes it with the same model as an
-    uninterrupted run."""
+    """`flatflower local --tls`: the ServerApp process is killed after round 2 (the run fails
+    within seconds, not at the SuperLink's heartbeat expiry: the command sees no ServerApp
+    process, stops the run, exits 1 and stops everything); `--resume` finishes it with the
+    same model as an uninterrupted run."""
     from tools.federation import _children
 
     args = ["--algorithm", "fedtoga", "--clients", "2", "--rounds", "4", "--dataset", "digits",
@@ -355,6 +356,7 @@ def test_killed_server_of_a_tls_deployment_resumes_to_the_uninterrupted_model(tm
     assert proc.wait(300) == 1
     out = (tmp_path / "cut.log").read_text()
     assert "over TLS with SuperNode authentication" in out and "run failed" in out
+    assert "its ServerApp process ended without finishing the run" in out
     superlink = (cut / "logs" / "superlink.log").read_text()
     assert "Uvicorn running on https://127.0.0.1:" in superlink  # Control/Runtime API over TLS
     assert "insecure" not in superlink.lower()  # Flower warns loudly when --insecure is set

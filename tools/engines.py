@@ -69,7 +69,7 @@ def run_ray(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: flo
         with fed:
             run_id = fed.submit(app, cfg.to_dict(), ray_federation_config(clients, cpus_per_client,
                                                                          gpus_per_client))
-            row = fed.wait(run_id, timeout, on_poll=on_poll)
+            row = fed.wait(run_id, timeout, poll=0.5, on_poll=on_poll)
             fed.save_log(run_id, logs / "run.log")
         return Outcome(row.get("status") == COMPLETED, row.get("status-details", ""))
     finally:
