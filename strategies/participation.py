@@ -43,28 +43,30 @@ class NoNodesError(RuntimeError):
     """No usable SuperNode connected, or none passed the handshake, before the deadline."""
 
 
-POLL_FIRST, POLL_MAX = 0.01, 0.2  # seconds between pulls of replies: growing from the first to the max
+POLL_FIRST, POLL_MAX = 0.01, 0.2  # seconds between pulls of replies: at least, at most
+POLL_SHARE = 0.05  # and otherwise this share of the time waited so far
 
 
 def exchange(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
     """Send ``messages`` and return the replies that arrive within ``timeout`` seconds: Flower's
-    ``Grid.send_and_receive`` through its public ``push_messages``/``pull_messages``, polling
-    every 10 ms at first and at most every 0.2 s (Flower's own waits 3 s between pulls).
+    ``Grid.send_and_receive`` through its public ``push_messages``/``pull_messages`` (whose
+    own wait is 3 s between pulls). The pause between pulls is 5% of the time waited so far,
+    between 10 ms and 0.2 s, so the poll adds at most about 5% to a round of any length.
     Replies come in the order of the messages they answer, whatever order they arrived in."""
     order = list(grid.push_messages(list(messages)))
     pending = set(order)
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     replies: list[Message] = []
-    pause = POLL_FIRST
     while pending:
         got = list(grid.pull_messages(pending))
         replies += got
         pending -= {m.metadata.reply_to_message_id for m in got}
-        left = deadline - time.monotonic()
-        if not pending or left <= 0:
+        now = time.monotonic()
+        if not pending or now >= deadline:
             break
-        time.sleep(min(pause, left))
-        pause = min(pause * 1.5, POLL_MAX)
+        pause = min(POLL_MAX, max(POLL_FIRST, POLL_SHARE * (now - start)))
+        time.sleep(min(pause, deadline - now))
     rank = {message_id: i for i, message_id in enumerate(order)}
     return sorted(replies, key=lambda m: rank.get(m.metadata.reply_to_message_id, len(rank)))
 

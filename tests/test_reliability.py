@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -32,12 +33,15 @@ from tests.helpers import DEPLOYED, ROOT, deployed, fast_config, flower_pids, me
 # ---------------------------------------------------------------- client failures
 def test_a_hung_client_is_lost_at_the_round_deadline_and_the_round_goes_on(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="flwr.flatflower.server")
-    rows, hung = run_with_faults(tmp_path, "hung", {1: "hang"}, round_timeout=3.0)
-    _, crashed = run_with_faults(tmp_path, "crashed", {1: "raise"})
+    crashed_rows, crashed = run_with_faults(tmp_path, "crashed", {1: "raise"})
+    # a deadline the honest clients meet on this machine now: 5x their slowest round here
+    timeout = float(max(3, math.ceil(5 * max(r["seconds"] for r in crashed_rows[1:]))))
+    rows, hung = run_with_faults(tmp_path, "hung", {1: "hang"}, round_timeout=timeout)
     for row in rows[1:]:
-        assert row["clients_failed"] == 1 and row["failed_partitions"] == [1]
-        assert row["seconds"] < 20
-    assert "client 1 (node 1001) failed: no reply within round-timeout=3s (client lost)" in caplog.text
+        assert row["clients_failed"] == 1 and row["failed_partitions"] == [1], rows
+        assert row["seconds"] < 2 * timeout + 5  # the round ends at its deadline
+    assert (f"client 1 (node 1001) failed: no reply within round-timeout={timeout:g}s (client lost)"
+            in caplog.text)
     assert same(hung, crashed), "the lost client must simply be left out of the round"
 
 
