@@ -237,6 +237,10 @@ def same(a, b) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+# Every sampled client must reply, a missing reply is re-sent: Ray's actors can fail under a
+# heavy load (ActorUnavailableError), and a skipped round would change the model.
+RAY_RETRY = ("--set", "min-replies=2", "--set", "too-few-replies=retry", "--set", "max-retries=8")
+
 DEPLOYED = {"dataset": "digits", "model": "mlp", "partition": "dirichlet", "local-epochs": 1,
             "local-steps": 0, "batch-size": 32, "num-server-rounds": 3}
 
