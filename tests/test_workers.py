@@ -144,3 +144,30 @@ def test_the_worker_never_outlives_its_supervisor_or_its_supernode(tmp_path):
         for child in children.values():
             if not _gone(child):
                 os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.integration
+def test_sigterm_stops_the_supervisor_and_its_worker_at_once():
+    """`docker stop` sends SIGTERM to the container's PID 1, the supervisor: it passes it on to
+    the worker and exits 0, well before Docker's 10 s stop timeout would SIGKILL it (the
+    compose e2e run saw exit code 137 before the supervisor handled the signal)."""
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "tools.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
+         "--insecure"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = None
+    try:
+        deadline = time.monotonic() + 10 * round_deadline()
+        while worker is None and time.monotonic() < deadline:
+            found = subprocess.run(["pgrep", "-P", str(supervisor.pid)], capture_output=True, text=True).stdout.split()
+            worker = int(found[0]) if found else None
+            time.sleep(0.2)
+        assert worker, "the supervisor started no worker"
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(round_deadline()) == 0
+        assert _wait_gone(worker, round_deadline()), "the worker outlived a stopped supervisor"
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait(30)
+        if worker and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -206,17 +207,35 @@ def child(args: argparse.Namespace) -> int:
 
 
 def supervise(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run the worker; start it again whenever it exits, until the SuperNode is gone."""
+    """Run the worker; start it again whenever it exits, until the SuperNode is gone or a
+    SIGTERM / SIGINT arrives (``docker stop``: the supervisor is the container's PID 1, which
+    ignores signals it does not handle), which it passes on to the worker before exiting 0."""
+    stopping: list[int] = []  # a plain flag: a signal handler must not take locks
+    worker: list[subprocess.Popen] = []
+
+    def on_signal(signum, frame):
+        stopping.append(signum)
+        if worker and worker[-1].poll() is None:
+            worker[-1].terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     failures = 0
-    while True:
+    while not stopping:
         started = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "tools.worker", *argv, "--once",
-                                "--supervisor-pid", str(os.getpid())])
-        if args.parent_pid and not _alive(args.parent_pid):
+        worker[:] = [subprocess.Popen([sys.executable, "-m", "tools.worker", *argv, "--once",
+                                       "--supervisor-pid", str(os.getpid())])]
+        if stopping:  # a signal between the check above and the start
+            worker[-1].terminate()
+        code = worker[-1].wait()
+        if stopping or (args.parent_pid and not _alive(args.parent_pid)):
             return 0
         failures = 0 if code == WORKER_EXIT_NEW_FAB or time.monotonic() - started > 60 else failures + 1
         print(f"flatflower-worker: worker exited with code {code}; restarting", file=sys.stderr, flush=True)
-        time.sleep(min(10.0, 0.5 * 2 ** min(failures, 5)))
+        pause_until = time.monotonic() + min(10.0, 0.5 * 2 ** min(failures, 5))
+        while not stopping and time.monotonic() < pause_until:
+            time.sleep(0.1)
+    return 0
 
 
 def _alive(pid: int) -> bool:
