@@ -124,3 +124,14 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
         assert f"{package}/__init__.py" in names, package
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
     assert b"flatflower = tools.cli:main" in entry_points and b"flatflower-worker = tools.worker:main" in entry_points
+
+
+@pytest.mark.parametrize("command", ["presets", "algorithms"])
+def test_output_into_a_closed_pipe_ends_quietly_as_a_shell_reports_sigpipe(command):
+    """`flatflower presets | head -1`: the reader goes away; the command ends with 141 (128 +
+    SIGPIPE) and says nothing, instead of `error: [Errno 32] Broken pipe` and exit code 2."""
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", command], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command writes a byte
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and err == b"", err.decode()

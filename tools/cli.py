@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_main(argv[1:])
     args = build_parser().parse_args(argv)
     _stop_on_signals()
-    return commands.run(args.command, args)
+    code = commands.run(args.command, args)
+    return commands.EXIT_PIPE if commands.stdout_gone() else code
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ sweep and the tests call them): prepare the run (tools/prepare.py), run it on an
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 from pathlib import Path
 
@@ -15,6 +17,21 @@ from tools.presets import PresetError, available, load_preset
 from tools.progress import EXIT_FAILED, EXIT_OK, Progress, finish
 
 EXIT_USAGE = 2
+EXIT_PIPE = 141  # 128 + SIGPIPE: the reader of our output went away (`| head`), as a shell reports it
+
+
+def stdout_gone() -> bool:
+    """True when standard output is a pipe whose reader has gone away (``flatflower presets |
+    head``); what is left to print then goes to /dev/null, not into a BrokenPipeError at exit."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() here, or no real stdout
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
 
 
 def run(command: str, args: argparse.Namespace) -> int:
@@ -33,6 +50,11 @@ def run(command: str, args: argparse.Namespace) -> int:
         if command in ("local", "simulate", "check"):
             apply_preset(args)  # before the command: --clients may come from the preset
         return globals()[command](args)
+    except BrokenPipeError:
+        if stdout_gone():
+            return EXIT_PIPE
+        print("error: broken pipe", file=sys.stderr)
+        return EXIT_FAILED
     except (UsageError, ConfigError, PresetError, DatasetUnavailableError, PartitionError,
             RunDirError, OSError) as err:  # OSError: e.g. a run directory that cannot be created
         print(f"error: {err}", file=sys.stderr)
