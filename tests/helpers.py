@@ -239,7 +239,12 @@ def same(a, b) -> bool:
 
 # Every sampled client must reply, a missing reply is re-sent: Ray's actors can fail under a
 # heavy load (ActorUnavailableError), and a skipped round would change the model.
-RAY_RETRY = ("--set", "min-replies=2", "--set", "too-few-replies=retry", "--set", "max-retries=8")
+RAY_RETRY = {"min-replies": 2, "too-few-replies": "retry", "max-retries": 8}
+
+
+def set_flags(config: dict) -> list[str]:
+    """``config`` as ``--set key=value`` flags of the CLI."""
+    return [flag for key, value in config.items() for flag in ("--set", f"{key}={value}")]
 
 DEPLOYED = {"dataset": "digits", "model": "mlp", "partition": "dirichlet", "local-epochs": 1,
             "local-steps": 0, "batch-size": 32, "num-server-rounds": 3}

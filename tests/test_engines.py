@@ -14,7 +14,7 @@ import torch
 from tools.cli import main as cli
 from tools.inprocess import run_inprocess
 from common.config import RunConfig
-from tests.helpers import DIGITS, ROOT, check_run_dir, flower_pids, metrics
+from tests.helpers import DIGITS, RAY_RETRY, ROOT, check_run_dir, flower_pids, metrics
 
 
 # ---------------------------------------------------------------- every algorithm learns
@@ -52,9 +52,7 @@ def test_inprocess_real_apps_learn_and_fill_run_dir(tmp_path):
 
 # ---------------------------------------------------------------- the same model in-process, in Ray and over a real deployment
 SIM = {"num-server-rounds": 3, "fraction-train": 0.5, "dataset": "digits", "local-epochs": 1,
-       "partition": "dirichlet", "num-partitions": 4,
-       # a round whose Ray actors fail under load is re-sent (tests/helpers.py, RAY_RETRY)
-       "min-replies": 2, "too-few-replies": "retry", "max-retries": 8}
+       "partition": "dirichlet", "num-partitions": 4, **RAY_RETRY}
 
 
 @pytest.mark.integration

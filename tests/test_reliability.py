@@ -27,7 +27,8 @@ from tools.cli import main as cli
 from tools.inprocess import InProcessGrid
 from server.rundir import RunDirError, load_checkpoint
 from server.run import RunFailed, run_server
-from tests.helpers import DEPLOYED, RAY_RETRY, ROOT, deployed, fast_config, flower_pids, metrics, run_with_faults, same
+from tests.helpers import (DEPLOYED, RAY_RETRY, ROOT, deployed, fast_config, flower_pids, metrics,
+                           run_with_faults, same, set_flags)
 
 
 # ---------------------------------------------------------------- client failures
@@ -245,7 +246,7 @@ def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_p
     # A round whose Ray actors fail (ActorUnavailableError, seen at load 10) is re-sent to its
     # clients, as a SuperNode's lost message is: the same model as an uninterrupted run.
     args = ["--algorithm", "fedgmt-v2", "--clients", "4", "--rounds", "8", "--fraction", "0.5",
-            "--dataset", "digits", "--set", "local-epochs=10", *RAY_RETRY]
+            "--dataset", "digits", "--set", "local-epochs=10", *set_flags(RAY_RETRY)]
     before = flower_pids()
     cut = tmp_path / "cut"
     proc = _cli_process(["simulate", *args, "--run-dir", str(cut)], tmp_path / "cut.log")

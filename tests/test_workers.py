@@ -98,6 +98,20 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _workers_of(*supervisors: subprocess.Popen) -> dict[int, int]:
+    """supervisor pid -> its worker's pid, once each supervisor has started one (or as many as
+    started within the deadline)."""
+    children: dict[int, int] = {}
+    deadline = time.monotonic() + 10 * round_deadline()
+    while len(children) < len(supervisors) and time.monotonic() < deadline:
+        for proc in supervisors:
+            found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            if found:
+                children[proc.pid] = int(found[0])
+        time.sleep(0.2)
+    return children
+
+
 def _wait_gone(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while not _gone(pid):
@@ -119,15 +133,9 @@ def test_the_worker_never_outlives_its_supervisor_or_its_supernode(tmp_path):
         [sys.executable, "-m", "tools.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
          "--insecure", "--parent-pid", str(stand_in.pid)], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: dict[int, int] = {}
     try:
-        children = {}
-        deadline = time.monotonic() + 10 * round_deadline()
-        while len(children) < 2 and time.monotonic() < deadline:
-            for proc in (supervisor, second):
-                found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-                if found:
-                    children[proc.pid] = int(found[0])
-            time.sleep(0.2)
+        children = _workers_of(supervisor, second)
         assert len(children) == 2, "the supervisors started no worker"
         os.kill(supervisor.pid, signal.SIGKILL)
         supervisor.wait(30)
@@ -156,11 +164,7 @@ def test_sigterm_stops_the_supervisor_and_its_worker_at_once():
          "--insecure"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     worker = None
     try:
-        deadline = time.monotonic() + 10 * round_deadline()
-        while worker is None and time.monotonic() < deadline:
-            found = subprocess.run(["pgrep", "-P", str(supervisor.pid)], capture_output=True, text=True).stdout.split()
-            worker = int(found[0]) if found else None
-            time.sleep(0.2)
+        worker = _workers_of(supervisor).get(supervisor.pid)
         assert worker, "the supervisor started no worker"
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(round_deadline()) == 0

@@ -315,8 +315,7 @@ class LocalFederation:
         for entry in list(self.procs):
             if entry[0] in (name, f"{name}-worker"):
                 proc = entry[1]
-                family = [proc.pid, *_children(proc.pid), *_detached_children(proc.pid)]
-                _signal(family, signal.SIGKILL)
+                _signal(_family(proc), signal.SIGKILL)
                 proc.wait(timeout=30)
                 self.procs.remove(entry)
 
@@ -425,11 +424,12 @@ class LocalFederation:
         _signal(orphans, signal.SIGKILL)
         self.seen.clear()
 
-    def remember(self) -> None:
-        """Note the current members of every family (see ``seen``)."""
+    def remember(self) -> dict[int, tuple[int, bytes]]:
+        """Note the current members of every family (see ``seen``); the process table read."""
         table = _process_table()
         for pid in self.pids(table):
             self.seen.setdefault(pid, table[pid][1] if pid in table else _cmdline(pid))
+        return table
 
     def pids(self, table: dict[int, tuple[int, bytes]] | None = None) -> set[int]:
         """Every live process started here, with all their children."""
@@ -506,8 +506,7 @@ class LocalFederation:
         while True:
             if on_poll:
                 on_poll()
-            self.remember()
-            live = self._app_processes()
+            live = self._app_processes(self.remember())
             ended, apps = bool(apps - live), live
             if ended or time.monotonic() >= next_status:
                 row = self.status(run_id)
@@ -525,11 +524,12 @@ class LocalFederation:
             self._check_alive(only="superlink")  # a lost SuperNode is the strategy's business
             time.sleep(poll)
 
-    def _app_processes(self) -> set[int]:
-        """The live ServerApp (or simulation) processes the SuperLink started for runs."""
+    def _app_processes(self, table: dict[int, tuple[int, bytes]]) -> set[int]:
+        """The live ServerApp (or simulation) processes the SuperLink started for runs: in
+        ``table`` with the command line they were seen with (a zombie's reads as empty)."""
         return {pid for pid, cmd in self.seen.items()
                 if (b"flwr-serverapp" in cmd or b"flwr-simulation" in cmd)
-                and _alive(pid) and _cmdline(pid) == cmd}
+                and table.get(pid, (0, b""))[1] == cmd}
 
     def save_log(self, run_id: int, path: Path) -> None:
         try:
