@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client.algorithms.base import ClientRule
 from client.faults import Fault
+from client.layout import Layout
 from client.node import NodeSettings
 from client.state import StateMirror
-from client.train import build_rule, local_train, round_generator, rule_outputs
+from client.train import LocalResult, build_rule, local_train, round_generator, rule_outputs
 from common import protocol as P
 from common import registry
 from common.config import RunConfig
 from common.data import client_split, client_test_split, dataset_for
+from common.datasets import Split
 from common.evaluate import evaluate as evaluate_model
 from common.models import build_model
 
@@ -70,62 +74,101 @@ def _read_state(context: Context) -> dict:
     return {name: P.from_record(rec) for name, rec in context.state.array_records.items()}
 
 
+@dataclass
+class TrainCall:
+    """One ``train`` message, opened: the data, model and client rule its local training
+    needs (:meth:`open`), and the reply built from the training's outcome (:meth:`reply`).
+    Every engine shares it: the ClientApp trains one call with ``local_train``; the vectorised
+    engine (client/vectorized.py) trains many calls' models at once, then replies to each."""
+
+    msg: Message
+    context: Context
+    cfg: RunConfig
+    node: NodeSettings
+    server_round: int
+    fault: Fault | None
+    data: Split
+    held_out: Split | None
+    model: torch.nn.Module
+    rule: ClientRule
+    layout: Layout
+    lr: float
+    state: dict
+    mirror: StateMirror | None
+    reported: dict
+
+    @classmethod
+    def open(cls, msg: Message, context: Context) -> TrainCall:
+        cfg, node, device = _setup(context)
+        spec = registry.get(cfg.algorithm)
+        server_round = int(msg.content[P.CONFIG]["server-round"])
+        fault = Fault.parse(node.inject_fault)
+        if fault:
+            fault.before_training(server_round)
+        data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+        if device.type == "cuda":
+            data = data.to(device)  # the whole partition on the GPU (common.datasets.Split.to)
+        model = _model(cfg, node, msg.content[P.MODEL], device)
+        broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
+        mirror = _mirror(cfg, node)
+        state = mirror.load_before(server_round) if mirror else _read_state(context)
+        lr = cfg.round_lr(server_round)
+        rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
+        held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+        reported = _self_report(cfg, model, data, held_out, "before")
+        return cls(msg, context, cfg, node, server_round, fault, data, held_out, model, rule,
+                   layout, lr, state, mirror, reported)
+
+    def generator(self) -> torch.Generator:
+        """This call's shuffling RNG (client.train.round_generator)."""
+        return round_generator(self.cfg.seed, self.server_round, self.node.partition_id)
+
+    def reply(self, result: LocalResult) -> Message:
+        """The reply to the train message, after ``self.model`` was trained; commits the
+        client's state (last: only a successful call changes it)."""
+        cfg, node, model, server_round = self.cfg, self.node, self.model, self.server_round
+        reported = {**self.reported, **_self_report(cfg, model, self.data, self.held_out, "after")}
+        uploads, new_state = rule_outputs(self.rule, self.layout, model)
+        weights = model.state_dict()
+        if self.fault:
+            weights = self.fault.corrupt(server_round, P.from_record(self.msg.content[P.MODEL]), weights)
+        content = RecordDict(
+            {
+                P.MODEL: P.to_record(weights),
+                P.METRICS: MetricRecord(
+                    {
+                        "num-examples": result.num_examples,
+                        "num-steps": result.num_steps,
+                        "train-loss": result.mean_loss,
+                        "partition-id": node.partition_id,
+                        "nonce": _nonce(self.msg),
+                        **reported,
+                    }
+                ),
+            }
+        )
+        for name, tensors in uploads.items():
+            content[name] = P.to_record(tensors)
+        if self.mirror and new_state:
+            self.mirror.save(server_round, {**self.state, **new_state})
+        context = self.context
+        for name, tensors in new_state.items():
+            context.state[name] = P.to_record(tensors)
+        meta = context.state.metric_records.get(META, MetricRecord({"rounds-trained": 0}))
+        context.state[META] = MetricRecord(
+            {"rounds-trained": int(meta["rounds-trained"]) + 1, "last-round": server_round}
+        )
+        log.info("partition %d round %d: %d steps, loss %.4f", node.partition_id, server_round,
+                 result.num_steps, result.mean_loss)
+        return Message(content, reply_to=self.msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One round of local training with the run's algorithm."""
-    cfg, node, device = _setup(context)
-    spec = registry.get(cfg.algorithm)
-    server_round = int(msg.content[P.CONFIG]["server-round"])
-    fault = Fault.parse(node.inject_fault)
-    if fault:
-        fault.before_training(server_round)
-    data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
-    if device.type == "cuda":
-        data = data.to(device)  # the whole partition on the GPU (common.datasets.Split.to)
-    model = _model(cfg, node, msg.content[P.MODEL], device)
-    broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
-    mirror = _mirror(cfg, node)
-    state = mirror.load_before(server_round) if mirror else _read_state(context)
-    lr = cfg.round_lr(server_round)
-    rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
-    held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
-    reported = _self_report(cfg, model, data, held_out, "before")
-    result = local_train(
-        model, data, rule, cfg, lr,
-        round_generator(cfg.seed, server_round, node.partition_id),
-    )
-    reported.update(_self_report(cfg, model, data, held_out, "after"))
-    uploads, new_state = rule_outputs(rule, layout, model)
-    content = RecordDict(
-        {
-            P.MODEL: P.to_record(fault.corrupt(server_round, P.from_record(msg.content[P.MODEL]),
-                                               model.state_dict()) if fault else model.state_dict()),
-            P.METRICS: MetricRecord(
-                {
-                    "num-examples": result.num_examples,
-                    "num-steps": result.num_steps,
-                    "train-loss": result.mean_loss,
-                    "partition-id": node.partition_id,
-                    "nonce": _nonce(msg),
-                    **reported,
-                }
-            ),
-        }
-    )
-    for name, tensors in uploads.items():
-        content[name] = P.to_record(tensors)
-    # Commit client state last: only a successful call changes it.
-    if mirror and new_state:
-        mirror.save(server_round, {**state, **new_state})
-    for name, tensors in new_state.items():
-        context.state[name] = P.to_record(tensors)
-    meta = context.state.metric_records.get(META, MetricRecord({"rounds-trained": 0}))
-    context.state[META] = MetricRecord(
-        {"rounds-trained": int(meta["rounds-trained"]) + 1, "last-round": server_round}
-    )
-    log.info("partition %d round %d: %d steps, loss %.4f", node.partition_id, server_round,
-             result.num_steps, result.mean_loss)
-    return Message(content, reply_to=msg)
+    call = TrainCall.open(msg, context)
+    result = local_train(call.model, call.data, call.rule, call.cfg, call.lr, call.generator())
+    return call.reply(result)
 
 
 def _self_report(cfg: RunConfig, model, data, held_out, when: str) -> dict[str, float]:

@@ -14,12 +14,34 @@ import torch.nn.functional as F
 from torch import nn
 
 Tensors = list[torch.Tensor]
-# objective(logits, y) -> (what is differentiated, the loss to report)
-Objective = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# objective(logits, y, weight) -> (what is differentiated, the loss to report). weight: None for
+# a plain batch (means over its rows); a padded batch's engine passes per-row weights (1/b on
+# its b real rows, 0 on padding), and the means become weighted sums (batch_mean).
+Objective = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    loss = F.cross_entropy(logits, y)
+def batch_mean(rows: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """The mean over a batch of per-row values, or their weighted sum (padded batches)."""
+    return rows.mean() if weight is None else (rows * weight).sum()
+
+
+def mean_cross_entropy(logits: torch.Tensor, y: torch.Tensor,
+                       weight: torch.Tensor | None = None) -> torch.Tensor:
+    if weight is None:
+        return F.cross_entropy(logits, y)
+    return batch_mean(F.cross_entropy(logits, y, reduction="none"), weight)
+
+
+def mean_kl(log_p: torch.Tensor, q: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(q || p) summed over classes, averaged over the batch (``reduction="batchmean"``)."""
+    if weight is None:
+        return F.kl_div(log_p, q, reduction="batchmean")
+    return batch_mean(F.kl_div(log_p, q, reduction="none").sum(dim=1), weight)
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor,
+                  weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = mean_cross_entropy(logits, y, weight)
     return loss, loss
 
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
@@ -83,14 +83,25 @@ class InProcessGrid(Grid):
 
     def _deliver(self, msg: Message) -> Message:
         incoming = copy.deepcopy(msg)
+        return copy.deepcopy(self._answer(
+            msg, incoming, lambda: self.client_app(incoming, self.contexts[msg.metadata.dst_node_id])))
+
+    @staticmethod
+    def _answer(msg: Message, incoming: Message, make) -> Message:
+        """``make()``'s reply to ``incoming``, or the error reply the runtime sends when the
+        ClientApp raised; marked as coming from ``msg``'s destination."""
         try:
-            reply = self.client_app(incoming, self.contexts[msg.metadata.dst_node_id])
+            reply = make()
         except Exception as err:  # the runtime turns ClientApp exceptions into error replies
-            reason = f"{type(err)}:<'{err}'>\n{traceback.format_exc()}"
+            reason = f"{type(err)}:<'{err}'>\n{''.join(traceback.format_exception(err))}"
             reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=incoming)
-        reply = copy.deepcopy(reply)
         reply.metadata.__dict__["_src_node_id"] = msg.metadata.dst_node_id
         return reply
+
+    def _land(self, replies: Mapping[str, Message]) -> None:
+        with self._arrived:
+            self._pending.update(replies)
+            self._arrived.notify_all()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Deliver each message in its own thread, as nodes work in parallel (replies land
@@ -101,10 +112,7 @@ class InProcessGrid(Grid):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
 
             def work(msg=msg) -> None:
-                reply = self._deliver(msg)
-                with self._arrived:
-                    self._pending[msg.metadata.message_id] = reply
-                    self._arrived.notify_all()
+                self._land({msg.metadata.message_id: self._deliver(msg)})
 
             worker = threading.Thread(target=work, daemon=True)
             worker.start()
@@ -136,11 +144,60 @@ class InProcessGrid(Grid):
         return sorted(replies, key=lambda r: order[r.metadata.reply_to_message_id])
 
 
+class VectorizedGrid(InProcessGrid):
+    """The in-process grid, with the train messages of a push trained together
+    (client/vectorized.py): each is opened by the ClientApp's own ``TrainCall``, all train in
+    batched passes in one worker thread, and each gets the reply its ClientApp would have sent
+    (or its error reply). Other messages (query, evaluate) go to the ClientApp one by one.
+    Messages are not deep-copied: the client side only reads them and builds new replies."""
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        is_train = [m.metadata.message_type == MessageType.TRAIN for m in messages]
+        train = [m for m, t in zip(messages, is_train) if t]
+        for msg in train:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        others = iter(super().push_messages([m for m, t in zip(messages, is_train) if not t]))
+        if train:
+            worker = threading.Thread(target=self._train_together, args=(train,), daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        return [m.metadata.message_id if t else next(others) for m, t in zip(messages, is_train)]
+
+    def _train_together(self, messages: list[Message]) -> None:
+        from client.app import TrainCall
+        from client.vectorized import train_together
+
+        outcomes: list = []  # per message: its TrainCall, then its LocalResult; or an exception
+        for msg in messages:
+            try:
+                outcomes.append(TrainCall.open(msg, self.contexts[msg.metadata.dst_node_id]))
+            except Exception as err:  # its error reply, below
+                outcomes.append(err)
+        opened = [i for i, o in enumerate(outcomes) if not isinstance(o, Exception)]
+        calls = [outcomes[i] for i in opened]
+        for i, result in zip(opened, train_together(calls)):
+            outcomes[i] = (outcomes[i], result)
+
+        def reply(outcome) -> Message:
+            if isinstance(outcome, Exception):
+                raise outcome
+            call, result = outcome
+            if isinstance(result, Exception):
+                raise result
+            return call.reply(result)
+
+        self._land({msg.metadata.message_id: self._answer(msg, msg, lambda o=o: reply(o))
+                    for msg, o in zip(messages, outcomes)})
+
+
 def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
                   node_config: Mapping[str, Any] | None = None,
                   server_app: ServerApp | None = None,
-                  client_app: ClientApp | None = None) -> tuple[Path, InProcessGrid]:
-    """Run the real ServerApp against ``num_clients`` in-process ClientApps."""
+                  client_app: ClientApp | None = None,
+                  vectorized: bool = False) -> tuple[Path, InProcessGrid]:
+    """Run the real ServerApp against ``num_clients`` in-process ClientApps (``vectorized``:
+    their local training batched, :class:`VectorizedGrid`)."""
     from client.app import app as default_client_app
     from common.config import RunConfig
     from server.app import app as default_server_app
@@ -148,7 +205,8 @@ def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
 
     cfg = RunConfig.from_mapping({"num-partitions": num_clients, **run_config})
     cfg = cfg.replace(run_dir=str(Path(cfg.run_dir or default_run_dir(cfg)).resolve()))
-    grid = InProcessGrid(client_app or default_client_app, num_clients, cfg.to_dict(), node_config)
+    kind = VectorizedGrid if vectorized else InProcessGrid
+    grid = kind(client_app or default_client_app, num_clients, cfg.to_dict(), node_config)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())
     (server_app or default_server_app)(grid, context)
     return Path(cfg.run_dir), grid

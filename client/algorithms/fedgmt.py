@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from client.algorithms.feddyn import DualClient
+from client.batch import mean_cross_entropy, mean_kl
 from client.tensors import Tensors, add, scale
 from common.params import FRACTION, NONNEGATIVE, POSITIVE, Params, key, one_of
 from common.protocol import CLIENT_EMA, EMA_MODEL
@@ -72,10 +73,10 @@ class FedGMTClient(DualClient):
             return batch.grad()
         teacher_logits = batch.outputs(self.teacher)
 
-        def objective(logits, y):
-            ce = F.cross_entropy(logits, y)
-            kl = F.kl_div(F.log_softmax(logits / tau, dim=1), F.softmax(teacher_logits / tau, dim=1),
-                          reduction="batchmean")
+        def objective(logits, y, weight=None):
+            ce = mean_cross_entropy(logits, y, weight)
+            kl = mean_kl(F.log_softmax(logits / tau, dim=1), F.softmax(teacher_logits / tau, dim=1),
+                         weight)
             return ce + gamma * tau * tau * kl, ce  # differentiate L_m, report CE
 
         return batch.grad(objective=objective)

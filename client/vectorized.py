@@ -1,0 +1,231 @@
+"""The vectorised engine: many clients' local training in batched passes.
+
+A round's clients that take the same number of local steps train as one group: their
+trainable parameters are stacked along a leading client dimension, and each step runs the
+**same client rule** (client/algorithms) once under ``torch.func.vmap``. So every per-client
+quantity (SAM's gradient norm, FedNSAM's offset, FedGMT's teacher logits, a dual, a control
+variate) is per client, and gradients come from ``torch.func.grad`` of a functional call of
+one template model (:class:`FunctionalBatch`). The rule's tensors (its start model, duals,
+previous SAM gradient...) are stacked alongside the parameters and carried from step to step.
+Its other attributes (hyperparameters, SCAFFOLD's step counter) are shared by the group, and
+that is why a group has one step count: clients of different step counts are not padded with
+masked steps, they are bucketed into groups of their own.
+
+A step whose clients draw mini-batches of different sizes (the last batch of an epoch) pads them;
+real rows weigh 1/b and padding 0 in the objective's means (client.batch.batch_mean), so the
+padding changes nothing. The SGD step (weight decay, momentum, clipping) is torch.optim.SGD's
+arithmetic on the stacked tensors, client by client.
+
+Every client's data, shuffling RNG, rule and reply are those of its own ``train`` call
+(client.app.TrainCall), so a vectorised run equals an in-process one up to the float rounding
+of batched kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from client.algorithms.base import ClientRule
+from client.batch import Objective, Tensors, cross_entropy, trainable
+from client.tensors import add
+from client.train import LocalResult, autocast, batch_indices
+
+UNBATCHABLE = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
+
+
+def check_batchable(model: nn.Module, name: str) -> None:
+    """A clear error for a model whose forward pass is not a pure function of its weights
+    (BatchNorm's running statistics in train mode, dropout's random masks, other buffers)."""
+    bad = sorted({type(m).__name__ for m in model.modules() if isinstance(m, UNBATCHABLE)})
+    buffers = [n for n, _ in model.named_buffers()]
+    if bad or buffers:
+        what = ", ".join(bad) if bad else f"buffers ({', '.join(buffers)})"
+        raise ValueError(f"the vectorised engine cannot batch clients of model {name!r}: it has "
+                         f"{what}, state that one forward pass shares across the clients of a "
+                         "batch; use --engine inprocess (or ray), or a model with GroupNorm "
+                         "instead of BatchNorm (e.g. resnet18-gn)")
+
+
+class FunctionalBatch:
+    """:class:`client.batch.Batch` for one client inside vmap: gradients by
+    ``torch.func.grad`` of the template model called with this client's weights."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str], w: Tensors, x: torch.Tensor,
+                 y: torch.Tensor, weight: torch.Tensor | None):
+        self.model, self.names, self.w = model, list(names), list(w)
+        self.x, self.y, self.weight = x, y, weight
+
+    def _forward(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+        return functional_call(self.model, dict(zip(self.names, weights)), (self.x,))
+
+    def grad(self, offset=None, objective: Objective = cross_entropy):
+        at = self.w if offset is None else add(self.w, offset)  # = ModelBatch's p += offset
+
+        def differentiated(weights):
+            value, report = objective(self._forward(weights), self.y, self.weight)
+            return value, report.detach()
+
+        g, report = torch.func.grad(differentiated, has_aux=True)(at)
+        return report, list(g)
+
+    def outputs(self, weights):
+        with torch.no_grad():
+            return self._forward(weights)
+
+
+# ---------------------------------------------------------------- a rule's tensors, stacked
+@dataclass
+class RuleShape:
+    """How a rule's attributes split into tensors (stacked per client) and the rest (shared)."""
+
+    spec: object
+    is_tensor: list[bool]
+    others: list = field(default_factory=list)
+
+    def key(self) -> tuple:
+        """Rules of one group must agree on this (the callables, e.g. ``initial``, aside)."""
+        return (str(self.spec), tuple(self.is_tensor),
+                tuple(repr(o) for o in self.others if not callable(o)))
+
+
+def split_rule(rule: ClientRule) -> tuple[list[torch.Tensor], RuleShape]:
+    leaves, spec = tree_flatten(rule.__dict__)
+    is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+    tensors = [leaf for leaf, t in zip(leaves, is_tensor) if t]
+    return tensors, RuleShape(spec, is_tensor, [leaf for leaf, t in zip(leaves, is_tensor) if not t])
+
+
+def join_rule(kind: type, shape: RuleShape, tensors: Sequence[torch.Tensor]) -> ClientRule:
+    """A rule of class ``kind`` with ``shape``'s shared attributes and these tensors."""
+    tensors, others = iter(tensors), iter(shape.others)
+    leaves = [next(tensors) if t else next(others) for t in shape.is_tensor]
+    rule = object.__new__(kind)
+    rule.__dict__.update(tree_unflatten(leaves, shape.spec))
+    return rule
+
+
+# ---------------------------------------------------------------- groups and their training
+def num_steps(n: int, cfg) -> int:
+    """The number of local steps client.train.batch_indices draws for n samples."""
+    return cfg.local_steps if cfg.local_steps > 0 else cfg.local_epochs * math.ceil(n / cfg.batch_size)
+
+
+def groups(calls: Sequence) -> list[list[int]]:
+    """Indices of ``calls`` that train together: same step count, same rule shape (e.g. FedLESAM
+    clients with and without a previous global model train apart), same tensor shapes."""
+    out: dict[tuple, list[int]] = {}
+    for i, call in enumerate(calls):
+        tensors, shape = split_rule(call.rule)
+        key = (num_steps(len(call.data), call.cfg), shape.key(),
+               tuple((tuple(t.shape), t.dtype) for t in tensors))
+        out.setdefault(key, []).append(i)
+    return list(out.values())
+
+
+def padded(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]):
+    """Stacked mini-batches, and per-row weights when their sizes differ (None when not)."""
+    sizes = [len(y) for y in ys]
+    b = max(sizes)
+    if min(sizes) == b:
+        return torch.stack(list(xs)), torch.stack(list(ys)), None
+    x = xs[0].new_zeros((len(xs), b, *xs[0].shape[1:]))
+    y = ys[0].new_zeros((len(ys), b))
+    weight = torch.zeros((len(xs), b), device=x.device)
+    for i, (xi, yi) in enumerate(zip(xs, ys)):
+        x[i, : len(yi)], y[i, : len(yi)], weight[i, : len(yi)] = xi, yi, 1.0 / len(yi)
+    return x, y, weight
+
+
+def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: float) -> list | None:
+    """torch.optim.SGD's step (with clip_grad_norm_ first) on stacked tensors, per client;
+    returns the momentum buffers."""
+    if cfg.clip_norm > 0:
+        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
+        total = torch.linalg.vector_norm(norms, dim=1)
+        coef = torch.clamp(cfg.clip_norm / (total + 1e-6), max=1.0)
+        grads = [g * coef.view(-1, *[1] * (g.dim() - 1)) for g in grads]
+    if cfg.weight_decay:
+        grads = [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, params)]
+    if cfg.momentum:
+        if buffers is None:
+            buffers = [g.clone() for g in grads]
+        else:
+            for buf, g in zip(buffers, grads):
+                buf.mul_(cfg.momentum).add_(g)
+        grads = buffers
+    for p, g in zip(params, grads):
+        p.add_(g, alpha=-lr)
+    return buffers
+
+
+def train_group(calls: Sequence) -> list[LocalResult | Exception]:
+    """Train the models of ``calls`` (one group: see :func:`groups`) in place, together.
+
+    A client whose loss stops being finite gets the in-process engine's FloatingPointError;
+    the vmap keeps clients apart, so the others train on."""
+    first = calls[0]
+    cfg, lr, model, kind = first.cfg, first.lr, first.model, type(first.rule)
+    names = first.layout.names
+    params = [torch.stack(ps) for ps in zip(*[[p.detach() for p in trainable(c.model)] for c in calls])]
+    shape = split_rule(first.rule)[1]
+    rule_tensors = [torch.stack(ts) for ts in zip(*[split_rule(c.rule)[0] for c in calls])]
+    draws = [batch_indices(len(c.data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, c.generator())
+             for c in calls]
+    device = params[0].device
+
+    def step(tensors, w, x, y, weight):
+        rule = join_rule(kind, shape, tensors)
+        loss, d = rule.direction(list(w), FunctionalBatch(model, names, w, x, y, weight))
+        new_tensors, step.shape = split_rule(rule)
+        return loss, list(d), new_tensors
+
+    model.train()
+    failed: dict[int, Exception] = {}
+    losses, buffers = [], None
+    for k in range(num_steps(len(first.data), cfg)):
+        xs, ys = zip(*(c.data.get(next(draw)) for c, draw in zip(calls, draws)))
+        x, y, weight = padded([t.to(device, non_blocking=True) for t in xs],
+                              [t.to(device, non_blocking=True) for t in ys])
+        with autocast(cfg, device):
+            loss, direction, rule_tensors = vmap(step, in_dims=(0, 0, 0, 0, None if weight is None else 0))(
+                rule_tensors, params, x, y, weight)
+        shape = step.shape
+        loss = loss.detach().double().cpu().numpy()
+        for i in np.flatnonzero(~np.isfinite(loss)):
+            failed.setdefault(int(i), FloatingPointError(f"local loss became {loss[i]} at step {k + 1}"))
+        buffers = sgd_step(params, [d.detach() for d in direction], buffers, cfg, lr)
+        losses.append(loss)
+    # each client's trained weights and rule back into its own call
+    per_client = np.stack(losses, axis=1) if losses else np.zeros((len(calls), 0))
+    results: list[LocalResult | Exception] = []
+    for i, call in enumerate(calls):
+        with torch.no_grad():
+            for p, stacked in zip(trainable(call.model), params):
+                p.copy_(stacked[i])
+        call.rule = join_rule(kind, shape, [t[i] for t in rule_tensors])
+        results.append(failed.get(i) or LocalResult(len(call.data), per_client.shape[1],
+                                                      float(np.mean([float(v) for v in per_client[i]]))))
+    return results
+
+
+def train_together(calls: Sequence) -> list[LocalResult | Exception]:
+    """Train every call's model in place, group by group (:func:`groups`); the results in the
+    order of ``calls`` (an exception for a client whose training failed)."""
+    results: list[LocalResult | Exception | None] = [None] * len(calls)
+    for members in groups(calls):
+        group = [calls[i] for i in members]
+        try:
+            outcome = train_group(group)
+        except Exception as err:  # the whole group fails as each of its clients would
+            outcome = [err] * len(group)
+        for i, result in zip(members, outcome):
+            results[i] = result
+    return results
