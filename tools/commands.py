@@ -84,13 +84,14 @@ def local(args: argparse.Namespace) -> int:
 
 
 def simulate(args: argparse.Namespace) -> int:
-    """Flower's Ray simulation engine, or the in-process engine."""
+    """Flower's Ray simulation engine, or the in-process engine (vectorised or not)."""
     cfg = resolve_config(args)
-    preflight(cfg, args.clients)
+    preflight(cfg, args.clients, args.engine)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
     try:
-        if args.engine == "inprocess":
-            outcome = engines.run_in_process(cfg, args.clients, on_poll=progress)
+        if args.engine in ("inprocess", "vectorized"):
+            outcome = engines.run_in_process(cfg, args.clients, on_poll=progress,
+                                             vectorized=args.engine == "vectorized")
         else:
             outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
                                       timeout=args.timeout, on_poll=progress,
@@ -105,7 +106,7 @@ def simulate(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     """What ``simulate`` checks before it starts (config, data, partition, model), and nothing
     else: the sweep asks it before starting runs in parallel processes."""
-    preflight(resolve_config(args), args.clients)
+    preflight(resolve_config(args), args.clients, args.engine)
     return EXIT_OK
 
 

@@ -82,20 +82,22 @@ def ray_federation_config(clients: int, cpus_per_client: int = 1, gpus_per_clien
             "client-resources-num-gpus": gpus_per_client, "init-args-num-cpus": os.cpu_count() or 1}
 
 
-def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll) -> Outcome:
+def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized: bool = False) -> Outcome:
     """The real ServerApp and ClientApps in this process (tools/inprocess.py), in a worker
-    thread while ``on_poll`` runs here; a failure of the run is raised here."""
+    thread while ``on_poll`` runs here; a failure of the run is raised here. ``vectorized``:
+    each round's local training in batched passes (client/vectorized.py)."""
     from tools.inprocess import run_inprocess
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     for name in ("flwr.flatflower.server", "flwr.flatflower.client"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    print(f"in-process simulation: {clients} clients, {cfg.algorithm}", flush=True)
+    kind = "vectorised in-process" if vectorized else "in-process"
+    print(f"{kind} simulation: {clients} clients, {cfg.algorithm}", flush=True)
     failure: list[BaseException] = []
 
     def work() -> None:
         try:
-            run_inprocess(cfg.to_dict(), clients)
+            run_inprocess(cfg.to_dict(), clients, vectorized=vectorized)
         except BaseException as err:  # reported below, in the calling thread
             failure.append(err)
 

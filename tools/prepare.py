@@ -53,10 +53,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"give up after this many seconds (at most {MAX_SECONDS:.0f})")
 
 
+ENGINES = ("ray", "inprocess", "vectorized")
+
+
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the simulation engines (simulate, sweep)."""
-    p.add_argument("--engine", choices=("ray", "inprocess"), default="ray",
-                   help="ray = Flower simulation engine (default); inprocess = no Ray, one process")
+    p.add_argument("--engine", choices=ENGINES, default="ray",
+                   help="ray = Flower simulation engine (default); inprocess = no Ray, one process; "
+                        "vectorized = in one process, each round's local training in batched passes "
+                        "over all sampled clients (torch.func.vmap)")
     p.add_argument("--cpus-per-client", type=cli_int, default=1)
     p.add_argument("--gpus-per-client", type=cli_float, default=0.0)
     p.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
@@ -209,8 +214,9 @@ def _default_run_dir(cfg: RunConfig) -> Path:
     return default_run_dir(cfg)
 
 
-def preflight(cfg: RunConfig, num_clients: int) -> None:
-    """Load the data and build the partition here, so bad input fails before any process starts."""
+def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
+    """Load the data and build the partition here, so bad input fails before any process starts
+    (and, for the vectorised engine, that the model can be batched)."""
     from common.data import partitions_for
 
     from common.data import dataset_for
@@ -222,9 +228,16 @@ def preflight(cfg: RunConfig, num_clients: int) -> None:
         raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
     data = dataset_for(cfg)
     try:
-        build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
+        model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
     except ValueError as err:
         raise UsageError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
+    if engine == "vectorized":
+        from client.vectorized import check_batchable
+
+        try:
+            check_batchable(model, cfg.resolved_model())
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     per_round = num_clients if cfg.sampling == "bernoulli" else max(
         1, min(num_clients, math.floor(cfg.fraction_train * num_clients + 0.5)))
     from strategies.aggregate import Aggregator
