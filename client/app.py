@@ -27,7 +27,7 @@ from common.config import RunConfig
 from common.data import client_split, client_test_split, dataset_for
 from common.datasets import Split
 from common.evaluate import evaluate as evaluate_model
-from common.models import build_model
+from common.models import ModelPool, build_model
 
 log = logging.getLogger("flwr.flatflower.client")
 META = "client-meta"  # MetricRecord in context.state: rounds trained, last round
@@ -36,7 +36,7 @@ app = ClientApp()
 
 
 def _setup(context: Context) -> tuple[RunConfig, NodeSettings, torch.device]:
-    cfg = RunConfig.from_mapping(context.run_config)
+    cfg = RunConfig.parsed(context.run_config)
     node = NodeSettings.from_node_config(context.node_config)
     device = node.torch_device()
     if device.type == "cpu":
@@ -44,12 +44,19 @@ def _setup(context: Context) -> tuple[RunConfig, NodeSettings, torch.device]:
     return cfg, node, device
 
 
+MODELS = ModelPool()  # the models of this process's train and evaluate calls, kept for reuse
+
+
 def _model(cfg: RunConfig, node: NodeSettings, arrays: ArrayRecord, device: torch.device):
+    """(pool key, a model holding ``arrays``): give it back to MODELS when done."""
     data = dataset_for(cfg, node.data_dir)
-    # seed=0: the weights are overwritten below; seeding keeps the global RNG untouched
-    model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
-    model.load_state_dict(P.from_record(arrays), strict=True)
-    return model.to(device)
+    key, model = MODELS.take(cfg.resolved_model(), data.input_shape, data.num_classes, device)
+    try:
+        model.load_state_dict(P.from_record(arrays), strict=True)
+    except BaseException:
+        MODELS.give(key, model)
+        raise
+    return key, model
 
 
 def _initial_weights(cfg: RunConfig, node: NodeSettings):
@@ -96,6 +103,7 @@ class TrainCall:
     state: dict
     mirror: StateMirror | None
     reported: dict
+    pool_key: tuple
 
     @classmethod
     def open(cls, msg: Message, context: Context) -> TrainCall:
@@ -108,16 +116,24 @@ class TrainCall:
         data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
         if device.type == "cuda":
             data = data.to(device)  # the whole partition on the GPU (common.datasets.Split.to)
-        model = _model(cfg, node, msg.content[P.MODEL], device)
-        broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
-        mirror = _mirror(cfg, node)
-        state = mirror.load_before(server_round) if mirror else _read_state(context)
-        lr = cfg.round_lr(server_round)
-        rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
-        held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
-        reported = _self_report(cfg, model, data, held_out, "before")
+        key, model = _model(cfg, node, msg.content[P.MODEL], device)
+        try:
+            broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
+            mirror = _mirror(cfg, node)
+            state = mirror.load_before(server_round) if mirror else _read_state(context)
+            lr = cfg.round_lr(server_round)
+            rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
+            held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+            reported = _self_report(cfg, model, data, held_out, "before")
+        except BaseException:
+            MODELS.give(key, model)
+            raise
         return cls(msg, context, cfg, node, server_round, fault, data, held_out, model, rule,
-                   layout, lr, state, mirror, reported)
+                   layout, lr, state, mirror, reported, key)
+
+    def close(self) -> None:
+        """Give the model back to the pool (the call is done with it)."""
+        MODELS.give(self.pool_key, self.model)
 
     def generator(self) -> torch.Generator:
         """This call's shuffling RNG (client.train.round_generator)."""
@@ -167,8 +183,11 @@ class TrainCall:
 def train(msg: Message, context: Context) -> Message:
     """One round of local training with the run's algorithm."""
     call = TrainCall.open(msg, context)
-    result = local_train(call.model, call.data, call.rule, call.cfg, call.lr, call.generator())
-    return call.reply(result)
+    try:
+        result = local_train(call.model, call.data, call.rule, call.cfg, call.lr, call.generator())
+        return call.reply(result)
+    finally:
+        call.close()
 
 
 def _self_report(cfg: RunConfig, model, data, held_out, when: str) -> dict[str, float]:
@@ -189,8 +208,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Loss and accuracy of the received model on this client's local data."""
     cfg, node, device = _setup(context)
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
-    model = _model(cfg, node, msg.content[P.MODEL], device)
-    loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
+    key, model = _model(cfg, node, msg.content[P.MODEL], device)
+    try:
+        loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
+    finally:
+        MODELS.give(key, model)
     metrics = MetricRecord({"num-examples": len(data), "eval-loss": loss, "eval-accuracy": acc,
                             "partition-id": node.partition_id, "nonce": _nonce(msg)})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)

@@ -11,6 +11,7 @@ params classes (tests keep them and pyproject.toml equal).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -109,6 +110,15 @@ class RunConfig:
             cfg = dataclasses.replace(cfg, params=spec.params_class().parse(values, _coerce))
         cfg.validate(others=_other_algorithms_problems(values, cfg))
         return cfg
+
+    @classmethod
+    def parsed(cls, values: Mapping[str, Any]) -> RunConfig:
+        """:meth:`from_mapping`, remembered: a client parses the same run config at every call
+        (about a millisecond each). Values that cannot be hashed are parsed afresh."""
+        try:
+            return _parsed(tuple(sorted((k, type(v).__name__, v) for k, v in values.items())))
+        except TypeError:
+            return cls.from_mapping(values)
 
     def replace(self, **changes: Any) -> RunConfig:
         """A validated copy with some general fields changed (snake_case names); the params
@@ -374,3 +384,8 @@ def defaults() -> dict[str, Any]:
     from common import registry
 
     return {**{k: f.default for k, f in general_fields().items()}, **registry.algorithm_keys()}
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(items: tuple) -> RunConfig:
+    return RunConfig.from_mapping({k: v for k, _, v in items})

@@ -50,8 +50,20 @@ def client_split(cfg: RunConfig, partition_id: int, num_partitions: int, data_di
         raise ValueError(
             f"partition-id {partition_id} is out of range for num-partitions={num_partitions}"
         )
-    indices = partitions_for(cfg, num_partitions, data_dir)[partition_id]
-    return dataset_for(cfg, data_dir).train.subset(indices)
+    generator = tuple(sorted(generator_options(cfg).items()))
+    return _client_split(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator, cfg.partition,
+                         num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client,
+                         partition_id)
+
+
+@functools.lru_cache(maxsize=4096)
+def _client_split(dataset: str, data_dir: str, download: bool, generator: tuple, scheme: str, n: int,
+                  seed: int, alpha: float, cpc: int, partition_id: int) -> Split:
+    """A client's split, kept: clients call for it every round (its rows are copied once; a
+    kept split is only read, every batch is a new tensor)."""
+    indices = _partitions(dataset, data_dir, download, generator, scheme, n, seed, alpha, cpc)[partition_id]
+    data = load_dataset(dataset, data_dir, download, **dict(generator))
+    return data.train.subset(indices)
 
 
 def client_test_split(cfg: RunConfig, partition_id: int, num_partitions: int,

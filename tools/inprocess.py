@@ -187,8 +187,13 @@ class VectorizedGrid(InProcessGrid):
                 raise result
             return call.reply(result)
 
-        self._land({msg.metadata.message_id: self._answer(msg, msg, lambda o=o: reply(o))
-                    for msg, o in zip(messages, outcomes)})
+        try:
+            replies = {msg.metadata.message_id: self._answer(msg, msg, lambda o=o: reply(o))
+                       for msg, o in zip(messages, outcomes)}
+        finally:
+            for call in calls:
+                call.close()
+        self._land(replies)
 
 
 def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
