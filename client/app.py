@@ -104,9 +104,11 @@ class TrainCall:
     mirror: StateMirror | None
     reported: dict
     pool_key: tuple
+    after: dict | None = None  # the self-report after training, when the engine made it
 
     @classmethod
-    def open(cls, msg: Message, context: Context) -> TrainCall:
+    def open(cls, msg: Message, context: Context, self_report: bool = True) -> TrainCall:
+        """``self_report=False``: the engine makes the self-reports (``reported`` and ``after``)."""
         cfg, node, device = _setup(context)
         spec = registry.get(cfg.algorithm)
         server_round = int(msg.content[P.CONFIG]["server-round"])
@@ -124,7 +126,7 @@ class TrainCall:
             lr = cfg.round_lr(server_round)
             rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
             held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
-            reported = _self_report(cfg, model, data, held_out, "before")
+            reported = _self_report(cfg, model, data, held_out, "before") if self_report else {}
         except BaseException:
             MODELS.give(key, model)
             raise
@@ -143,7 +145,9 @@ class TrainCall:
         """The reply to the train message, after ``self.model`` was trained; commits the
         client's state (last: only a successful call changes it)."""
         cfg, node, model, server_round = self.cfg, self.node, self.model, self.server_round
-        reported = {**self.reported, **_self_report(cfg, model, self.data, self.held_out, "after")}
+        after = self.after if self.after is not None else _self_report(cfg, model, self.data,
+                                                                        self.held_out, "after")
+        reported = {**self.reported, **after}
         uploads, new_state = rule_outputs(self.rule, self.layout, model)
         weights = model.state_dict()
         if self.fault:
@@ -196,10 +200,16 @@ def _self_report(cfg: RunConfig, model, data, held_out, when: str) -> dict[str, 
     server checks them and writes them to clients.jsonl, never aggregates them."""
     if not cfg.client_eval:
         return {}
-    loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
-    out = {f"loss-{when}": loss, f"accuracy-{when}": acc}
-    if held_out is not None and len(held_out):
-        out[f"heldout-accuracy-{when}"] = evaluate_model(model, held_out, cfg.eval_batch_size)[1]
+    held = (evaluate_model(model, held_out, cfg.eval_batch_size)[1]
+            if held_out is not None and len(held_out) else None)
+    return report_of(when, evaluate_model(model, data, cfg.eval_batch_size), held)
+
+
+def report_of(when: str, train: tuple[float, float], heldout_accuracy: float | None) -> dict[str, float]:
+    """The self-report's metrics: (loss, accuracy) on the training data, held-out accuracy."""
+    out = {f"loss-{when}": train[0], f"accuracy-{when}": train[1]}
+    if heldout_accuracy is not None:
+        out[f"heldout-accuracy-{when}"] = heldout_accuracy
     return {k: v for k, v in out.items() if math.isfinite(v)}  # an overflowed loss is not reported
 
 

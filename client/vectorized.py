@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -112,6 +113,51 @@ def join_rule(kind: type, shape: RuleShape, tensors: Sequence[torch.Tensor]) -> 
     return rule
 
 
+# ---------------------------------------------------------------- self-reports
+@torch.no_grad()
+def evaluate_stacked(model: nn.Module, names: Sequence[str], params: Tensors, splits: Sequence,
+                     batch_size: int) -> list[tuple[float, float]]:
+    """common.evaluate.evaluate for each client: (mean cross-entropy, accuracy) of its weights
+    (``params``, stacked) on its split, in batched forward passes over padded rows."""
+    def forward(weights, x):
+        return functional_call(model, dict(zip(names, weights)), (x,))
+
+    model.eval()
+    sizes = torch.tensor([len(s) for s in splits])
+    loss = torch.zeros(len(splits), dtype=torch.float64)
+    correct = torch.zeros(len(splits), dtype=torch.int64)
+    for start in range(0, int(sizes.max()) if len(splits) else 0, batch_size):
+        xs, ys = zip(*(s.get(slice(start, start + batch_size)) for s in splits))
+        x, y, _ = padded(xs, ys)
+        x, y = x.to(params[0].device), y.to(params[0].device)
+        logits = vmap(forward)(params, x)
+        real = (torch.arange(y.shape[1]) < (sizes - start).clamp(min=0).unsqueeze(1)).to(y.device)
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view(y.shape)
+        loss += torch.where(real, ce, 0.0).sum(dim=1).double().cpu()
+        correct += ((logits.argmax(dim=2) == y) & real).sum(dim=1).cpu()
+    n = sizes.clamp(min=1).double()
+    return list(zip((loss / n).tolist(), (correct.double() / n).tolist()))
+
+
+def self_reports(calls: Sequence, params: Tensors, when: str) -> list[dict[str, float]]:
+    """client.app's ``client-eval`` self-reports of a group, batched (client.app.report_of)."""
+    from client.app import report_of
+
+    first = calls[0]
+    if not first.cfg.client_eval:
+        return [{} for _ in calls]
+    model, names, size = first.model, first.layout.names, first.cfg.eval_batch_size
+    train = evaluate_stacked(model, names, params, [c.data for c in calls], size)
+    held: list[float | None] = [None] * len(calls)
+    with_held = [i for i, c in enumerate(calls) if c.held_out is not None and len(c.held_out)]
+    if with_held:
+        accuracy = evaluate_stacked(model, names, [p[with_held] for p in params],
+                                    [calls[i].held_out for i in with_held], size)
+        for i, (_, acc) in zip(with_held, accuracy):
+            held[i] = acc
+    return [report_of(when, t, h) for t, h in zip(train, held)]
+
+
 # ---------------------------------------------------------------- groups and their training
 def num_steps(n: int, cfg) -> int:
     """The number of local steps client.train.batch_indices draws for n samples."""
@@ -187,6 +233,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
         new_tensors, step.shape = split_rule(rule)
         return loss, list(d), new_tensors
 
+    before = self_reports(calls, params, "before")
     model.train()
     failed: dict[int, Exception] = {}
     losses, buffers = [], None
@@ -203,7 +250,8 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
             failed.setdefault(int(i), FloatingPointError(f"local loss became {loss[i]} at step {k + 1}"))
         buffers = sgd_step(params, [d.detach() for d in direction], buffers, cfg, lr)
         losses.append(loss)
-    # each client's trained weights and rule back into its own call
+    after = self_reports(calls, params, "after")
+    # each client's trained weights, rule and self-reports back into its own call
     per_client = np.stack(losses, axis=1) if losses else np.zeros((len(calls), 0))
     results: list[LocalResult | Exception] = []
     for i, call in enumerate(calls):
@@ -211,6 +259,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
             for p, stacked in zip(trainable(call.model), params):
                 p.copy_(stacked[i])
         call.rule = join_rule(kind, shape, [t[i] for t in rule_tensors])
+        call.reported, call.after = before[i], after[i]
         results.append(failed.get(i) or LocalResult(len(call.data), per_client.shape[1],
                                                       float(np.mean([float(v) for v in per_client[i]]))))
     return results

@@ -171,7 +171,8 @@ class VectorizedGrid(InProcessGrid):
         outcomes: list = []  # per message: its TrainCall, then its LocalResult; or an exception
         for msg in messages:
             try:
-                outcomes.append(TrainCall.open(msg, self.contexts[msg.metadata.dst_node_id]))
+                outcomes.append(TrainCall.open(msg, self.contexts[msg.metadata.dst_node_id],
+                                                self_report=False))
             except Exception as err:  # its error reply, below
                 outcomes.append(err)
         opened = [i for i, o in enumerate(outcomes) if not isinstance(o, Exception)]
