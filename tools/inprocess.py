@@ -1,7 +1,8 @@
 """An in-process Grid: the real ServerApp and ClientApp in one process, no ports, no Ray.
 
 Each virtual node keeps its own Context (so ``context.state`` persists across rounds as on
-a SuperNode); every message is deep-copied on the way out and back, like the wire; a
+a SuperNode); every message is deep-copied on the way out and back, like the wire (except
+for flatflower's own ClientApp, which never holds on to what it receives or sends); a
 ClientApp exception becomes an error reply (code 2), as in Flower's runtimes. Each message is
 handled in its own thread, as nodes work in parallel; ``send_and_receive(timeout=...)`` returns the
 replies that arrived in time and drops the rest, as Flower's grid does (a hung client keeps
@@ -50,10 +51,12 @@ def _one_ast_parse_at_a_time() -> None:
 
 class InProcessGrid(Grid):
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: Mapping[str, Any],
-                 node_config: Mapping[str, Any] | None = None, first_node_id: int = 1000):
+                 node_config: Mapping[str, Any] | None = None, first_node_id: int = 1000,
+                 copy_messages: bool = True):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0
         _one_ast_parse_at_a_time()
         self.client_app = client_app
+        self.copy_messages = copy_messages  # False: only for a ClientApp known not to alias them
         self.contexts = {
             first_node_id + i: Context(
                 run_id=1, node_id=first_node_id + i, state=RecordDict(), run_config=dict(run_config),
@@ -82,8 +85,9 @@ class InProcessGrid(Grid):
         return [n for n in self.contexts if n not in self.offline]
 
     def _deliver(self, msg: Message) -> Message:
-        incoming = copy.deepcopy(msg)
-        return copy.deepcopy(self._answer(
+        copied = copy.deepcopy if self.copy_messages else (lambda m: m)
+        incoming = copied(msg)
+        return copied(self._answer(
             msg, incoming, lambda: self.client_app(incoming, self.contexts[msg.metadata.dst_node_id])))
 
     @staticmethod
@@ -212,7 +216,10 @@ def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
     cfg = RunConfig.from_mapping({"num-partitions": num_clients, **run_config})
     cfg = cfg.replace(run_dir=str(Path(cfg.run_dir or default_run_dir(cfg)).resolve()))
     kind = VectorizedGrid if vectorized else InProcessGrid
-    grid = kind(client_app or default_client_app, num_clients, cfg.to_dict(), node_config)
+    # flatflower's ClientApp reads what it receives and builds fresh replies: no copies needed
+    # (another ClientApp, e.g. the tests' malicious ones, gets copies, as over the wire)
+    grid = kind(client_app or default_client_app, num_clients, cfg.to_dict(), node_config,
+                copy_messages=client_app is not None)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())
     (server_app or default_server_app)(grid, context)
     return Path(cfg.run_dir), grid
