@@ -228,9 +228,12 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     device = params[0].device
 
     def step(tensors, w, x, y, weight):
+        """One client's local step (vmap runs it once for the group, so ``shape``, the
+        rule's shared attributes after the step, is set once)."""
+        nonlocal shape
         rule = join_rule(kind, shape, tensors)
         loss, d = rule.direction(list(w), FunctionalBatch(model, names, w, x, y, weight))
-        new_tensors, step.shape = split_rule(rule)
+        new_tensors, shape = split_rule(rule)
         return loss, list(d), new_tensors
 
     before = self_reports(calls, params, "before")
@@ -244,7 +247,6 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
         with autocast(cfg, device):
             loss, direction, rule_tensors = vmap(step, in_dims=(0, 0, 0, 0, None if weight is None else 0))(
                 rule_tensors, params, x, y, weight)
-        shape = step.shape
         loss = loss.detach().double().cpu().numpy()
         for i in np.flatnonzero(~np.isfinite(loss)):
             failed.setdefault(int(i), FloatingPointError(f"local loss became {loss[i]} at step {k + 1}"))
@@ -269,7 +271,12 @@ def train_together(calls: Sequence) -> list[LocalResult | Exception]:
     """Train every call's model in place, group by group (:func:`groups`); the results in the
     order of ``calls`` (an exception for a client whose training failed)."""
     results: list[LocalResult | Exception | None] = [None] * len(calls)
-    for members in groups(calls):
+    for i, call in enumerate(calls):
+        if len(call.data) == 0:  # client.train.local_train's error
+            results[i] = ValueError("this client's partition is empty: nothing to train on")
+    trainable_calls = [i for i, result in enumerate(results) if result is None]
+    for members in groups([calls[i] for i in trainable_calls]):
+        members = [trainable_calls[m] for m in members]
         group = [calls[i] for i in members]
         try:
             outcome = train_group(group)
