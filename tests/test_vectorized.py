@@ -1,0 +1,542 @@
+"""The vectorised engine (client/vectorized.py, tools.inprocess.VectorizedGrid) against its
+contract: it trains a round's sampled clients together under ``torch.func.vmap``, running the
+same client rule code, so a vectorised run equals an in-process run up to the float rounding
+of batched kernels -- for every algorithm, with padded last batches, ragged (Dirichlet)
+clients bucketed by step count, stateful clients with and without state, every SGD option,
+and a failing client isolated from the rest of its group. Plus its building blocks
+(padding weights, grouping, the stacked SGD step), the model check that refuses what it
+cannot batch, and the CLI (``simulate``/``sweep --engine vectorized``).
+
+All runs are tiny (digits, MLP, 1 local epoch, 2-3 rounds): each pair of runs takes well
+under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+# imported first (see tests/test_bad_input.py: flwr's log handler keeps the stderr of its import)
+import tools.inprocess  # noqa: F401
+import client.app as client_module
+import client.vectorized as vec
+from client.app import app as client_app
+from client.batch import ModelBatch, cross_entropy, mean_kl, trainable
+from client.train import build_rule
+from client.vectorized import FunctionalBatch, check_batchable, groups, padded, sgd_step
+from common import protocol as P
+from common.config import RunConfig
+from common.models import MODELS, build_model
+from common.registry import ALGORITHMS
+from server.run import RunFailed, run_server
+from tests.helpers import FIRST_NODE, metrics
+from tools.cli import main as cli
+from tools.inprocess import InProcessGrid, VectorizedGrid, run_inprocess
+from tools.prepare import UsageError, preflight
+
+# iid digits over 8 clients: 1437 = 5 x 180 + 3 x 179 samples, 6 steps of 32 each; the last
+# batch of an epoch has 20 or 19 rows, so a group mixing both sizes pads. Half participate
+# per round, so stateful clients meet with and without state from earlier rounds.
+BASE = {"dataset": "digits", "model": "mlp", "partition": "iid", "local-epochs": 1,
+        "batch-size": 32, "fraction-train": 0.5, "fraction-evaluate": 0.5,
+        "num-server-rounds": 3, "tensorboard": False}
+CLIENTS = 8
+REL = 1e-6  # MLP: measured agreement is ~1e-8 relative (float32 rounding of batched kernels)
+
+
+# ---------------------------------------------------------------- helpers
+def rel_diff(a: dict, b: dict) -> float:
+    """||a - b|| / ||b|| over all tensors of two state dicts (float64)."""
+    assert a.keys() == b.keys()
+    num = math.sqrt(sum(float((a[k].double() - b[k].double()).norm()) ** 2 for k in a))
+    den = math.sqrt(sum(float(b[k].double().norm()) ** 2 for k in a))
+    return num / den if den else num
+
+
+def final(run_dir: Path) -> dict:
+    return torch.load(run_dir / "model_final.pt")
+
+
+def clients_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "clients.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records every group client.vectorized trains together (its size, step count and
+    partitions) and whether each stacked mini-batch was padded (padded() gave weights)."""
+    seen = {"groups": [], "padded": 0, "unpadded": 0}
+    train_group, pad = vec.train_group, vec.padded
+
+    def spying_train_group(calls):
+        seen["groups"].append({"size": len(calls), "steps": vec.num_steps(len(calls[0].data), calls[0].cfg),
+                               "round": calls[0].server_round,
+                               "partitions": [c.node.partition_id for c in calls]})
+        return train_group(calls)
+
+    def spying_padded(xs, ys):
+        out = pad(xs, ys)
+        seen["padded" if out[2] is not None else "unpadded"] += 1
+        return out
+
+    monkeypatch.setattr(vec, "train_group", spying_train_group)
+    monkeypatch.setattr(vec, "padded", spying_padded)
+    return seen
+
+
+def both_engines(tmp_path, config: dict, clients: int = CLIENTS):
+    """The same run in-process and vectorised: (in-process run dir, grid), (vectorised ...)."""
+    runs = []
+    for vectorized in (False, True):
+        name = "vec" if vectorized else "inp"
+        runs.append(run_inprocess({**config, "run-dir": str(tmp_path / name)}, clients, vectorized=vectorized))
+    return runs
+
+
+def assert_same_rows(inp: Path, vec_dir: Path) -> None:
+    """metrics.jsonl and clients.jsonl agree: the same clients, outcomes and sizes exactly,
+    losses and accuracies to float tolerance."""
+    a, b = metrics(inp), metrics(vec_dir)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for key in ("round", "sampled_partitions", "clients_sampled", "clients_replied",
+                    "clients_rejected", "clients_failed", "failed_partitions", "bytes_down", "bytes_up"):
+            assert x.get(key) == y.get(key), (key, x, y)
+        for key in ("test_loss", "train_loss", "eval_loss"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-5), (key, x, y)
+        for key in ("test_accuracy", "eval_accuracy"):
+            if key in x:  # a prediction tie may flip: within one test sample
+                assert y[key] == pytest.approx(x[key], abs=1.01 / 360), (key, x, y)
+    ca, cb = clients_rows(inp), clients_rows(vec_dir)
+    assert [(r["round"], r["partition"], r["status"], r["examples"], r["steps"]) for r in ca] == \
+           [(r["round"], r["partition"], r["status"], r["examples"], r["steps"]) for r in cb]
+    for x, y in zip(ca, cb):
+        for key in ("train_loss", "loss_after"):
+            if x[key] is not None:
+                assert y[key] == pytest.approx(x[key], rel=1e-5), (key, x, y)
+
+
+def assert_same_client_state(a: InProcessGrid, b: InProcessGrid, tol: float = REL) -> None:
+    """Every node's persistent records (duals, control variates, previous global models...)
+    the same in both engines."""
+    for node, ctx in a.contexts.items():
+        sa = {n: P.from_record(r) for n, r in ctx.state.array_records.items()}
+        sb = {n: P.from_record(r) for n, r in b.contexts[node].state.array_records.items()}
+        assert sa.keys() == sb.keys(), node
+        for name in sa:
+            scale = max(1e-3, math.sqrt(sum(float(v.double().norm()) ** 2 for v in sa[name].values())))
+            diff = math.sqrt(sum(float((sa[name][k].double() - sb[name][k].double()).norm()) ** 2
+                                 for k in sa[name]))
+            assert diff <= tol * scale, (node, name, diff, scale)
+        ma, mb = (c.state.metric_records.get(client_module.META) for c in (ctx, b.contexts[node]))
+        assert (ma is None) == (mb is None) and (ma is None or dict(ma) == dict(mb)), node
+
+
+def assert_equal_runs(runs, tol: float = REL) -> tuple[list[dict], list[dict]]:
+    (inp, grid_a), (vec_dir, grid_b) = runs
+    init, a, b = torch.load(inp / "model_init.pt"), final(inp), final(vec_dir)
+    assert rel_diff(a, init) > 1e-3, "training did not move the model: the comparison is vacuous"
+    assert rel_diff(b, a) <= tol, rel_diff(b, a)
+    assert_same_rows(inp, vec_dir)
+    assert_same_client_state(grid_a, grid_b, tol)
+    return metrics(inp), metrics(vec_dir)
+
+
+# ---------------------------------------------------------------- 1. every algorithm
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_vectorised_run_equals_inprocess_run(tmp_path, spy, algorithm):
+    """Final global model, metric rows, client reports and every client's persistent state
+    equal the in-process run's, with groups of several clients, padded last batches and (for
+    stateful algorithms) clients with and without state in one round."""
+    runs = both_engines(tmp_path, {**BASE, "algorithm": algorithm})
+    rows, _ = assert_equal_runs(runs)
+    assert max(g["size"] for g in spy["groups"]) > 1, spy["groups"]
+    assert spy["padded"] > 0 and spy["unpadded"] > 0, spy  # some step padded, most not
+    trained = [p for r in rows[1:] for p in r["sampled_partitions"]]
+    assert len(set(trained)) < len(trained) < CLIENTS * BASE["num-server-rounds"], \
+        "some client must train twice and some round leave clients out"
+    # the vectorised run's messages really went through the batched path
+    assert sum(g["size"] for g in spy["groups"]) == len(trained)
+
+
+# ---------------------------------------------------------------- 2. ragged clients
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedsam", "scaffold", "fedtoga", "fedlesam-s"])
+def test_ragged_dirichlet_clients_train_in_step_count_groups_and_equal_inprocess(tmp_path, spy, algorithm):
+    """Dirichlet(0.3) over 10 clients: 79 to 247 samples, 3 to 8 steps per epoch. Clients of
+    one step count train together (their last batches padded), the others apart."""
+    config = {**BASE, "algorithm": algorithm, "partition": "dirichlet", "dirichlet-alpha": 0.3,
+              "fraction-train": 0.6}
+    assert_equal_runs(both_engines(tmp_path, config, clients=10))
+    by_round: dict[int, list[dict]] = {}
+    for g in spy["groups"]:
+        by_round.setdefault(g["round"], []).append(g)
+    assert any(len({g["steps"] for g in gs}) > 1 for gs in by_round.values()), spy["groups"]
+    assert max(g["size"] for g in spy["groups"]) > 1 and spy["padded"] > 0, spy
+
+
+# ---------------------------------------------------------------- 3. optimizer paths
+@pytest.mark.parametrize("options", [
+    {"momentum": 0.9, "weight-decay": 1e-3, "clip-norm": 1.0},
+    {"local-steps": 7, "momentum": 0.9},  # 7 steps of 180-sample clients: an epoch rolls over
+    {"clip-norm": 0.05, "lr": 0.3},  # clipping active in every step
+], ids=["momentum-wd-clip", "local-steps", "tight-clip"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedsam", "scaffold", "feddyn"])
+def test_optimizer_options_equal_inprocess(tmp_path, spy, algorithm, options):
+    assert_equal_runs(both_engines(tmp_path, {**BASE, "algorithm": algorithm, "num-server-rounds": 2,
+                                              **options}))
+    if "local-steps" in options:
+        assert {g["steps"] for g in spy["groups"]} == {7}
+
+
+# ---------------------------------------------------------------- 4. the CNN
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedsam"])
+def test_cnn_equals_inprocess_within_float_tolerance(tmp_path, spy, algorithm):
+    """Batched convolutions round differently from per-client ones; where that moves a value
+    across a ReLU's 0 or changes the winner of a max-pool tie, the two engines take a
+    different branch for that element. So the CNN's engines agree within float tolerance, not
+    bit for bit (measured ~1e-8 relative here; the bound leaves room for such a flip)."""
+    runs = both_engines(tmp_path, {**BASE, "algorithm": algorithm, "model": "cnn",
+                                   "num-server-rounds": 2})
+    assert_equal_runs(runs, tol=1e-5)
+    assert max(g["size"] for g in spy["groups"]) > 1
+
+
+# ---------------------------------------------------------------- 5. building blocks
+def test_padded_stacks_equal_batches_without_weights():
+    xs = [torch.randn(4, 1, 8, 8) for _ in range(3)]
+    ys = [torch.randint(0, 10, (4,)) for _ in range(3)]
+    x, y, weight = padded(xs, ys)
+    assert weight is None
+    assert torch.equal(x, torch.stack(xs)) and torch.equal(y, torch.stack(ys))
+
+
+def test_padded_weighs_real_rows_1_over_b_and_padding_0():
+    sizes = [5, 2, 4]
+    xs = [torch.randn(n, 1, 8, 8) for n in sizes]
+    ys = [torch.randint(0, 10, (n,)) for n in sizes]
+    x, y, weight = padded(xs, ys)
+    assert x.shape == (3, 5, 1, 8, 8) and y.shape == (3, 5) and weight.shape == (3, 5)
+    for i, n in enumerate(sizes):
+        assert torch.equal(x[i, :n], xs[i]) and torch.equal(y[i, :n], ys[i])
+        assert torch.all(weight[i, :n] == 1.0 / n) and torch.all(weight[i, n:] == 0)
+        assert float(weight[i].sum()) == pytest.approx(1.0)
+
+
+def test_weighted_objectives_of_a_padded_batch_equal_the_plain_means():
+    torch.manual_seed(0)
+    sizes = [7, 3, 5]
+    logits = [torch.randn(n, 10) for n in sizes]
+    ys = [torch.randint(0, 10, (n,)) for n in sizes]
+    x, y, weight = padded(logits, ys)
+    # padding rows get random logits: with weight 0 they must not count
+    x = torch.where(weight[..., None] > 0, x, torch.randn_like(x) * 100)
+    for i, n in enumerate(sizes):
+        loss, report = cross_entropy(x[i], y[i], weight[i])
+        plain, _ = cross_entropy(logits[i], ys[i])
+        torch.testing.assert_close(loss, plain, rtol=1e-6, atol=0)
+        torch.testing.assert_close(report, plain, rtol=1e-6, atol=0)
+        q = torch.softmax(torch.randn(x.shape[1:]), dim=1)
+        torch.testing.assert_close(mean_kl(torch.log_softmax(x[i], 1), q, weight[i]),
+                                   mean_kl(torch.log_softmax(logits[i], 1), q[:n]), rtol=1e-6, atol=0)
+
+
+def test_functional_batch_under_vmap_gives_each_clients_own_gradient_of_its_unpadded_batch():
+    """FunctionalBatch.grad (with and without a SAM-style offset) for 3 clients of different
+    weights and batch sizes, in one vmap over a padded batch, equals ModelBatch.grad on each
+    client's own model and unpadded batch."""
+    torch.manual_seed(1)
+    template = build_model("mlp", (1, 8, 8), 10, seed=0)
+    names = [n for n, p in template.named_parameters() if p.requires_grad]
+    sizes = [6, 2, 4]
+    models = [build_model("mlp", (1, 8, 8), 10, seed=s) for s in range(3)]
+    xs = [torch.randn(n, 1, 8, 8) for n in sizes]
+    ys = [torch.randint(0, 10, (n,)) for n in sizes]
+    offsets = [[torch.randn_like(p) * 0.01 for p in trainable(m)] for m in models]
+    x, y, weight = padded(xs, ys)
+    w = [torch.stack(ps) for ps in zip(*[[p.detach() for p in trainable(m)] for m in models])]
+    off = [torch.stack(o) for o in zip(*offsets)]
+
+    def grads(w, x, y, weight, off):
+        batch = FunctionalBatch(template, names, w, x, y, weight)
+        (l0, g0), (l1, g1) = batch.grad(), batch.grad(list(off))
+        return l0, g0, l1, g1
+
+    l0, g0, l1, g1 = torch.func.vmap(grads)(w, x, y, weight, off)
+    for i, m in enumerate(models):
+        batch = ModelBatch(m, xs[i], ys[i])
+        for (loss, g), (vl, vg) in ((batch.grad(), (l0, g0)), (batch.grad(offsets[i]), (l1, g1))):
+            torch.testing.assert_close(vl[i], loss, rtol=1e-5, atol=1e-7)
+            for a, b in zip(vg, g):
+                torch.testing.assert_close(a[i], b, rtol=1e-5, atol=1e-7)
+
+
+def _calls(cfg: RunConfig, algorithm: str, sizes: list[int], states: list[dict] | None = None):
+    """Stand-ins for TrainCall with what groups() reads: a rule, data (its length) and cfg."""
+    cfg = cfg.replace(algorithm=algorithm)
+    model = build_model("logreg", (1, 8, 8), 10, seed=0)
+    spec = ALGORITHMS[algorithm]
+    named = dict(model.state_dict())
+    broadcast = {name: named for name in spec.down}
+    out = []
+    for n, state in zip(sizes, states or [{}] * len(sizes)):
+        rule, _ = build_rule(cfg, model, broadcast, state, 0.1, initial=lambda: named)
+        out.append(SimpleNamespace(rule=rule, data=range(n), cfg=cfg))
+    return out
+
+
+def test_groups_split_clients_by_step_count():
+    cfg = RunConfig.from_mapping({"batch-size": 32, "local-epochs": 2})
+    # ceil(n / 32) steps per epoch: 64 -> 2, 33 and 60 and 50 -> 2, 65 -> 3, 10 -> 1
+    calls = _calls(cfg, "fedavg", [64, 65, 33, 10, 60, 96, 50])
+    assert sorted(groups(calls)) == [[0, 2, 4, 6], [1, 5], [3]]
+    # a fixed number of local steps: one group whatever the sizes
+    fixed = _calls(cfg.replace(local_steps=5), "fedavg", [64, 65, 10])
+    assert groups(fixed) == [[0, 1, 2]]
+
+
+def test_groups_split_clients_by_rule_shape():
+    """FedLESAM's clients with a previous global model (a perturbation offset) and without
+    (none yet) run different rule code: never in one group."""
+    cfg = RunConfig.from_mapping({"batch-size": 32})
+    model = build_model("logreg", (1, 8, 8), 10, seed=0)
+    previous = {P.PREVIOUS_GLOBAL: {k: v + 0.1 for k, v in model.state_dict().items()}}
+    calls = _calls(cfg, "fedlesam", [64, 64, 64, 64], [{}, previous, {}, previous])
+    assert sorted(groups(calls)) == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("options", [
+    {"momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.0},
+    {"momentum": 0.9, "weight_decay": 1e-2, "clip_norm": 0.0},
+    {"momentum": 0.9, "weight_decay": 1e-3, "clip_norm": 0.5},
+    {"momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.5},
+])
+def test_sgd_step_is_torch_sgd_with_clipping_client_by_client(options):
+    torch.manual_seed(2)
+    cfg = SimpleNamespace(**options)
+    lr, clients, steps = 0.1, 4, 4
+    shapes = [(5, 3), (5,), (2, 2, 3)]
+    start = [torch.randn(clients, *s) for s in shapes]
+    grads = [[torch.randn(clients, *s) * (1 + 3 * i) for s in shapes] for i in range(steps)]
+    stacked, buffers = [p.clone() for p in start], None
+    for g in grads:
+        buffers = sgd_step(stacked, [t.clone() for t in g], buffers, cfg, lr)
+    assert (buffers is not None) == bool(options["momentum"])
+    for c in range(clients):
+        params = [nn.Parameter(p[c].clone()) for p in start]
+        opt = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        for g in grads:
+            for p, t in zip(params, g):
+                p.grad = t[c].clone()
+            if cfg.clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm)
+            opt.step()
+        for p, s in zip(params, stacked):
+            torch.testing.assert_close(s[c], p.detach(), rtol=1e-6, atol=1e-6)
+    if options["clip_norm"]:  # the clip really acted (gradients have norms far above 0.5)
+        assert all(torch.linalg.vector_norm(torch.cat([t[c].flatten() for t in g])) > 1
+                   for g in grads for c in range(clients))
+
+
+# ---------------------------------------------------------------- 6. models it cannot batch
+class BNNet(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.conv = nn.Conv2d(input_shape[0], 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * input_shape[1] * input_shape[2], num_classes)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+class WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("model, named", [
+    (lambda: BNNet((1, 8, 8), 10), "BatchNorm2d"),
+    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.Linear(32, 10)), "Dropout"),
+    (lambda: WithBuffer(), "buffers (count)"),
+])
+def test_check_batchable_refuses_state_shared_across_a_batch(model, named):
+    with pytest.raises(ValueError) as err:
+        check_batchable(model(), "net")
+    message = str(err.value)
+    assert named in message and "'net'" in message
+    assert "--engine inprocess" in message and "GroupNorm" in message
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_check_batchable_accepts_every_model_of_the_zoo(name):
+    try:
+        model = build_model(name, (1, 8, 8), 10, seed=0)  # digits
+    except ValueError:  # too small for it (lenet): a CIFAR-shaped input
+        model = build_model(name, (3, 32, 32), 10, seed=0)
+    check_batchable(model, name)
+
+
+@pytest.fixture
+def bn_model(monkeypatch):
+    monkeypatch.setitem(MODELS, "bn-net", BNNet)
+    return "bn-net"
+
+
+def test_preflight_refuses_a_batchnorm_model_for_the_vectorised_engine_only(tmp_path, bn_model):
+    cfg = RunConfig.from_mapping({"dataset": "digits", "model": bn_model, "partition": "iid",
+                                  "run-dir": str(tmp_path / "r")})
+    with pytest.raises(UsageError, match=r"BatchNorm2d.*--engine inprocess.*GroupNorm"):
+        preflight(cfg, 4, "vectorized")
+    preflight(cfg, 4, "inprocess")
+    preflight(cfg, 4, "ray")
+
+
+def test_cli_refuses_a_batchnorm_model_for_the_vectorised_engine_before_starting(tmp_path, capsys, bn_model):
+    code = cli(["simulate", "--engine", "vectorized", "--model", bn_model, "--dataset", "digits",
+                "--clients", "2", "--rounds", "1", "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and "BatchNorm2d" in err and "Traceback" not in err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- 7. failure isolation
+def nan_data_for(monkeypatch, partition: int) -> None:
+    """Partition ``partition``'s training inputs become NaN: its loss is NaN at step 1."""
+    split = client_module.client_split
+
+    def poisoned(cfg, partition_id, num_partitions, data_dir=""):
+        data = split(cfg, partition_id, num_partitions, data_dir)
+        if partition_id == partition:
+            data = dataclasses.replace(data, x=data.x.float() * float("nan"))
+        return data
+
+    monkeypatch.setattr(client_module, "client_split", poisoned)
+
+
+def run_grid(tmp_path, name: str, kind: type, config: dict, clients: int, faults: dict | None = None):
+    """``config`` on a ``kind`` grid; ``faults``: partition -> inject-fault. Returns the run
+    directory, the grid, and the RunFailed raised (None when the run completed)."""
+    cfg = RunConfig.from_mapping({**config, "num-partitions": clients, "run-dir": str(tmp_path / name)})
+    grid = kind(client_app, clients, cfg.to_dict())
+    for pid, fault in (faults or {}).items():
+        grid.contexts[FIRST_NODE + pid].node_config["inject-fault"] = fault
+    try:
+        run_server(grid, cfg)
+        failed = None
+    except RunFailed as err:
+        failed = err
+    return Path(cfg.run_dir), grid, failed
+
+
+FAILING = 1  # the failing client's partition
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ("nan-data", "FloatingPointError: local loss became nan at step 1"),  # training itself fails
+    ("raise", "RuntimeError: injected fault: raise"),  # opening the call fails
+    ("nan", "has NaN or Inf values"),  # a NaN model in the reply: refused by the server
+], ids=["nan-data", "raise", "nan"])
+def test_a_failing_client_does_not_sink_the_others_of_its_group(tmp_path, monkeypatch, spy, fault, reason):
+    """4 iid clients of 12 steps each, all sampled: one group. The failing client's reply is
+    an error (or refused), the others train on and are aggregated, and both engines end the
+    same: same failures, final model, and client state (the failing client's is never
+    committed)."""
+    config = {**BASE, "algorithm": "scaffold", "fraction-train": 1.0, "fraction-evaluate": 0.0,
+              "num-server-rounds": 2}
+    faults = {}
+    if fault == "nan-data":
+        nan_data_for(monkeypatch, FAILING)
+    else:
+        faults = {FAILING: fault}
+    (inp, grid_a, fail_a), (vec_dir, grid_b, fail_b) = (
+        run_grid(tmp_path, name, kind, config, 4, faults)
+        for name, kind in (("inp", InProcessGrid), ("vec", VectorizedGrid)))
+    assert fail_a is None and fail_b is None, (fail_a, fail_b)
+    if fault != "raise":  # trained in one group with the others (round 1; in round 2 a client
+        # whose state was never committed has a rule of another shape, so trains apart)
+        assert any(g["size"] == 4 and FAILING in g["partitions"] for g in spy["groups"]), spy["groups"]
+    else:  # a client that fails to open never reaches a group
+        assert all(g["size"] == 3 and FAILING not in g["partitions"] for g in spy["groups"]), spy["groups"]
+    for rows in (metrics(inp), metrics(vec_dir)):
+        for row in rows[1:]:
+            bad = row["failed_partitions"] if fault != "nan" else row["rejected_partitions"]
+            assert bad == [FAILING], row
+            why = row["failures"] if fault != "nan" else row["rejections"]
+            assert reason in why[0]["reason"], why
+            assert row["clients_replied"] - row["clients_rejected"] == 3, row
+            assert math.isfinite(row["test_loss"]) and math.isfinite(row["train_loss"]), row
+    assert rel_diff(final(vec_dir), final(inp)) <= REL
+    assert rel_diff(final(vec_dir), torch.load(inp / "model_init.pt")) > 1e-3
+    assert_same_rows(inp, vec_dir)
+    assert_same_client_state(grid_a, grid_b)
+    if fault != "nan":  # the reply failed: nothing of the failing client's round was kept
+        assert not grid_b.contexts[FIRST_NODE + FAILING].state.array_records
+        assert P.CLIENT_CONTROL in grid_b.contexts[FIRST_NODE].state.array_records
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "BUG: VectorizedGrid._train_together (tools/inprocess.py) opens every train message "
+    "one after the other in ONE worker thread and lands all replies at the end, so a client "
+    "that hangs (inject-fault=hang; any ClientApp stuck before training) blocks every other "
+    "client of the round: all are lost at the round deadline and the round is skipped, where "
+    "the in-process engine loses only the hung client (tests/test_reliability.py)"))
+def test_a_hung_client_is_lost_alone_at_the_round_deadline(tmp_path):
+    config = {**BASE, "algorithm": "fedavg", "fraction-train": 1.0, "fraction-evaluate": 0.0,
+              "num-server-rounds": 1}
+    crashed, _, failed = run_grid(tmp_path, "crashed", VectorizedGrid, config, 4, {FAILING: "raise"})
+    assert failed is None
+    # a deadline the honest clients meet on this machine now: 5x their round here, at least 3 s
+    timeout = float(max(3, math.ceil(5 * max(r["seconds"] for r in metrics(crashed)[1:]))))
+    hung, _, failed = run_grid(tmp_path, "hung", VectorizedGrid, {**config, "round-timeout": timeout},
+                               4, {FAILING: "hang"})
+    row = metrics(hung)[1]
+    assert row["failed_partitions"] == [FAILING] and row["clients_replied"] == 3, row
+    assert failed is None
+    assert rel_diff(final(hung), final(crashed)) == 0
+
+
+# ---------------------------------------------------------------- 8. the CLI
+def test_cli_simulate_vectorized_equals_inprocess(tmp_path, capsys):
+    """Through `flatflower simulate`: SCAFFOLD's client state goes through the CLI's on-disk
+    client-state mirror in both engines."""
+    args = ["--algorithm", "scaffold", "--clients", "6", "--rounds", "2", "--dataset", "digits",
+            "--model", "mlp", "--partition", "iid", "--fraction", "0.5", "--set", "local-epochs=1",
+            "--no-tensorboard"]
+    assert cli(["simulate", "--engine", "vectorized", *args, "--run-dir", str(tmp_path / "vec")]) == 0
+    out = capsys.readouterr().out
+    assert "vectorised in-process simulation" in out and "final test accuracy" in out
+    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
+    rows = metrics(tmp_path / "vec")
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"]
+    assert (tmp_path / "vec" / "client-state").is_dir()
+    assert rel_diff(final(tmp_path / "vec"), final(tmp_path / "inp")) <= REL
+    assert_same_rows(tmp_path / "inp", tmp_path / "vec")
+
+
+def test_cli_sweep_vectorized(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code = cli(["sweep", "--engine", "vectorized", "--algorithms", "fedavg,fedsam", "--seeds", "0",
+                "--out", str(out), "--clients", "4", "--rounds", "2", "--dataset", "digits",
+                "--model", "mlp", "--partition", "iid", "--set", "local-epochs=1", "--no-tensorboard"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads((out / "report.json").read_text())
+    assert [r["algorithm"] for r in report["runs"]] == ["fedavg", "fedsam"]
+    assert "vectorised in-process simulation" in text
+    for name in ("fedavg-s0", "fedsam-s0"):
+        assert [r["round"] for r in metrics(out / name)] == [0, 1, 2]
