@@ -102,7 +102,7 @@ class TrainCall:
     lr: float
     state: dict
     mirror: StateMirror | None
-    reported: dict
+    reported: dict | None  # the self-report before training (None: not made yet)
     pool_key: tuple
     after: dict | None = None  # the self-report after training, when the engine made it
 
@@ -126,7 +126,7 @@ class TrainCall:
             lr = cfg.round_lr(server_round)
             rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
             held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
-            reported = _self_report(cfg, model, data, held_out, "before") if self_report else {}
+            reported = _self_report(cfg, model, data, held_out, "before") if self_report else None
         except BaseException:
             MODELS.give(key, model)
             raise
@@ -136,6 +136,16 @@ class TrainCall:
     def close(self) -> None:
         """Give the model back to the pool (the call is done with it)."""
         MODELS.give(self.pool_key, self.model)
+
+    def run(self) -> Message:
+        """Train alone (client.train.local_train) and reply: the ClientApp's path."""
+        try:
+            if self.reported is None:  # opened without its self-report
+                self.reported = _self_report(self.cfg, self.model, self.data, self.held_out, "before")
+            result = local_train(self.model, self.data, self.rule, self.cfg, self.lr, self.generator())
+            return self.reply(result)
+        finally:
+            self.close()
 
     def generator(self) -> torch.Generator:
         """This call's shuffling RNG (client.train.round_generator)."""
@@ -147,7 +157,7 @@ class TrainCall:
         cfg, node, model, server_round = self.cfg, self.node, self.model, self.server_round
         after = self.after if self.after is not None else _self_report(cfg, model, self.data,
                                                                         self.held_out, "after")
-        reported = {**self.reported, **after}
+        reported = {**(self.reported or {}), **after}
         uploads, new_state = rule_outputs(self.rule, self.layout, model)
         weights = model.state_dict()
         if self.fault:
@@ -186,12 +196,7 @@ class TrainCall:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One round of local training with the run's algorithm."""
-    call = TrainCall.open(msg, context)
-    try:
-        result = local_train(call.model, call.data, call.rule, call.cfg, call.lr, call.generator())
-        return call.reply(result)
-    finally:
-        call.close()
+    return TrainCall.open(msg, context).run()
 
 
 def _self_report(cfg: RunConfig, model, data, held_out, when: str) -> dict[str, float]:

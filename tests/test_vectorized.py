@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -488,12 +489,6 @@ def test_a_failing_client_does_not_sink_the_others_of_its_group(tmp_path, monkey
         assert P.CLIENT_CONTROL in grid_b.contexts[FIRST_NODE].state.array_records
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG: VectorizedGrid._train_together (tools/inprocess.py) opens every train message "
-    "one after the other in ONE worker thread and lands all replies at the end, so a client "
-    "that hangs (inject-fault=hang; any ClientApp stuck before training) blocks every other "
-    "client of the round: all are lost at the round deadline and the round is skipped, where "
-    "the in-process engine loses only the hung client (tests/test_reliability.py)"))
 def test_a_hung_client_is_lost_alone_at_the_round_deadline(tmp_path):
     config = {**BASE, "algorithm": "fedavg", "fraction-train": 1.0, "fraction-evaluate": 0.0,
               "num-server-rounds": 1}
@@ -507,6 +502,32 @@ def test_a_hung_client_is_lost_alone_at_the_round_deadline(tmp_path):
     assert row["failed_partitions"] == [FAILING] and row["clients_replied"] == 3, row
     assert failed is None
     assert rel_diff(final(hung), final(crashed)) == 0
+
+
+def test_a_client_that_opens_late_trains_alone_with_the_same_result(tmp_path, monkeypatch):
+    """A call still opening when the batch is ready (STRAGGLER_WAIT) is trained on its own
+    when it opens (TrainCall.run), not waited for: the same model as the in-process engine."""
+    from client.app import TrainCall
+
+    monkeypatch.setattr(tools.inprocess, "STRAGGLER_WAIT", 0.2)
+    opening = TrainCall.open.__func__
+
+    def slow_open(cls, msg, context, self_report=True):
+        if context.node_config["partition-id"] == FAILING:
+            time.sleep(1.0)
+        return opening(cls, msg, context, self_report)
+
+    lone = []
+    run = TrainCall.run
+    monkeypatch.setattr(TrainCall, "open", classmethod(slow_open))
+    monkeypatch.setattr(TrainCall, "run", lambda self: lone.append(self.node.partition_id) or run(self))
+    config = {**BASE, "algorithm": "scaffold", "fraction-train": 1.0, "num-server-rounds": 2}
+    vec, grid_v, failed = run_grid(tmp_path, "vec", VectorizedGrid, config, 4)
+    assert failed is None and lone == [FAILING, FAILING]
+    inp, grid_i, failed = run_grid(tmp_path, "inp", InProcessGrid, config, 4)
+    assert rel_diff(final(vec), final(inp)) <= REL
+    assert_same_rows(inp, vec)
+    assert_same_client_state(grid_i, grid_v)
 
 
 # ---------------------------------------------------------------- 8. the CLI

@@ -169,20 +169,49 @@ class VectorizedGrid(InProcessGrid):
         return [m.metadata.message_id if t else next(others) for m, t in zip(messages, is_train)]
 
     def _train_together(self, messages: list[Message]) -> None:
+        """Open every message in a thread of its own (as nodes work in parallel), train the
+        calls that opened together, and reply. A call still opening when the others are done
+        (a hung or slow client) does not hold the batch: the batch waits for the next open
+        at most STRAGGLER_WAIT, or twice as long as the opens so far took, then goes on, and
+        a late call trains alone in its own thread when it opens (the same result: the
+        engines agree), as a hung client stays hung alone."""
         from client.app import TrainCall
         from client.vectorized import train_together
 
-        outcomes: list = []  # per message: its TrainCall, then its LocalResult; or an exception
-        for msg in messages:
+        arrived = threading.Condition()
+        opened: dict[int, Any] = {}  # message index -> its TrainCall, or the exception
+        closed = False
+
+        def open_one(i: int, msg: Message) -> None:
+            nonlocal closed
             try:
-                outcomes.append(TrainCall.open(msg, self.contexts[msg.metadata.dst_node_id],
-                                                self_report=False))
-            except Exception as err:  # its error reply, below
-                outcomes.append(err)
-        opened = [i for i, o in enumerate(outcomes) if not isinstance(o, Exception)]
-        calls = [outcomes[i] for i in opened]
-        for i, result in zip(opened, train_together(calls)):
-            outcomes[i] = (outcomes[i], result)
+                outcome = TrainCall.open(msg, self.contexts[msg.metadata.dst_node_id], self_report=False)
+            except Exception as err:  # its error reply
+                outcome = err
+            with arrived:
+                if not closed:
+                    opened[i] = outcome
+                    arrived.notify_all()
+                    return
+            self._land({msg.metadata.message_id: self._answer(msg, msg, lambda: _run(outcome))})
+
+        start = time.monotonic()
+        for i, msg in enumerate(messages):
+            threading.Thread(target=open_one, args=(i, msg), daemon=True).start()
+        with arrived:
+            last = start
+            while len(opened) < len(messages):
+                count = len(opened)
+                wait = max(STRAGGLER_WAIT, 2 * (last - start)) - (time.monotonic() - last)
+                if wait <= 0 or not arrived.wait_for(lambda: len(opened) > count, wait):
+                    break
+                last = time.monotonic()
+            closed = True
+            batch = dict(opened)
+        calls = {i: o for i, o in batch.items() if not isinstance(o, Exception)}
+        outcomes: dict[int, Any] = dict(batch)
+        for i, result in zip(calls, train_together(list(calls.values()))):
+            outcomes[i] = (calls[i], result)
 
         def reply(outcome) -> Message:
             if isinstance(outcome, Exception):
@@ -193,12 +222,23 @@ class VectorizedGrid(InProcessGrid):
             return call.reply(result)
 
         try:
-            replies = {msg.metadata.message_id: self._answer(msg, msg, lambda o=o: reply(o))
-                       for msg, o in zip(messages, outcomes)}
+            replies = {messages[i].metadata.message_id: self._answer(messages[i], messages[i],
+                                                                     lambda o=o: reply(o))
+                       for i, o in outcomes.items()}
         finally:
-            for call in calls:
+            for call in calls.values():
                 call.close()
         self._land(replies)
+
+
+STRAGGLER_WAIT = 1.0  # seconds the vectorised batch waits for one more call to open, at least
+
+
+def _run(outcome) -> Message:
+    """A call that opened too late for its batch: trained alone (or its open's exception)."""
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome.run()
 
 
 def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
