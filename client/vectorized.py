@@ -159,25 +159,43 @@ def self_reports(calls: Sequence, params: Tensors, when: str) -> list[dict[str, 
 
 
 # ---------------------------------------------------------------- groups and their training
+PADDING_BUDGET = 2.0  # a group's work (clients x its longest client's steps) <= this x its real steps
+
+
 def num_steps(n: int, cfg) -> int:
     """The number of local steps client.train.batch_indices draws for n samples."""
     return cfg.local_steps if cfg.local_steps > 0 else cfg.local_epochs * math.ceil(n / cfg.batch_size)
 
 
-def groups(calls: Sequence) -> list[list[int]]:
-    """Indices of ``calls`` that train together: same step count, same rule shape (e.g. FedLESAM
-    clients with and without a previous global model train apart), same tensor shapes."""
-    out: dict[tuple, list[int]] = {}
+def groups(calls: Sequence, budget: float | None = None) -> list[list[int]]:
+    """Indices of ``calls`` that train together. A group has one rule shape (e.g. FedLESAM
+    clients with and without a previous global model train apart) and tensor shapes; within
+    one, clients sorted by step count are cut into groups whose padded work (size x the most
+    steps) stays within ``budget`` x their real steps: a client with fewer steps than its
+    group's longest is masked (left unchanged) after its last step. ``budget``: default
+    PADDING_BUDGET."""
+    budget = PADDING_BUDGET if budget is None else budget
+    kinds: dict[tuple, list[int]] = {}
     for i, call in enumerate(calls):
         tensors, shape = split_rule(call.rule)
-        key = (num_steps(len(call.data), call.cfg), shape.key(),
-               tuple((tuple(t.shape), t.dtype) for t in tensors))
-        out.setdefault(key, []).append(i)
-    return list(out.values())
+        kinds.setdefault((shape.key(), tuple((tuple(t.shape), t.dtype) for t in tensors)), []).append(i)
+    out = []
+    for members in kinds.values():
+        steps = {i: num_steps(len(calls[i].data), calls[i].cfg) for i in members}
+        group: list[int] = []
+        for i in sorted(members, key=steps.__getitem__):
+            real = sum(steps[j] for j in group) + steps[i]
+            if group and (len(group) + 1) * steps[i] > budget * real:
+                out.append(group)
+                group = []
+            group.append(i)
+        out.append(group)
+    return out
 
 
 def padded(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]):
-    """Stacked mini-batches, and per-row weights when their sizes differ (None when not)."""
+    """Stacked mini-batches, and per-row weights when their sizes differ (None when not): 1/b
+    on a batch's b real rows, 0 on padding (and on all rows of an empty batch)."""
     sizes = [len(y) for y in ys]
     b = max(sizes)
     if min(sizes) == b:
@@ -186,13 +204,22 @@ def padded(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]):
     y = ys[0].new_zeros((len(ys), b))
     weight = torch.zeros((len(xs), b), device=x.device)
     for i, (xi, yi) in enumerate(zip(xs, ys)):
-        x[i, : len(yi)], y[i, : len(yi)], weight[i, : len(yi)] = xi, yi, 1.0 / len(yi)
+        if len(yi):
+            x[i, : len(yi)], y[i, : len(yi)], weight[i, : len(yi)] = xi, yi, 1.0 / len(yi)
     return x, y, weight
 
 
-def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: float) -> list | None:
-    """torch.optim.SGD's step (with clip_grad_norm_ first) on stacked tensors, per client;
-    returns the momentum buffers."""
+def masked(active: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` for the active clients (dim 0), ``old`` for the others; ``new`` if all are."""
+    if active is None:
+        return new
+    return torch.where(active.view(-1, *[1] * (new.dim() - 1)), new, old)
+
+
+def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: float,
+             active: torch.Tensor | None = None) -> list | None:
+    """torch.optim.SGD's step (with clip_grad_norm_ first) on stacked tensors, per client (the
+    inactive ones, if ``active`` is given, unchanged); returns the momentum buffers."""
     if cfg.clip_norm > 0:
         norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
         total = torch.linalg.vector_norm(norms, dim=1)
@@ -201,14 +228,13 @@ def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: flo
     if cfg.weight_decay:
         grads = [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, params)]
     if cfg.momentum:
-        if buffers is None:
+        if buffers is None:  # the first step, which every client takes
             buffers = [g.clone() for g in grads]
         else:
-            for buf, g in zip(buffers, grads):
-                buf.mul_(cfg.momentum).add_(g)
+            buffers = [masked(active, buf * cfg.momentum + g, buf) for buf, g in zip(buffers, grads)]
         grads = buffers
     for p, g in zip(params, grads):
-        p.add_(g, alpha=-lr)
+        p.copy_(masked(active, torch.add(p, g, alpha=-lr), p))
     return buffers
 
 
@@ -225,6 +251,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     rule_tensors = [torch.stack(ts) for ts in zip(*[split_rule(c.rule)[0] for c in calls])]
     draws = [batch_indices(len(c.data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, c.generator())
              for c in calls]
+    steps = [num_steps(len(c.data), cfg) for c in calls]
     device = params[0].device
 
     def step(tensors, w, x, y, weight):
@@ -239,22 +266,33 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     before = self_reports(calls, params, "before")
     model.train()
     failed: dict[int, Exception] = {}
-    losses, buffers = [], None
-    for k in range(num_steps(len(first.data), cfg)):
-        xs, ys = zip(*(c.data.get(next(draw)) for c, draw in zip(calls, draws)))
+    losses: list[list[float]] = [[] for _ in calls]
+    buffers = None
+    for k in range(max(steps)):
+        live = [k < n for n in steps]
+        active = None if all(live) else torch.tensor(live, device=device)
+        empty = (torch.zeros(0, dtype=torch.int64),)
+        xs, ys = zip(*(c.data.get(next(draw) if on else empty[0])
+                       for c, draw, on in zip(calls, draws, live)))
         x, y, weight = padded([t.to(device, non_blocking=True) for t in xs],
                               [t.to(device, non_blocking=True) for t in ys])
+        old_shape = shape
         with autocast(cfg, device):
-            loss, direction, rule_tensors = vmap(step, in_dims=(0, 0, 0, 0, None if weight is None else 0))(
+            loss, direction, new_tensors = vmap(step, in_dims=(0, 0, 0, 0, None if weight is None else 0))(
                 rule_tensors, params, x, y, weight)
+        if active is not None and shape.key() != old_shape.key():
+            raise RuntimeError(f"{kind.__name__} changed the kind of its attributes at step {k + 1}, "
+                               "after some clients' last step; the vectorised engine cannot mask that")
+        rule_tensors = [masked(active, new, old) for new, old in zip(new_tensors, rule_tensors)] \
+            if active is not None else new_tensors
         loss = loss.detach().double().cpu().numpy()
-        for i in np.flatnonzero(~np.isfinite(loss)):
-            failed.setdefault(int(i), FloatingPointError(f"local loss became {loss[i]} at step {k + 1}"))
-        buffers = sgd_step(params, [d.detach() for d in direction], buffers, cfg, lr)
-        losses.append(loss)
+        for i in np.flatnonzero(live):
+            if not np.isfinite(loss[i]):
+                failed.setdefault(int(i), FloatingPointError(f"local loss became {loss[i]} at step {k + 1}"))
+            losses[i].append(float(loss[i]))
+        buffers = sgd_step(params, [d.detach() for d in direction], buffers, cfg, lr, active)
     after = self_reports(calls, params, "after")
     # each client's trained weights, rule and self-reports back into its own call
-    per_client = np.stack(losses, axis=1) if losses else np.zeros((len(calls), 0))
     results: list[LocalResult | Exception] = []
     for i, call in enumerate(calls):
         with torch.no_grad():
@@ -262,8 +300,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
                 p.copy_(stacked[i])
         call.rule = join_rule(kind, shape, [t[i] for t in rule_tensors])
         call.reported, call.after = before[i], after[i]
-        results.append(failed.get(i) or LocalResult(len(call.data), per_client.shape[1],
-                                                      float(np.mean([float(v) for v in per_client[i]]))))
+        results.append(failed.get(i) or LocalResult(len(call.data), steps[i], float(np.mean(losses[i]))))
     return results
 
 

@@ -77,8 +77,8 @@ def spy(monkeypatch):
     train_group, pad = vec.train_group, vec.padded
 
     def spying_train_group(calls):
-        seen["groups"].append({"size": len(calls), "steps": vec.num_steps(len(calls[0].data), calls[0].cfg),
-                               "round": calls[0].server_round,
+        seen["groups"].append({"size": len(calls), "round": calls[0].server_round,
+                               "steps": [vec.num_steps(len(c.data), c.cfg) for c in calls],
                                "partitions": [c.node.partition_id for c in calls]})
         return train_group(calls)
 
@@ -170,16 +170,21 @@ def test_vectorised_run_equals_inprocess_run(tmp_path, spy, algorithm):
 
 # ---------------------------------------------------------------- 2. ragged clients
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedsam", "scaffold", "fedtoga", "fedlesam-s"])
-def test_ragged_dirichlet_clients_train_in_step_count_groups_and_equal_inprocess(tmp_path, spy, algorithm):
-    """Dirichlet(0.3) over 10 clients: 79 to 247 samples, 3 to 8 steps per epoch. Clients of
-    one step count train together (their last batches padded), the others apart."""
+@pytest.mark.parametrize("budget", [vec.PADDING_BUDGET, 1.0], ids=["masked", "one-step-count"])
+def test_ragged_dirichlet_clients_equal_inprocess(tmp_path, spy, monkeypatch, algorithm, budget):
+    """Dirichlet(0.3) over 10 clients: 79 to 247 samples, 3 to 8 steps per epoch. With the
+    default padding budget clients of different step counts train in one group (each masked
+    after its own last step; SCAFFOLD's K and FedTOGA's gradient register stay per client);
+    with budget 1 only clients of one step count do (their last batches padded)."""
+    monkeypatch.setattr(vec, "PADDING_BUDGET", budget)
     config = {**BASE, "algorithm": algorithm, "partition": "dirichlet", "dirichlet-alpha": 0.3,
               "fraction-train": 0.6}
     assert_equal_runs(both_engines(tmp_path, config, clients=10))
-    by_round: dict[int, list[dict]] = {}
-    for g in spy["groups"]:
-        by_round.setdefault(g["round"], []).append(g)
-    assert any(len({g["steps"] for g in gs}) > 1 for gs in by_round.values()), spy["groups"]
+    mixed = [g for g in spy["groups"] if len(set(g["steps"])) > 1]
+    if budget == 1.0:
+        assert not mixed and len({tuple(g["steps"]) for g in spy["groups"]}) > 1, spy["groups"]
+    else:
+        assert mixed, spy["groups"]
     assert max(g["size"] for g in spy["groups"]) > 1 and spy["padded"] > 0, spy
 
 
@@ -194,7 +199,7 @@ def test_optimizer_options_equal_inprocess(tmp_path, spy, algorithm, options):
     assert_equal_runs(both_engines(tmp_path, {**BASE, "algorithm": algorithm, "num-server-rounds": 2,
                                               **options}))
     if "local-steps" in options:
-        assert {g["steps"] for g in spy["groups"]} == {7}
+        assert {n for g in spy["groups"] for n in g["steps"]} == {7}
 
 
 # ---------------------------------------------------------------- 4. the CNN
@@ -293,11 +298,14 @@ def _calls(cfg: RunConfig, algorithm: str, sizes: list[int], states: list[dict] 
     return out
 
 
-def test_groups_split_clients_by_step_count():
+def test_groups_cut_clients_by_step_count_within_the_padding_budget():
     cfg = RunConfig.from_mapping({"batch-size": 32, "local-epochs": 2})
-    # ceil(n / 32) steps per epoch: 64 -> 2, 33 and 60 and 50 -> 2, 65 -> 3, 10 -> 1
-    calls = _calls(cfg, "fedavg", [64, 65, 33, 10, 60, 96, 50])
-    assert sorted(groups(calls)) == [[0, 2, 4, 6], [1, 5], [3]]
+    # 2 epochs of ceil(n / 32) steps: 10 -> 2; 33, 50, 60, 64 -> 4; 65, 96 -> 6; 300 -> 20
+    calls = _calls(cfg, "fedavg", [64, 65, 33, 10, 60, 96, 50, 300])
+    # sorted by steps (2, 4, 4, 4, 4, 6, 6, 20); a client joins while size x its steps <= 2 x
+    # the group's real steps: the 20-step client would make 8 x 20 = 160 > 2 x 50
+    assert groups(calls) == [[3, 0, 2, 4, 6, 1, 5], [7]]
+    assert groups(calls, budget=1.0) == [[3], [0, 2, 4, 6], [1, 5], [7]]  # one step count each
     # a fixed number of local steps: one group whatever the sizes
     fixed = _calls(cfg.replace(local_steps=5), "fedavg", [64, 65, 10])
     assert groups(fixed) == [[0, 1, 2]]

@@ -12,6 +12,8 @@ c_i^+ - c_i is uploaded, c_i^+ kept. K is the number of steps this client took.
 
 from __future__ import annotations
 
+import torch
+
 from client.algorithms.base import ClientRule
 from client.sam import sam_gradient
 from client.tensors import Tensors, add, scale, sub, zeros_like
@@ -24,7 +26,8 @@ class ScaffoldClient(ClientRule):
         self.c = broadcast[CONTROL]
         self.c_i = state.get(CLIENT_CONTROL) or zeros_like(self.start)
         self.c_minus_ci = sub(self.c, self.c_i)  # fixed for the round
-        self.steps = 0
+        # K, the steps taken: a tensor, so an engine that batches clients counts per client
+        self.steps = torch.zeros((), dtype=torch.float64, device=self.start[0].device)
         self._new_control: Tensors | None = None
 
     def correction(self) -> Tensors:
@@ -33,7 +36,7 @@ class ScaffoldClient(ClientRule):
 
     def direction(self, w, batch):
         loss, g = self.gradient(w, batch)
-        self.steps += 1
+        self.steps = self.steps + 1
         return loss, add(g, self.correction())
 
     def new_control(self, w) -> Tensors:
