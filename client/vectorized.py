@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from client.algorithms.base import ClientRule
 from client.batch import Objective, Tensors, cross_entropy, trainable
@@ -83,33 +82,57 @@ class FunctionalBatch:
 
 
 # ---------------------------------------------------------------- a rule's tensors, stacked
+TENSOR, OTHER = "T", "O"  # the leaves of a rule's attributes: stacked per client / shared
+
+
+def _flatten(value, tensors: list, others: list):
+    """The structure of ``value`` (nested dicts, lists, tuples) as a hashable spec; its
+    tensors and other leaves appended to ``tensors`` and ``others``."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return TENSOR
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_flatten(v, tensors, others) for v in value))
+    if isinstance(value, dict):
+        return (type(value), tuple((k, _flatten(v, tensors, others)) for k, v in value.items()))
+    others.append(value)
+    return OTHER
+
+
+def _unflatten(spec, tensors, others):
+    if spec is TENSOR:
+        return next(tensors)
+    if spec is OTHER:
+        return next(others)
+    kind, items = spec
+    if issubclass(kind, dict):
+        return kind((k, _unflatten(v, tensors, others)) for k, v in items)
+    return kind(_unflatten(v, tensors, others) for v in items)
+
+
 @dataclass
 class RuleShape:
     """How a rule's attributes split into tensors (stacked per client) and the rest (shared)."""
 
-    spec: object
-    is_tensor: list[bool]
+    spec: tuple
     others: list = field(default_factory=list)
 
     def key(self) -> tuple:
         """Rules of one group must agree on this (the callables, e.g. ``initial``, aside)."""
-        return (str(self.spec), tuple(self.is_tensor),
-                tuple(repr(o) for o in self.others if not callable(o)))
+        return self.spec, tuple(repr(o) for o in self.others if not callable(o))
 
 
 def split_rule(rule: ClientRule) -> tuple[list[torch.Tensor], RuleShape]:
-    leaves, spec = tree_flatten(rule.__dict__)
-    is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
-    tensors = [leaf for leaf, t in zip(leaves, is_tensor) if t]
-    return tensors, RuleShape(spec, is_tensor, [leaf for leaf, t in zip(leaves, is_tensor) if not t])
+    tensors: list[torch.Tensor] = []
+    others: list = []
+    spec = _flatten(rule.__dict__, tensors, others)
+    return tensors, RuleShape(spec, others)
 
 
 def join_rule(kind: type, shape: RuleShape, tensors: Sequence[torch.Tensor]) -> ClientRule:
     """A rule of class ``kind`` with ``shape``'s shared attributes and these tensors."""
-    tensors, others = iter(tensors), iter(shape.others)
-    leaves = [next(tensors) if t else next(others) for t in shape.is_tensor]
     rule = object.__new__(kind)
-    rule.__dict__.update(tree_unflatten(leaves, shape.spec))
+    rule.__dict__.update(_unflatten(shape.spec, iter(tensors), iter(shape.others)))
     return rule
 
 
@@ -280,7 +303,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
         with autocast(cfg, device):
             loss, direction, new_tensors = vmap(step, in_dims=(0, 0, 0, 0, None if weight is None else 0))(
                 rule_tensors, params, x, y, weight)
-        if active is not None and shape.key() != old_shape.key():
+        if active is not None and shape.spec != old_shape.spec:
             raise RuntimeError(f"{kind.__name__} changed the kind of its attributes at step {k + 1}, "
                                "after some clients' last step; the vectorised engine cannot mask that")
         rule_tensors = [masked(active, new, old) for new, old in zip(new_tensors, rule_tensors)] \
