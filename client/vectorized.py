@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -110,30 +109,62 @@ def _unflatten(spec, tensors, others):
     return kind(_unflatten(v, tensors, others) for v in items)
 
 
-@dataclass
-class RuleShape:
-    """How a rule's attributes split into tensors (stacked per client) and the rest (shared)."""
+class StackedRule:
+    """The rules of a group of clients as one: per attribute, its structure and shared leaves
+    (``spec``, ``others``, from the first rule) and its tensors stacked along the clients."""
 
-    spec: tuple
-    others: list = field(default_factory=list)
+    def __init__(self, rules: Sequence[ClientRule]):
+        self.kind = type(rules[0])
+        self.attrs: dict[str, tuple[object, list, list[torch.Tensor]]] = {}
+        for name in rules[0].__dict__:
+            per_client = [split_attr(r.__dict__[name]) for r in rules]
+            spec, others, _ = per_client[0]
+            self.attrs[name] = (spec, others, [torch.stack(ts) for ts in zip(*(t for _, _, t in per_client))])
 
-    def key(self) -> tuple:
-        """Rules of one group must agree on this (the callables, e.g. ``initial``, aside)."""
-        return self.spec, tuple(repr(o) for o in self.others if not callable(o))
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {name: tensors for name, (_, _, tensors) in self.attrs.items()}
+
+    def rule(self, tensors: dict[str, Sequence[torch.Tensor]]) -> ClientRule:
+        """A rule with these tensors (one client's, inside vmap; or client i's slices)."""
+        rule = object.__new__(self.kind)
+        for name, (spec, others, _) in self.attrs.items():
+            rule.__dict__[name] = _unflatten(spec, iter(tensors[name]), iter(others))
+        return rule
+
+    def client(self, i: int) -> ClientRule:
+        return self.rule({name: [t[i] for t in tensors] for name, tensors in self.tensors().items()})
+
+    def changes(self, rule: ClientRule, built: dict) -> tuple[dict, dict]:
+        """The attributes ``rule`` set since it was built (``built``: its attributes then), as
+        (name -> tensors, name -> (spec, others))."""
+        changed = {n: split_attr(v) for n, v in rule.__dict__.items() if built.get(n, self) is not v}
+        gone = set(built) - set(rule.__dict__)
+        if gone:
+            raise RuntimeError(f"{self.kind.__name__} deleted attributes {sorted(gone)} during a step; "
+                               "the vectorised engine cannot carry that")
+        return ({n: t for n, (_, _, t) in changed.items()},
+                {n: (spec, others) for n, (spec, others, _) in changed.items()})
+
+    def update(self, tensors: dict, layouts: dict, active: torch.Tensor | None, step: int) -> None:
+        """Take a step's changed attributes; a client past its last step (not ``active``) keeps
+        its values, which needs the attribute's structure unchanged."""
+        for name, new in tensors.items():
+            spec, others = layouts[name]
+            old = self.attrs.get(name)
+            if active is not None:
+                if old is None or old[0] != spec:
+                    raise RuntimeError(f"{self.kind.__name__}.{name} changed its structure at step "
+                                       f"{step}, after some clients' last step; the vectorised "
+                                       "engine cannot mask that")
+                new = [masked(active, n, o) for n, o in zip(new, old[2])]
+            self.attrs[name] = (spec, others, list(new))
 
 
-def split_rule(rule: ClientRule) -> tuple[list[torch.Tensor], RuleShape]:
+def split_attr(value) -> tuple[object, list, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     others: list = []
-    spec = _flatten(rule.__dict__, tensors, others)
-    return tensors, RuleShape(spec, others)
-
-
-def join_rule(kind: type, shape: RuleShape, tensors: Sequence[torch.Tensor]) -> ClientRule:
-    """A rule of class ``kind`` with ``shape``'s shared attributes and these tensors."""
-    rule = object.__new__(kind)
-    rule.__dict__.update(_unflatten(shape.spec, iter(tensors), iter(shape.others)))
-    return rule
+    spec = _flatten(value, tensors, others)
+    return spec, others, tensors
 
 
 # ---------------------------------------------------------------- self-reports
@@ -200,8 +231,9 @@ def groups(calls: Sequence, budget: float | None = None) -> list[list[int]]:
     budget = PADDING_BUDGET if budget is None else budget
     kinds: dict[tuple, list[int]] = {}
     for i, call in enumerate(calls):
-        tensors, shape = split_rule(call.rule)
-        kinds.setdefault((shape.key(), tuple((tuple(t.shape), t.dtype) for t in tensors)), []).append(i)
+        spec, others, tensors = split_attr(call.rule.__dict__)
+        shared = tuple(repr(o) for o in others if not callable(o))  # callables (``initial``) aside
+        kinds.setdefault((spec, shared, tuple((tuple(t.shape), t.dtype) for t in tensors)), []).append(i)
     out = []
     for members in kinds.values():
         steps = {i: num_steps(len(calls[i].data), calls[i].cfg) for i in members}
@@ -267,47 +299,42 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     A client whose loss stops being finite gets the in-process engine's FloatingPointError;
     the vmap keeps clients apart, so the others train on."""
     first = calls[0]
-    cfg, lr, model, kind = first.cfg, first.lr, first.model, type(first.rule)
+    cfg, lr, model = first.cfg, first.lr, first.model
     names = first.layout.names
     params = [torch.stack(ps) for ps in zip(*[[p.detach() for p in trainable(c.model)] for c in calls])]
-    shape = split_rule(first.rule)[1]
-    rule_tensors = [torch.stack(ts) for ts in zip(*[split_rule(c.rule)[0] for c in calls])]
+    rules = StackedRule([c.rule for c in calls])
     draws = [batch_indices(len(c.data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, c.generator())
              for c in calls]
     steps = [num_steps(len(c.data), cfg) for c in calls]
     device = params[0].device
+    layouts: dict = {}
 
     def step(tensors, w, x, y, weight):
-        """One client's local step (vmap runs it once for the group, so ``shape``, the
-        rule's shared attributes after the step, is set once)."""
-        nonlocal shape
-        rule = join_rule(kind, shape, tensors)
+        """One client's local step. vmap runs it once for the group, so the rule's new shared
+        attributes (``layouts``) are set once; only the attributes the step set are returned."""
+        nonlocal layouts
+        rule = rules.rule(tensors)
+        built = dict(rule.__dict__)
         loss, d = rule.direction(list(w), FunctionalBatch(model, names, w, x, y, weight))
-        new_tensors, shape = split_rule(rule)
-        return loss, list(d), new_tensors
+        changed, layouts = rules.changes(rule, built)
+        return loss, list(d), changed
 
     before = self_reports(calls, params, "before")
     model.train()
     failed: dict[int, Exception] = {}
     losses: list[list[float]] = [[] for _ in calls]
     buffers = None
+    empty = torch.zeros(0, dtype=torch.int64)
     for k in range(max(steps)):
         live = [k < n for n in steps]
         active = None if all(live) else torch.tensor(live, device=device)
-        empty = (torch.zeros(0, dtype=torch.int64),)
-        xs, ys = zip(*(c.data.get(next(draw) if on else empty[0])
-                       for c, draw, on in zip(calls, draws, live)))
+        xs, ys = zip(*(c.data.get(next(draw) if on else empty) for c, draw, on in zip(calls, draws, live)))
         x, y, weight = padded([t.to(device, non_blocking=True) for t in xs],
                               [t.to(device, non_blocking=True) for t in ys])
-        old_shape = shape
         with autocast(cfg, device):
-            loss, direction, new_tensors = vmap(step, in_dims=(0, 0, 0, 0, None if weight is None else 0))(
-                rule_tensors, params, x, y, weight)
-        if active is not None and shape.spec != old_shape.spec:
-            raise RuntimeError(f"{kind.__name__} changed the kind of its attributes at step {k + 1}, "
-                               "after some clients' last step; the vectorised engine cannot mask that")
-        rule_tensors = [masked(active, new, old) for new, old in zip(new_tensors, rule_tensors)] \
-            if active is not None else new_tensors
+            loss, direction, changed = vmap(step, in_dims=(0, 0, 0, 0, None if weight is None else 0))(
+                rules.tensors(), params, x, y, weight)
+        rules.update(changed, layouts, active, k + 1)
         loss = loss.detach().double().cpu().numpy()
         for i in np.flatnonzero(live):
             if not np.isfinite(loss[i]):
@@ -321,7 +348,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
         with torch.no_grad():
             for p, stacked in zip(trainable(call.model), params):
                 p.copy_(stacked[i])
-        call.rule = join_rule(kind, shape, [t[i] for t in rule_tensors])
+        call.rule = rules.client(i)
         call.reported, call.after = before[i], after[i]
         results.append(failed.get(i) or LocalResult(len(call.data), steps[i], float(np.mean(losses[i]))))
     return results
