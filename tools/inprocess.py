@@ -169,43 +169,51 @@ class VectorizedGrid(InProcessGrid):
         return [m.metadata.message_id if t else next(others) for m, t in zip(messages, is_train)]
 
     def _train_together(self, messages: list[Message]) -> None:
-        """Open every message in a thread of its own (as nodes work in parallel), train the
-        calls that opened together, and reply. A call still opening when the others are done
-        (a hung or slow client) does not hold the batch: the batch waits for the next open
-        at most STRAGGLER_WAIT, or twice as long as the opens so far took, then goes on, and
-        a late call trains alone in its own thread when it opens (the same result: the
-        engines agree), as a hung client stays hung alone."""
+        """Open the messages one after another in an opener thread (a hundred threads opening
+        at once would mostly wait for each other), train the calls that opened together, and
+        reply. A call that does not finish opening within STRAGGLER_WAIT (a hung or very slow
+        client) does not hold the batch: another opener takes the messages still waiting, and
+        once none is waiting the batch goes on without it; a late call trains alone in its own
+        thread when it opens (the same result: the engines agree), as a hung client stays
+        hung alone."""
         from client.app import TrainCall
         from client.vectorized import train_together
 
         arrived = threading.Condition()
+        waiting = list(range(len(messages)))
         opened: dict[int, Any] = {}  # message index -> its TrainCall, or the exception
         closed = False
 
-        def open_one(i: int, msg: Message) -> None:
-            nonlocal closed
-            try:
-                outcome = TrainCall.open(msg, self.contexts[msg.metadata.dst_node_id], self_report=False)
-            except Exception as err:  # its error reply
-                outcome = err
-            with arrived:
-                if not closed:
-                    opened[i] = outcome
-                    arrived.notify_all()
-                    return
-            self._land({msg.metadata.message_id: self._answer(msg, msg, lambda: _run(outcome))})
+        def opener() -> None:
+            while True:
+                with arrived:
+                    if closed or not waiting:
+                        return
+                    i = waiting.pop(0)
+                msg = messages[i]
+                try:
+                    outcome = TrainCall.open(msg, self.contexts[msg.metadata.dst_node_id], self_report=False)
+                except Exception as err:  # its error reply
+                    outcome = err
+                with arrived:
+                    if not closed:
+                        opened[i] = outcome
+                        arrived.notify_all()
+                        continue
+                self._land({msg.metadata.message_id: self._answer(msg, msg, lambda: _run(outcome))})
+                return
 
-        start = time.monotonic()
-        for i, msg in enumerate(messages):
-            threading.Thread(target=open_one, args=(i, msg), daemon=True).start()
+        def start_opener() -> None:
+            threading.Thread(target=opener, daemon=True).start()
+
+        start_opener()
         with arrived:
-            last = start
             while len(opened) < len(messages):
                 count = len(opened)
-                wait = max(STRAGGLER_WAIT, 2 * (last - start)) - (time.monotonic() - last)
-                if wait <= 0 or not arrived.wait_for(lambda: len(opened) > count, wait):
-                    break
-                last = time.monotonic()
+                if not arrived.wait_for(lambda: len(opened) > count, STRAGGLER_WAIT):
+                    if not waiting:
+                        break  # only calls stuck in their open are left: go on without them
+                    start_opener()  # the last opener is stuck: another takes the waiting ones
             closed = True
             batch = dict(opened)
         calls = {i: o for i, o in batch.items() if not isinstance(o, Exception)}
@@ -231,7 +239,7 @@ class VectorizedGrid(InProcessGrid):
         self._land(replies)
 
 
-STRAGGLER_WAIT = 1.0  # seconds the vectorised batch waits for one more call to open, at least
+STRAGGLER_WAIT = 1.0  # seconds the vectorised batch waits for the next call to finish opening
 
 
 def _run(outcome) -> Message:
