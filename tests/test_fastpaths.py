@@ -6,6 +6,8 @@ function, a remembered run config is the parsed one, a kept client split is the 
 from __future__ import annotations
 
 import io
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -105,3 +107,22 @@ def test_a_kept_client_split_is_the_split_and_is_not_shared_with_others():
     assert sum(len(s) for s in splits) == 1437
     other = client_split(cfg.replace(partition_seed=9), 2, 5)
     assert other is not splits[2]
+
+
+def test_slots_bound_the_calls_at_once_and_a_stuck_holder_holds_nobody_up():
+    from tools.inprocess import Slots
+
+    slots = Slots(1, patience=0.2)
+    assert slots.acquire()  # the one slot, then held "forever"
+    t0 = time.monotonic()
+    assert slots.acquire() is False  # nothing freed for 0.2 s: going on without a slot
+    assert time.monotonic() - t0 >= 0.2
+    slots.release()
+    assert slots.acquire()  # freed: taken again, at once
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(slots.acquire()))
+    waiter.start()
+    time.sleep(0.05)
+    slots.release()  # a holder that finishes in time hands its slot on
+    waiter.join(5)
+    assert got == [True]

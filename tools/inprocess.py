@@ -4,7 +4,8 @@ Each virtual node keeps its own Context (so ``context.state`` persists across ro
 a SuperNode); every message is deep-copied on the way out and back, like the wire (except
 for flatflower's own ClientApp, which never holds on to what it receives or sends); a
 ClientApp exception becomes an error reply (code 2), as in Flower's runtimes. Each message is
-handled in its own thread, as nodes work in parallel; ``send_and_receive(timeout=...)`` returns the
+handled in its own thread, as nodes work in parallel (at most max(2, cores) of them compute at
+once: :class:`Slots`); ``send_and_receive(timeout=...)`` returns the
 replies that arrived in time and drops the rest, as Flower's grid does (a hung client keeps
 its thread). Used by the tests and by ``flatflower simulate --engine inprocess``.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import os
 import sys
 import threading
 import time
@@ -28,6 +30,9 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
 CLIENT_APP_RAISED_EXCEPTION = 2
+# seconds without progress after which calls are taken for stuck (a hung client): the
+# in-process grid's waiting calls then run without a slot, the vectorised batch goes on
+STRAGGLER_WAIT = 1.0
 _AST_LOCK = threading.Lock()
 
 
@@ -47,6 +52,34 @@ def _one_ast_parse_at_a_time() -> None:
 
     locked.one_at_a_time = True
     ast.parse = locked
+
+
+class Slots:
+    """At most ``n`` ClientApp calls at once: a hundred threads computing at once mostly wait
+    for each other (the GIL). A call that sees no slot freed for ``patience`` seconds runs
+    without one: the slots' holders are stuck (a hung client), and must not hold up the rest."""
+
+    def __init__(self, n: int, patience: float):
+        self.free, self.patience = n, patience
+        self._changed = threading.Condition()
+        self._last = time.monotonic()  # when a slot was last freed
+
+    def acquire(self) -> bool:
+        """True with a slot, False when going on without one."""
+        with self._changed:
+            while self.free == 0:
+                left = self._last + self.patience - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            self.free -= 1
+            return True
+
+    def release(self) -> None:
+        with self._changed:
+            self.free += 1
+            self._last = time.monotonic()
+            self._changed.notify()
 
 
 class InProcessGrid(Grid):
@@ -69,6 +102,7 @@ class InProcessGrid(Grid):
         self._pending: dict[str, Message] = {}
         self._workers: list[threading.Thread] = []
         self._arrived = threading.Condition()  # notified when a reply lands in _pending
+        self._slots = Slots(max(2, os.cpu_count() or 1), STRAGGLER_WAIT)
 
     # -- Grid API
     def set_run(self, run) -> None:
@@ -87,8 +121,13 @@ class InProcessGrid(Grid):
     def _deliver(self, msg: Message) -> Message:
         copied = copy.deepcopy if self.copy_messages else (lambda m: m)
         incoming = copied(msg)
-        return copied(self._answer(
-            msg, incoming, lambda: self.client_app(incoming, self.contexts[msg.metadata.dst_node_id])))
+        slot = self._slots.acquire()
+        try:
+            return copied(self._answer(
+                msg, incoming, lambda: self.client_app(incoming, self.contexts[msg.metadata.dst_node_id])))
+        finally:
+            if slot:
+                self._slots.release()
 
     @staticmethod
     def _answer(msg: Message, incoming: Message, make) -> Message:
@@ -239,7 +278,6 @@ class VectorizedGrid(InProcessGrid):
         self._land(replies)
 
 
-STRAGGLER_WAIT = 1.0  # seconds the vectorised batch waits for the next call to finish opening
 
 
 def _run(outcome) -> Message:
