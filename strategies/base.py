@@ -37,8 +37,8 @@ from common.config import RunConfig
 from common.registry import AlgorithmSpec
 from common.registry import get as get_spec
 from strategies.aggregate import Aggregator, client_weights, global_norm, sub
-from strategies.participation import (NoNodesError, Participation, error_text, exchange, new_nonce,
-                                     node_of)
+from strategies.participation import (NoNodesError, Participation, destinations, error_text, exchange,
+                                     new_nonce, node_of)
 from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
                                    parse_evaluate_reply, parse_train_reply)
 
@@ -215,8 +215,9 @@ class FlatStrategy(FlowerFedAvg):
         (error replies, and messages with no reply within ``round-timeout``) and rejections."""
         updates: dict[int, ClientUpdate] = {}
         answered = set()
+        sent = destinations(self._messages)
         for reply in replies:
-            node = node_of(reply, self._messages)
+            node = node_of(reply, sent)
             answered.add(reply.metadata.reply_to_message_id)
             pid = self.participation.partition_of.get(node, -1)
             if reply.has_error():
@@ -347,8 +348,9 @@ class FlatStrategy(FlowerFedAvg):
         """Sample-weighted mean of the clients' eval-loss and eval-accuracy (invalid replies
         are refused with their reason)."""
         rows: dict[int, tuple[float, float]] = {}
+        sent = destinations(self._eval_messages)
         for reply in replies:
-            node = node_of(reply, self._eval_messages)
+            node = node_of(reply, sent)
             pid = self.participation.partition_of.get(node, -1)
             if reply.has_error():
                 log.warning("round %d: evaluation failed on node %d: %s", server_round, node,

@@ -23,7 +23,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -76,13 +76,17 @@ def new_nonce() -> int:
     return secrets.randbits(62)
 
 
-def node_of(reply: Message, sent: Iterable[Message]) -> int:
-    """The node a reply belongs to: the destination of the message it answers (error replies
-    may come from the SuperLink itself), else its source."""
-    for msg in sent:
-        if msg.metadata.message_id == reply.metadata.reply_to_message_id:
-            return msg.metadata.dst_node_id
-    return reply.metadata.src_node_id
+def destinations(sent: Iterable[Message]) -> dict[str, int]:
+    """Message id -> destination node, for :func:`node_of`."""
+    return {msg.metadata.message_id: msg.metadata.dst_node_id for msg in sent}
+
+
+def node_of(reply: Message, sent: Mapping[str, int]) -> int:
+    """The node a reply belongs to: the destination of the message it answers (``sent``:
+    :func:`destinations` of the messages; error replies may come from the SuperLink itself),
+    else its source."""
+    node = sent.get(reply.metadata.reply_to_message_id)
+    return reply.metadata.src_node_id if node is None else node
 
 
 def error_text(reply: Message) -> str:
@@ -174,8 +178,9 @@ class Participation:
             refusals.append(f"node {node}: {why}")
             on_refused("handshake", pid, node, why)
 
+        sent = destinations(msgs)
         for reply in exchange(grid, msgs, self.cfg.node_wait_timeout):
-            node = node_of(reply, msgs)
+            node = node_of(reply, sent)
             if node not in new or node in self.partition_of:
                 continue  # not ours to answer, or a second reply
             if reply.has_error():
