@@ -137,13 +137,16 @@ class TrainCall:
         """Give the model back to the pool (the call is done with it)."""
         MODELS.give(self.pool_key, self.model)
 
+    def train(self) -> LocalResult:
+        """Train this call's model alone (client.train.local_train), after its self-report."""
+        if self.reported is None:  # opened without its self-report
+            self.reported = _self_report(self.cfg, self.model, self.data, self.held_out, "before")
+        return local_train(self.model, self.data, self.rule, self.cfg, self.lr, self.generator())
+
     def run(self) -> Message:
-        """Train alone (client.train.local_train) and reply: the ClientApp's path."""
+        """Train alone and reply: the ClientApp's path."""
         try:
-            if self.reported is None:  # opened without its self-report
-                self.reported = _self_report(self.cfg, self.model, self.data, self.held_out, "before")
-            result = local_train(self.model, self.data, self.rule, self.cfg, self.lr, self.generator())
-            return self.reply(result)
+            return self.reply(self.train())
         finally:
             self.close()
 

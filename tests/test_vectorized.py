@@ -75,6 +75,7 @@ def spy(monkeypatch):
     partitions) and whether each stacked mini-batch was padded (padded() gave weights)."""
     seen = {"groups": [], "padded": 0, "unpadded": 0}
     train_group, pad = vec.train_group, vec.padded
+    monkeypatch.setattr(vec, "MIN_GROUP", 1)  # every group batched, however small
 
     def spying_train_group(calls):
         seen["groups"].append({"size": len(calls), "round": calls[0].server_round,
@@ -510,6 +511,22 @@ def test_a_hung_client_is_lost_alone_at_the_round_deadline(tmp_path):
     assert row["failed_partitions"] == [FAILING] and row["clients_replied"] == 3, row
     assert failed is None
     assert rel_diff(final(hung), final(crashed)) == 0
+
+
+def test_groups_too_small_to_batch_train_one_by_one_with_the_same_result(tmp_path, monkeypatch):
+    """Below MIN_GROUP clients a group trains client by client (TrainCall.train, the
+    ClientApp's loop): the run is the in-process run, and the batched groups still batch."""
+    alone, batched = [], []
+    train, train_group = client_module.TrainCall.train, vec.train_group
+    # (the vectorised engine opens its calls without the self-report: reported is None)
+    monkeypatch.setattr(client_module.TrainCall, "train",
+                        lambda self: alone.append(self.reported is None) or train(self))
+    monkeypatch.setattr(vec, "train_group", lambda calls: batched.append(len(calls)) or train_group(calls))
+    config = {**BASE, "algorithm": "fedtoga", "partition": "dirichlet", "dirichlet-alpha": 0.3,
+              "fraction-train": 0.6}
+    monkeypatch.setattr(vec, "PADDING_BUDGET", 1.0)  # one step count per group: some small ones
+    assert_equal_runs(both_engines(tmp_path, config, clients=10))
+    assert any(alone) and batched and min(batched) >= vec.MIN_GROUP
 
 
 def test_a_client_that_opens_late_trains_alone_with_the_same_result(tmp_path, monkeypatch):
