@@ -2,8 +2,9 @@
 
 Offline, no files: ``digits`` (scikit-learn's bundled images), ``synthetic`` (Gaussian
 classes), ``synthetic-fedprox`` (Synthetic(alpha, beta) of Li et al. 2020, generated per
-client) and ``mnist1d`` (generated from templates by the ``mnist1d`` package). The torchvision
-datasets are read from ``data_dir`` (downloaded there when allowed).
+client), ``mnist1d`` (generated from templates by the ``mnist1d`` package) and
+``synthetic-cifar10`` (random CIFAR-10-shaped images, for timing). The torchvision datasets
+are read from ``data_dir`` (downloaded there when allowed).
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-DATASETS = ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "mnist", "fashion-mnist",
-            "cifar10", "cifar100")
-OFFLINE = ("digits", "synthetic", "synthetic-fedprox", "mnist1d")  # generated or bundled
+DATASETS = ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "synthetic-cifar10", "mnist",
+            "fashion-mnist", "cifar10", "cifar100")
+OFFLINE = ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "synthetic-cifar10")  # generated or bundled
 
 DEFAULT_MODEL = {
     "digits": "mlp",
     "synthetic": "logreg",
     "synthetic-fedprox": "logreg",  # FedProx's multinomial logistic regression
     "mnist1d": "mlp",
+    "synthetic-cifar10": "lenet",
     "mnist": "cnn",
     "fashion-mnist": "cnn",
     "cifar10": "lenet",
@@ -121,6 +123,8 @@ def _load_cached(name: str, root: str, download: bool, generator: tuple) -> Fede
         return synthetic_fedprox(**dict(generator))
     if name == "mnist1d":
         return _mnist1d()
+    if name == "synthetic-cifar10":
+        return _synthetic_cifar10()
     return _torchvision(name, root, download)
 
 
@@ -226,6 +230,22 @@ def _mnist1d() -> FederatedDataset:
     train = _split(data["x"].astype(np.float32), data["y"].astype(np.int64))
     test = _split(data["x_test"].astype(np.float32), data["y_test"].astype(np.int64))
     return FederatedDataset("mnist1d", train, test, 10, (data["x"].shape[1],))
+
+
+def _synthetic_cifar10(n_train: int = 5000, n_test: int = 1000) -> FederatedDataset:
+    """Random images stored and normalised as CIFAR-10's (uint8 3x32x32, its channel means and
+    standard deviations) with uniform random labels, seed 0; a tenth of CIFAR-10's size. For
+    timing CIFAR-shaped training offline (``flatflower bench``): there is nothing to learn."""
+    rng = np.random.default_rng(0)
+    _, num_classes, mean, std = _TORCHVISION["cifar10"]
+
+    def sample(n: int) -> Split:
+        x = torch.from_numpy(rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8))
+        y = torch.from_numpy(rng.integers(0, num_classes, n).astype(np.int64))
+        return Split(x, y, mean=mean, std=std, scale=255.0)
+
+    train = sample(n_train)
+    return FederatedDataset("synthetic-cifar10", train, sample(n_test), num_classes, (3, 32, 32))
 
 
 def _split(x: np.ndarray, y: np.ndarray) -> Split:

@@ -1,6 +1,7 @@
 """``flatflower bench --quick`` (the smoke run of the benchmarks): the report's structure and
 the parts of it that are counts, not timings — gradient passes per step, bytes per record,
-state bytes — which must equal what each algorithm needs. Timings are never asserted."""
+state bytes, client·steps per round — which must equal what each algorithm needs. Timings are
+never asserted."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import json
 import pytest
 import torch
 
+from common.config import RunConfig
+from common.data import partitions_for
 from common.registry import ALGORITHMS
 from tools.bench import main as bench
 from tools.cli import main as cli
+from tools.throughput import render as render_throughput
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +26,8 @@ def report(tmp_path_factory):
 
 
 def test_report_has_every_section_and_the_machine(report):
-    assert {"machine", "settings", "compute", "overhead", "communication", "memory", "seconds"} <= set(report)
+    assert {"machine", "settings", "compute", "overhead", "communication", "memory", "throughput",
+            "seconds"} <= set(report)
     assert report["machine"]["cpus"] >= 1 and report["machine"]["torch"]
     assert report["settings"]["quick"] is True
 
@@ -70,11 +75,49 @@ def test_client_state_is_what_the_algorithm_must_keep_and_server_state_does_not_
         assert len({r["server_state_bytes"] for r in rows}) == 1  # independent of the number of clients
 
 
+def test_throughput_times_every_model_clients_and_engine_and_counts_the_same_work(report):
+    t = report["throughput"]
+    assert (t["models"], t["clients"], t["engines"], t["algorithms"]) == (
+        ["mlp"], [10, 20], ["inprocess", "vectorized"], ["fedavg"])  # --quick: no Ray
+    assert report["settings"]["throughput"]["clients"] == [10, 20]
+    assert t["timed_rounds_per_run"] == t["rounds"] - 2 >= 1 and t["repeats"] >= 1
+    assert t["cpus"] >= 1 and isinstance(t["loaded"], bool) and "digits" in t["inputs"]["mlp"]
+    assert t["load_average_1min_max"] >= max(t["load_average_1min_start"], t["load_average_1min_end"])
+    assert [(r["model"], r["clients"], r["engine"]) for r in t["rows"]] == [
+        ("mlp", n, e) for n in (10, 20) for e in ("inprocess", "vectorized")]
+    for r in t["rows"]:
+        assert r["timed_rounds"] == t["repeats"] * t["timed_rounds_per_run"], r
+        assert len(r["round_seconds_all"]) == len(r["cpu_seconds_all"]) == r["timed_rounds"]
+        for key in ("round_seconds", "cpu_seconds_per_round", "client_steps_per_cpu_second",
+                    "client_steps_per_wall_second", "examples_per_cpu_second",
+                    "speedup_vs_inprocess_cpu", "speedup_vs_inprocess_wall"):
+            assert r[key] > 0, (key, r)
+        # client·steps are counts: every client's ceil(examples / batch) steps of 1 epoch, on either engine
+        cfg = RunConfig.from_mapping({"dataset": "digits", "partition": "iid", "num-partitions": r["clients"]})
+        parts = partitions_for(cfg, r["clients"])
+        assert r["client_steps_per_round"] == sum(-(-len(p) // cfg.batch_size) for p in parts), r
+        assert r["examples_per_round"] == sum(len(p) for p in parts) == 1437
+    assert all(r["speedup_vs_inprocess_cpu"] == 1.0 for r in t["rows"] if r["engine"] == "inprocess")
+
+
+def test_throughput_table_says_what_ran_and_warns_on_a_loaded_machine(report):
+    t = report["throughput"]
+    quiet = render_throughput({**t, "loaded": False})
+    assert "client·steps/CPU-s" in quiet and "load average (1 min)" in quiet and "vectorized" in quiet
+    assert "Ray: not run" in quiet and "unreliable" not in quiet
+    assert "wall-clock figures" in render_throughput({**t, "loaded": True})
+
+
 @pytest.mark.parametrize("args,message", [
     pytest.param(["--device", "cuda:0"], "CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     (["--model", "vgg"], "vgg"),
     (["--steps", "0"], "must be >= 1"),
+    (["--sections", "compute,speed"], "--sections: unknown speed"),
+    (["--throughput-models", "vgg"], "throughput models: unknown vgg"),
+    (["--throughput-engines", "dask"], "throughput engines: unknown dask"),
+    (["--throughput-clients", "10,x"], "--throughput-clients"),
+    (["--throughput-rounds", "2"], "round 1 is not timed"),
 ])
 def test_bad_bench_arguments_give_a_clear_error(tmp_path, capsys, args, message):
     out = tmp_path / "b.json"

@@ -202,7 +202,8 @@ def test_round_lr_decays_geometrically() -> None:
 
 EXPECTED_AUTO_MODEL = {
     "digits": "mlp", "synthetic": "logreg", "synthetic-fedprox": "logreg", "mnist1d": "mlp",
-    "mnist": "cnn", "fashion-mnist": "cnn", "cifar10": "lenet", "cifar100": "lenet",
+    "synthetic-cifar10": "lenet", "mnist": "cnn", "fashion-mnist": "cnn", "cifar10": "lenet",
+    "cifar100": "lenet",
 }
 GENERATED_PER_CLIENT = {"partition": "natural", "num-partitions": 4}
 

@@ -79,6 +79,19 @@ def test_synthetic_is_learnable() -> None:
     assert (pred == ds.test.y).float().mean() > 0.8
 
 
+def test_synthetic_cifar10_is_stored_and_normalised_as_cifar10() -> None:
+    ds = load_dataset("synthetic-cifar10")
+    assert (len(ds.train), len(ds.test)) == (5000, 1000)
+    assert ds.input_shape == (3, 32, 32) and ds.num_classes == 10
+    assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == (5000, 3, 32, 32)
+    assert (ds.train.mean, ds.train.std, ds.train.scale) == datasets._TORCHVISION["cifar10"][2:] + (255.0,)
+    assert set(ds.train.y.tolist()) == set(range(10))
+    x, y = ds.train.get(slice(0, 8))
+    assert x.dtype == torch.float32 and x.shape == (8, 3, 32, 32) and y.dtype == torch.int64
+    again = datasets._synthetic_cifar10()  # seeded: the same images in every process
+    assert torch.equal(again.train.x, ds.train.x) and torch.equal(again.test.y, ds.test.y)
+
+
 def _tiny_image_split() -> Split:
     x = torch.tensor([[[[0, 255]], [[51, 102]]], [[[255, 0]], [[0, 0]]]], dtype=torch.uint8)
     return Split(x, torch.tensor([1, 0]), mean=(0.5, 0.2), std=(0.5, 0.1), scale=255.0)

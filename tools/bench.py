@@ -14,6 +14,9 @@
   whole serialized Flower message (protobuf) against the same count.
 * **memory** — client-state bytes per client and server-state bytes per algorithm, for a
   growing number of clients, against what the algorithm must keep (model bytes x records).
+* **throughput** — client·steps per CPU-second and per wall-second, and seconds per round, of
+  short runs on the in-process, vectorised and (``--full``) Ray engines as the number of
+  clients grows (tools/throughput.py): CPU time and the fastest of interleaved runs.
 
 Targets (docs/benchmarks.md) are reported, never asserted: timings belong here, not in tests.
 """
@@ -46,6 +49,8 @@ from common.models import build_model
 from common.registry import ALGORITHMS
 from common.registry import get as get_spec
 from server.rundir import load_checkpoint, load_tensors
+from tools.throughput import ThroughputSettings, bench_throughput
+from tools.throughput import render as render_throughput
 
 # Variants measured besides each algorithm's defaults: (label, algorithm, run-config overrides).
 VARIANTS = [(name, name, {}) for name in ALGORITHMS] + [
@@ -53,6 +58,10 @@ VARIANTS = [(name, name, {}) for name in ALGORITHMS] + [
 ]
 EXPECTED_OVERRIDES = {"fedtoga (N)": 1.0}  # passes of a variant whose config changes them
 MEMORY_CLIENTS_QUICK, MEMORY_CLIENTS_FULL = (2, 4), (4, 8, 16)
+SECTIONS = ("compute", "overhead", "communication", "memory", "throughput")
+# the throughput section's defaults: --quick keeps `make test` fast; --full adds Ray
+THROUGHPUT_QUICK = {"models": ("mlp",), "clients": (10, 20), "rounds": 3, "repeats": 2}
+THROUGHPUT_FULL = {"models": ("mlp", "cnn", "lenet"), "clients": (10, 100, 500), "rounds": 4, "repeats": 2}
 _RUN_IDS = itertools.count()
 
 
@@ -68,13 +77,42 @@ class Settings:
     device: str
     full_overhead: bool
     threads: int = 1
+    sections: tuple[str, ...] = SECTIONS
+    throughput: ThroughputSettings | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
         shape = tuple(int(s) for s in args.input_shape.split(","))
+        sections = _names(args.sections)
+        unknown = [s for s in sections if s not in SECTIONS]
+        if unknown or not sections:
+            raise ValueError(f"--sections: unknown {', '.join(unknown) or '(none given)'} "
+                             f"(valid: {', '.join(SECTIONS)})")
+        defaults = THROUGHPUT_QUICK if args.quick else THROUGHPUT_FULL
+        engines = ("inprocess", "vectorized", "ray") if args.full else ("inprocess", "vectorized")
+        try:
+            clients = tuple(cli_int(c) for c in _names(args.throughput_clients))
+        except ValueError:
+            raise ValueError(f"--throughput-clients {args.throughput_clients!r}: whole numbers, "
+                             "comma-separated") from None
+        throughput = ThroughputSettings(
+            models=_names(args.throughput_models) or defaults["models"],
+            clients=clients or defaults["clients"],
+            engines=_names(args.throughput_engines) or engines,
+            algorithms=_names(args.throughput_algorithms) or ("fedavg",),
+            rounds=args.throughput_rounds or defaults["rounds"],
+            repeats=args.throughput_repeats or defaults["repeats"],
+            ray_max_clients=args.throughput_ray_max_clients)
+        throughput.validate()
         return cls(quick=args.quick, model=args.model, input_shape=shape, num_classes=args.classes,
                    batch_size=args.batch_size, steps=args.steps, repeats=args.repeats,
-                   device=args.device, full_overhead=args.full, threads=args.threads)
+                   device=args.device, full_overhead=args.full, threads=args.threads,
+                   sections=sections, throughput=throughput)
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    """A comma-separated list option's items (none for None or "")."""
+    return tuple(item.strip() for item in (text or "").split(",") if item.strip())
 
 
 # ---------------------------------------------------------------------------- compute
@@ -494,24 +532,49 @@ def run_bench(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     report: dict[str, Any] = {"machine": machine(), "settings": asdict(settings)}
-    report["compute"] = bench_compute(settings, say)
-    with _quiet():
-        report["overhead"] = bench_overhead(settings, workdir, say)
-    report["communication"] = bench_communication(workdir, say)
-    report["memory"] = bench_memory(settings, workdir, say)
+    if "compute" in settings.sections:
+        report["compute"] = bench_compute(settings, say)
+    if "overhead" in settings.sections:
+        with _quiet():
+            report["overhead"] = bench_overhead(settings, workdir, say)
+    if "communication" in settings.sections:
+        report["communication"] = bench_communication(workdir, say)
+    if "memory" in settings.sections:
+        report["memory"] = bench_memory(settings, workdir, say)
+    if "throughput" in settings.sections:
+        report["throughput"] = bench_throughput(settings.throughput or ThroughputSettings(), workdir, say)
     report["seconds"] = time.perf_counter() - t0
     return report
 
 
 def print_tables(report: dict[str, Any]) -> str:
+    out = []
+    if "compute" in report:
+        out.append(_compute_table(report))
+    if "overhead" in report:
+        out.append(_overhead_table(report))
+    if "communication" in report:
+        out.append(_communication_table(report))
+    if "memory" in report:
+        out.append(_memory_table(report))
+    if "throughput" in report:
+        out.append(render_throughput(report["throughput"]))
+    return "\n".join(out)
+
+
+def _compute_table(report: dict[str, Any]) -> str:
     from tools.report import render_table
 
-    out = []
     comp = [{"algorithm": r["algorithm"], "s/step": f"{r['seconds_per_step'] * 1e3:.2f} ms",
              "x SGD": f"{r['cost_vs_sgd']:.2f}", "expected": f"{r['expected_cost']:.2f}",
              "grad passes": f"{r['gradient_passes_per_step']:.2f}",
              "within 10%": "yes" if r["within_10pct"] else "no"} for r in report["compute"]]
-    out.append(render_table(comp, "compute: cost per local step vs a plain SGD step"))
+    return render_table(comp, "compute: cost per local step vs a plain SGD step")
+
+
+def _overhead_table(report: dict[str, Any]) -> str:
+    from tools.report import render_table
+
     o = report["overhead"]
     over = [{"what": "pure training (sum over clients)", "seconds": f"{o['pure_training_seconds']:.3f}"},
             {"what": "in-process round (ours)", "seconds": f"{o['inprocess_round_seconds']:.3f}"},
@@ -522,26 +585,36 @@ def print_tables(report: dict[str, Any]) -> str:
         if "round_seconds" in o[engine]:
             over.append({"what": f"{engine} round ({o[engine]['vs_inprocess_round']:.1f}x in-process)",
                          "seconds": f"{o[engine]['round_seconds']:.3f}"})
-    out.append(render_table(over, f"overhead: one FedAvg round, {o['clients']} clients "
-                                  f"(ours / plain Flower = {o['ours_vs_plain_flower']:.3f})"))
+    return render_table(over, f"overhead: one FedAvg round, {o['clients']} clients "
+                              f"(ours / plain Flower = {o['ours_vs_plain_flower']:.3f})")
+
+
+def _communication_table(report: dict[str, Any]) -> str:
+    from tools.report import render_table
+
     comm = [{"algorithm": r["algorithm"], "down": r["records_down"], "up": r["records_up"],
              "payload down/up": f"{r['bytes_down_per_client']:.0f}/{r['bytes_up_per_client']:.0f}",
              "theory down/up": f"{r['theoretical_down']}/{r['theoretical_up']}",
              "wire/theory": f"{r['wire_vs_theory_down']:.3f}/{r['wire_vs_theory_up']:.3f}"}
             for r in report["communication"]]
-    out.append(render_table(comm, "communication per client per round (bytes)"))
+    return render_table(comm, "communication per client per round (bytes)")
+
+
+def _memory_table(report: dict[str, Any]) -> str:
+    from tools.report import render_table
+
     mem = [{"algorithm": r["algorithm"], "clients": r["clients"],
             "client state (max)": r["client_state_bytes_max"],
             "expected": r["expected_client_state_bytes"], "server state": r["server_state_bytes"]}
            for r in report["memory"]]
-    out.append(render_table(mem, "memory: state bytes"))
-    return "\n".join(out)
+    return render_table(mem, "memory: state bytes")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flatflower bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few minutes on a 2-core CPU: small model, fewer repeats")
-    p.add_argument("--full", action="store_true", help="also time one round in Ray simulation and a loopback deployment")
+    p.add_argument("--full", action="store_true",
+                   help="also time one round in Ray simulation and a loopback deployment, and Ray's throughput")
     p.add_argument("--model", default=None, help="model of the compute table (default: cnn quick, lenet otherwise)")
     p.add_argument("--input-shape", default=None, help="e.g. 3,32,32 (CIFAR-shaped; random tensors, no download)")
     p.add_argument("--classes", type=cli_int, default=10)
@@ -552,6 +625,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=cli_int, default=1,
                    help="torch CPU threads (default 1: steadier timings; 0 = torch's default)")
     p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default bench.json)")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"which sections to run, comma-separated (default all: {','.join(SECTIONS)})")
+    t = p.add_argument_group("throughput", "the simulation-throughput section (tools/throughput.py)")
+    t.add_argument("--throughput-models", help="mlp,cnn (digits), lenet (CIFAR-shaped synthetic-cifar10); "
+                                               "default mlp with --quick, else all three")
+    t.add_argument("--throughput-clients", help="numbers of clients N, e.g. 10,100,500 (the default; 10,20 with --quick)")
+    t.add_argument("--throughput-engines", help="inprocess,vectorized,ray (default: ray with --full only)")
+    t.add_argument("--throughput-algorithms", help="algorithms, e.g. fedavg,fedsam (default fedavg)")
+    t.add_argument("--throughput-rounds", type=cli_int, default=None,
+                   help="rounds per run: 2 .. R-1 are timed (round 1 warms up, R ends R-1); default 4, 3 with --quick")
+    t.add_argument("--throughput-repeats", type=cli_int, default=None,
+                   help="interleaved runs per engine, the fastest round counts (default 2)")
+    t.add_argument("--throughput-ray-max-clients", type=cli_int, default=500,
+                   help="skip Ray runs of more clients (default 500)")
     return p
 
 

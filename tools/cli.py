@@ -4,7 +4,7 @@
     flatflower simulate --algorithm A --clients N --rounds R [...]   Flower's Ray simulation engine
     flatflower report   RUN_DIR [RUN_DIR ...]                        table + accuracy plot
     flatflower sweep    --algorithms A,B --seeds 0,1,2 --out DIR     algorithms x seeds, then a report
-    flatflower bench    [--quick | --full]                           cost, overhead, bytes, memory
+    flatflower bench    [--quick | --full]                           cost, overhead, bytes, memory, throughput
     flatflower presets                                               list the presets
     flatflower data check                                            datasets usable offline here
     flatflower certs    OUT_DIR --nodes N [--host H ...]             TLS certificates + node keys
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(sim)
     add_simulate_arguments(sim)
     sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)
-    sub.add_parser("bench", help="cost per local step, framework overhead, bytes, memory (JSON + tables)",
+    sub.add_parser("bench", help="cost per local step, framework overhead, bytes, memory, simulation "
+                   "throughput (JSON + tables)",
                    add_help=False)
     sub.add_parser("sweep", help="several algorithms x seeds on one partition, then one report",
                    add_help=False)
