@@ -52,7 +52,7 @@ def _model(cfg: RunConfig, node: NodeSettings, arrays: ArrayRecord, device: torc
     data = dataset_for(cfg, node.data_dir)
     key, model = MODELS.take(cfg.resolved_model(), data.input_shape, data.num_classes, device)
     try:
-        model.load_state_dict(P.from_record(arrays), strict=True)
+        Layout.of(model).load(P.from_record(arrays))
     except BaseException:
         MODELS.give(key, model)
         raise
@@ -162,7 +162,7 @@ class TrainCall:
                                                                         self.held_out, "after")
         reported = {**(self.reported or {}), **after}
         uploads, new_state = rule_outputs(self.rule, self.layout, model)
-        weights = model.state_dict()
+        weights = self.layout.weights()
         if self.fault:
             weights = self.fault.corrupt(server_round, P.from_record(self.msg.content[P.MODEL]), weights)
         content = RecordDict(

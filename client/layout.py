@@ -3,6 +3,7 @@ lists client rules work on (one tensor per trainable parameter, on the model's d
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -10,15 +11,48 @@ import torch
 from torch import nn
 
 Named = "OrderedDict[str, torch.Tensor]"
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Layout:
     def __init__(self, model: nn.Module):
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in trainable]
+        self.params = [p for _, p in trainable]  # the model's own trainable parameters
         self.device = next(model.parameters()).device
-        self.others = OrderedDict((k, torch.zeros_like(v).cpu()) for k, v in model.state_dict().items()
+        self.state = model.state_dict(keep_vars=True)  # the model's own tensors, by key
+        self.others = OrderedDict((k, torch.zeros_like(v).detach().cpu()) for k, v in self.state.items()
                                   if k not in self.names)  # every other key a record must have
-        self.keys = list(model.state_dict())
+        self.keys = list(self.state)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Layout:
+        """The layout of ``model``, made once per model object (a model's structure does not
+        change; the engines reuse their models, and walking the modules costs per call)."""
+        layout = _LAYOUTS.get(model)
+        if layout is None:
+            layout = _LAYOUTS[model] = cls(model)
+        return layout
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy a record into the model, as ``load_state_dict(strict=True)``: the same keys
+        and shapes, or an error saying which differ."""
+        if tensors.keys() != self.state.keys():
+            missing = sorted(set(self.state) - set(tensors))
+            unexpected = sorted(set(tensors) - set(self.state))
+            raise RuntimeError(f"record does not fit the model: missing keys {missing}, "
+                               f"unexpected keys {unexpected}")
+        with torch.no_grad():
+            for key, target in self.state.items():
+                value = tensors[key]
+                if value.shape != target.shape:
+                    raise RuntimeError(f"record key {key!r} has shape {list(value.shape)}, "
+                                       f"the model's is {list(target.shape)}")
+                target.copy_(value)
+
+    def weights(self) -> OrderedDict:
+        """The model's current state dict (detached views of its tensors)."""
+        return OrderedDict((k, v.detach()) for k, v in self.state.items())
 
     def aligned(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """A record (or stored state) as a list aligned with the trainable parameters."""

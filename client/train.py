@@ -39,10 +39,10 @@ def build_rule(cfg: RunConfig, model: nn.Module, broadcast: Mapping[str, Named],
                initial: Callable[[], Named] | None = None) -> tuple[ClientRule, Layout]:
     """The run's client rule for ``model`` (its weights: w^t), with the broadcast records and
     this client's stored state (named tensors), and the layout that maps both ways."""
-    layout = Layout(model)
+    layout = Layout.of(model)
     spec = registry.get(cfg.algorithm)
     rule = spec.client_class()(
-        cfg.params, [p.detach() for p in trainable(model)],
+        cfg.params, [p.detach() for p in layout.params],
         {name: layout.aligned(broadcast[name]) for name in spec.down},
         {name: layout.aligned(tensors) for name, tensors in state.items()}, lr,
         initial=(lambda: layout.aligned(initial())) if initial else None)
@@ -52,7 +52,7 @@ def build_rule(cfg: RunConfig, model: nn.Module, broadcast: Mapping[str, Named],
 def rule_outputs(rule: ClientRule, layout: Layout, model: nn.Module) -> tuple[dict, dict]:
     """(uploads, new state) after training, as named records (uploads with every key of the
     model, as the server checks them)."""
-    w = [p.detach() for p in trainable(model)]
+    w = [p.detach() for p in layout.params]
     uploads = {name: layout.full_record(t) for name, t in rule.uploads(w).items()}
     return uploads, {name: layout.named(t) for name, t in rule.new_state(w).items()}
 

@@ -33,7 +33,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from client.algorithms.base import ClientRule
-from client.batch import Objective, Tensors, cross_entropy, trainable
+from client.batch import Objective, Tensors, cross_entropy
 from client.tensors import add
 from client.train import LocalResult, autocast, batch_indices
 
@@ -305,7 +305,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     first = calls[0]
     cfg, lr, model = first.cfg, first.lr, first.model
     names = first.layout.names
-    params = [torch.stack(ps) for ps in zip(*[[p.detach() for p in trainable(c.model)] for c in calls])]
+    params = [torch.stack(ps) for ps in zip(*[[p.detach() for p in c.layout.params] for c in calls])]
     rules = StackedRule([c.rule for c in calls])
     draws = [batch_indices(len(c.data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, c.generator())
              for c in calls]
@@ -350,7 +350,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     results: list[LocalResult | Exception] = []
     for i, call in enumerate(calls):
         with torch.no_grad():
-            for p, stacked in zip(trainable(call.model), params):
+            for p, stacked in zip(call.layout.params, params):
                 p.copy_(stacked[i])
         call.rule = rules.client(i)
         call.reported, call.after = before[i], after[i]
