@@ -23,6 +23,7 @@ of batched kernels.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -37,6 +38,7 @@ from client.batch import Objective, Tensors, cross_entropy
 from client.tensors import add
 from client.train import LocalResult, autocast, batch_indices
 
+log = logging.getLogger("flwr.flatflower.client")
 UNBATCHABLE = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
 
 
@@ -358,9 +360,59 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     return results
 
 
+_PAYS: dict[tuple, bool] = {}
+
+
+def batching_pays(call) -> bool:
+    """Whether a batched gradient of CALIBRATION_CLIENTS clients costs less than as many single
+    ones for this call's model, batch size and device: measured once per process (about a
+    second for LeNet on a CPU, milliseconds for the MLP); always on a GPU. On a CPU,
+    convolutions batched under vmap become grouped convolutions, which lose to each client's
+    own (LeNet: 2-4x slower) while small models win."""
+    device = call.layout.device
+    if device.type != "cpu":
+        return True
+    x, y = call.data.get(torch.arange(min(len(call.data), call.cfg.batch_size)))
+    key = (tuple(tuple(p.shape) for p in call.layout.params), tuple(x.shape), str(device))
+    if key not in _PAYS:
+        _PAYS[key] = _batched_is_faster(call.model, call.layout, x, y)
+        log.info("vectorised engine: %s for this model on %s (batched %s)", "batches clients"
+                 if _PAYS[key] else "trains clients one by one", device,
+                 "faster" if _PAYS[key] else "slower")
+    return _PAYS[key]
+
+
+CALIBRATION_CLIENTS = 16
+
+
+def _batched_is_faster(model: nn.Module, layout, x: torch.Tensor, y: torch.Tensor) -> bool:
+    import time
+
+    from client.batch import ModelBatch
+
+    n = CALIBRATION_CLIENTS
+    params = [p.detach().unsqueeze(0).expand(n, *p.shape).clone() for p in layout.params]
+    xs, ys = x.unsqueeze(0).expand(n, *x.shape), y.unsqueeze(0).expand(n, *y.shape)
+    batched = vmap(lambda w, x, y: FunctionalBatch(model, layout.names, w, x, y, None).grad()[1])
+    single = ModelBatch(model, x, y)
+
+    def timed(work) -> float:
+        work()  # warm-up
+        best = math.inf
+        for _ in range(2):
+            start = time.perf_counter()
+            work()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    model.train()
+    return timed(lambda: batched(params, xs, ys)) < timed(lambda: [single.grad() for _ in range(n)])
+
+
 def train_together(calls: Sequence) -> list[LocalResult | Exception]:
     """Train every call's model in place, group by group (:func:`groups`; a group of fewer
-    than MIN_GROUP clients one by one); the results in the order of ``calls`` (an exception
+    than MIN_GROUP clients, or of a model for which batching does not pay on this device
+    (:func:`batching_pays`), one by one); the results in the order of ``calls`` (an exception
     for a client whose training failed)."""
     results: list[LocalResult | Exception | None] = [None] * len(calls)
     for i, call in enumerate(calls):
@@ -370,7 +422,7 @@ def train_together(calls: Sequence) -> list[LocalResult | Exception]:
     for members in groups([calls[i] for i in trainable_calls]):
         members = [trainable_calls[m] for m in members]
         group = [calls[i] for i in members]
-        if len(group) < MIN_GROUP:  # too few to win over vmap's fixed cost: one by one
+        if len(group) < MIN_GROUP or not batching_pays(group[0]):  # one by one
             for i, call in zip(members, group):
                 try:
                     results[i] = call.train()

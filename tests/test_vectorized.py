@@ -75,7 +75,8 @@ def spy(monkeypatch):
     partitions) and whether each stacked mini-batch was padded (padded() gave weights)."""
     seen = {"groups": [], "padded": 0, "unpadded": 0}
     train_group, pad = vec.train_group, vec.padded
-    monkeypatch.setattr(vec, "MIN_GROUP", 1)  # every group batched, however small
+    monkeypatch.setattr(vec, "MIN_GROUP", 1)  # every group batched, however small,
+    monkeypatch.setattr(vec, "batching_pays", lambda call: True)  # whatever this CPU measures
 
     def spying_train_group(calls):
         seen["groups"].append({"size": len(calls), "round": calls[0].server_round,
@@ -527,6 +528,35 @@ def test_groups_too_small_to_batch_train_one_by_one_with_the_same_result(tmp_pat
     monkeypatch.setattr(vec, "PADDING_BUDGET", 1.0)  # one step count per group: some small ones
     assert_equal_runs(both_engines(tmp_path, config, clients=10))
     assert any(alone) and batched and min(batched) >= vec.MIN_GROUP
+
+
+def test_a_model_whose_batching_does_not_pay_trains_one_by_one(tmp_path, monkeypatch):
+    """batching_pays measures once per model, batch size and device whether a batched gradient
+    beats as many single ones (on a CPU LeNet's grouped convolutions lose); when not, every
+    client trains alone, with the in-process result."""
+    measured = []
+    monkeypatch.setattr(vec, "_PAYS", {})
+    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: measured.append(1) or False)
+    batched = []
+    train_group = vec.train_group
+    monkeypatch.setattr(vec, "train_group", lambda calls: batched.append(len(calls)) or train_group(calls))
+    assert_equal_runs(both_engines(tmp_path, {**BASE, "algorithm": "fedsam", "fraction-train": 1.0}))
+    assert measured == [1] and not batched
+
+
+def test_batching_pays_is_measured_once_per_model_batch_and_device(monkeypatch):
+    """(Which way it goes is a measurement of this machine, not asserted.)"""
+    monkeypatch.setattr(vec, "_PAYS", {})
+    runs = []
+    faster = vec._batched_is_faster
+    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: runs.append(1) or faster(*args))
+    cfg = RunConfig.from_mapping({"dataset": "digits"})
+    data = client_module.client_split(cfg, 0, 4)
+    for name in ("mlp", "mlp", "cnn"):
+        model = build_model(name, (1, 8, 8), 10, seed=0)
+        call = SimpleNamespace(layout=client_module.Layout.of(model), model=model, data=data, cfg=cfg)
+        assert vec.batching_pays(call) in (True, False)
+    assert len(runs) == 2 and len(vec._PAYS) == 2  # the second MLP is the first's measurement
 
 
 def test_a_client_that_opens_late_trains_alone_with_the_same_result(tmp_path, monkeypatch):
