@@ -1,20 +1,23 @@
 """The vectorised engine: many clients' local training in batched passes.
 
-A round's clients that take the same number of local steps train as one group: their
-trainable parameters are stacked along a leading client dimension, and each step runs the
-**same client rule** (client/algorithms) once under ``torch.func.vmap``. So every per-client
-quantity (SAM's gradient norm, FedNSAM's offset, FedGMT's teacher logits, a dual, a control
-variate) is per client, and gradients come from ``torch.func.grad`` of a functional call of
-one template model (:class:`FunctionalBatch`). The rule's tensors (its start model, duals,
-previous SAM gradient...) are stacked alongside the parameters and carried from step to step.
-Its other attributes (hyperparameters, SCAFFOLD's step counter) are shared by the group, and
-that is why a group has one step count: clients of different step counts are not padded with
-masked steps, they are bucketed into groups of their own.
+A round's clients train in groups: their trainable parameters are stacked along a leading
+client dimension, and each step runs the **same client rule** (client/algorithms) once under
+``torch.func.vmap``. So every per-client quantity (SAM's gradient norm, FedNSAM's offset,
+FedGMT's teacher logits, a dual, a control variate) is per client, and gradients come from
+``torch.func.grad`` of a functional call of one template model (:class:`FunctionalBatch`).
+The rules' tensor attributes (start model, duals, previous SAM gradient, SCAFFOLD's step
+count...) are stacked alongside (:class:`StackedRule`) and carried from step to step; their
+other attributes (hyperparameters, flags) are shared by the group.
 
-A step whose clients draw mini-batches of different sizes (the last batch of an epoch) pads them;
-real rows weigh 1/b and padding 0 in the objective's means (client.batch.batch_mean), so the
-padding changes nothing. The SGD step (weight decay, momentum, clipping) is torch.optim.SGD's
-arithmetic on the stacked tensors, client by client.
+Ragged clients are exact. A step whose clients draw mini-batches of different sizes (the last
+batch of an epoch) pads them; real rows weigh 1/b and padding 0 in the objective's means
+(client.batch.batch_mean). A client with fewer steps than its group's longest is masked after
+its last step: its weights, momentum and rule tensors keep their values. :func:`groups` cuts
+clients (sorted by step count) so that padded work stays within PADDING_BUDGET of the real
+work; a group smaller than MIN_GROUP, or of a model whose batched gradient is slower on this
+device (:func:`batching_pays`), trains client by client with the ClientApp's own loop. The SGD
+step (weight decay, momentum, clipping) is torch.optim.SGD's arithmetic on the stacked
+tensors, client by client.
 
 Every client's data, shuffling RNG, rule and reply are those of its own ``train`` call
 (client.app.TrainCall), so a vectorised run equals an in-process one up to the float rounding
