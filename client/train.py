@@ -63,6 +63,11 @@ def round_generator(seed: int, server_round: int, partition_id: int) -> torch.Ge
     return torch.Generator().manual_seed(int(state))
 
 
+def num_steps(n: int, batch_size: int, local_epochs: int, local_steps: int) -> int:
+    """How many mini-batches :func:`batch_indices` draws for n samples."""
+    return local_steps if local_steps > 0 else local_epochs * math.ceil(n / batch_size)
+
+
 def batch_indices(
     n: int, batch_size: int, local_epochs: int, local_steps: int, generator: torch.Generator
 ) -> Iterator[torch.Tensor]:
@@ -73,7 +78,7 @@ def batch_indices(
     """
     if n <= 0:
         raise ValueError("no samples to draw mini-batches from")
-    steps = local_steps if local_steps > 0 else local_epochs * math.ceil(n / batch_size)
+    steps = num_steps(n, batch_size, local_epochs, local_steps)
     done = 0
     while done < steps:
         order = torch.randperm(n, generator=generator)

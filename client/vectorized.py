@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,9 +38,10 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from client.algorithms.base import ClientRule
-from client.batch import Objective, Tensors, cross_entropy
+from client.batch import ModelBatch, Objective, Tensors, cross_entropy
 from client.tensors import add
 from client.train import LocalResult, autocast, batch_indices
+from client.train import num_steps as local_steps
 
 log = logging.getLogger("flwr.flatflower.client")
 UNBATCHABLE = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
@@ -226,8 +228,8 @@ MIN_GROUP = 4
 
 
 def num_steps(n: int, cfg) -> int:
-    """The number of local steps client.train.batch_indices draws for n samples."""
-    return cfg.local_steps if cfg.local_steps > 0 else cfg.local_epochs * math.ceil(n / cfg.batch_size)
+    """The local steps a client of n samples takes under ``cfg`` (client.train.num_steps)."""
+    return local_steps(n, cfg.batch_size, cfg.local_epochs, cfg.local_steps)
 
 
 def groups(calls: Sequence, budget: float | None = None) -> list[list[int]]:
@@ -273,11 +275,16 @@ def padded(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]):
     return x, y, weight
 
 
+def per_client(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """One value per client (dim 0), shaped to broadcast over ``like``'s other dimensions."""
+    return values.view(-1, *[1] * (like.dim() - 1))
+
+
 def masked(active: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """``new`` for the active clients (dim 0), ``old`` for the others; ``new`` if all are."""
     if active is None:
         return new
-    return torch.where(active.view(-1, *[1] * (new.dim() - 1)), new, old)
+    return torch.where(per_client(active, new), new, old)
 
 
 def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: float,
@@ -288,7 +295,7 @@ def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: flo
         norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
         total = torch.linalg.vector_norm(norms, dim=1)
         coef = torch.clamp(cfg.clip_norm / (total + 1e-6), max=1.0)
-        grads = [g * coef.view(-1, *[1] * (g.dim() - 1)) for g in grads]
+        grads = [g * per_client(coef, g) for g in grads]
     if cfg.weight_decay:
         grads = [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, params)]
     if cfg.momentum:
@@ -389,10 +396,6 @@ CALIBRATION_CLIENTS = 16
 
 
 def _batched_is_faster(model: nn.Module, layout, x: torch.Tensor, y: torch.Tensor) -> bool:
-    import time
-
-    from client.batch import ModelBatch
-
     n = CALIBRATION_CLIENTS
     params = [p.detach().unsqueeze(0).expand(n, *p.shape).clone() for p in layout.params]
     xs, ys = x.unsqueeze(0).expand(n, *x.shape), y.unsqueeze(0).expand(n, *y.shape)
@@ -418,19 +421,14 @@ def train_together(calls: Sequence) -> list[LocalResult | Exception]:
     (:func:`batching_pays`), one by one); the results in the order of ``calls`` (an exception
     for a client whose training failed)."""
     results: list[LocalResult | Exception | None] = [None] * len(calls)
-    for i, call in enumerate(calls):
-        if len(call.data) == 0:  # client.train.local_train's error
-            results[i] = ValueError("this client's partition is empty: nothing to train on")
-    trainable_calls = [i for i, result in enumerate(results) if result is None]
-    for members in groups([calls[i] for i in trainable_calls]):
-        members = [trainable_calls[m] for m in members]
+    # a client with no data goes one by one too, to local_train's own error
+    nonempty = [i for i, call in enumerate(calls) if len(call.data)]
+    alone = [i for i, call in enumerate(calls) if not len(call.data)]
+    for members in groups([calls[i] for i in nonempty]):
+        members = [nonempty[m] for m in members]
         group = [calls[i] for i in members]
-        if len(group) < MIN_GROUP or not batching_pays(group[0]):  # one by one
-            for i, call in zip(members, group):
-                try:
-                    results[i] = call.train()
-                except Exception as err:
-                    results[i] = err
+        if len(group) < MIN_GROUP or not batching_pays(group[0]):
+            alone += members
             continue
         try:
             outcome = train_group(group)
@@ -438,4 +436,9 @@ def train_together(calls: Sequence) -> list[LocalResult | Exception]:
             outcome = [err] * len(group)
         for i, result in zip(members, outcome):
             results[i] = result
+    for i in alone:
+        try:
+            results[i] = calls[i].train()
+        except Exception as err:
+            results[i] = err
     return results

@@ -616,3 +616,19 @@ def test_cli_sweep_vectorized(tmp_path, capsys):
     assert "vectorised in-process simulation" in text
     for name in ("fedavg-s0", "fedsam-s0"):
         assert [r["round"] for r in metrics(out / name)] == [0, 1, 2]
+
+
+def test_an_empty_partition_gets_local_trains_own_error_and_fails_alone():
+    """A call with no data never joins a group: it trains alone, so the ClientApp's loop
+    raises its own error for it (client.train.local_train)."""
+    cfg = RunConfig.from_mapping({"batch-size": 32})
+    model = build_model("logreg", (1, 8, 8), 10, seed=0)
+    from client.train import local_train
+    from common.datasets import Split
+
+    empty = Split(torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.int64))
+    rule, _ = build_rule(cfg, model, {}, {}, 0.1)
+    call = SimpleNamespace(data=empty, cfg=cfg, rule=rule,
+                           train=lambda: local_train(model, empty, rule, cfg, 0.1, torch.Generator()))
+    [result] = vec.train_together([call])
+    assert isinstance(result, ValueError) and "partition is empty" in str(result)

@@ -256,28 +256,22 @@ class VectorizedGrid(InProcessGrid):
             closed = True
             batch = dict(opened)
         calls = {i: o for i, o in batch.items() if not isinstance(o, Exception)}
-        outcomes: dict[int, Any] = dict(batch)
-        for i, result in zip(calls, train_together(list(calls.values()))):
-            outcomes[i] = (calls[i], result)
+        results = dict(zip(calls, train_together(list(calls.values()))))
 
-        def reply(outcome) -> Message:
+        def reply(i: int) -> Message:
+            outcome = results.get(i, batch[i])  # the training's result, or the open's exception
             if isinstance(outcome, Exception):
                 raise outcome
-            call, result = outcome
-            if isinstance(result, Exception):
-                raise result
-            return call.reply(result)
+            return calls[i].reply(outcome)
 
         try:
             replies = {messages[i].metadata.message_id: self._answer(messages[i], messages[i],
-                                                                     lambda o=o: reply(o))
-                       for i, o in outcomes.items()}
+                                                                     lambda i=i: reply(i))
+                       for i in batch}
         finally:
             for call in calls.values():
                 call.close()
         self._land(replies)
-
-
 
 
 def _run(outcome) -> Message:
