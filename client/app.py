@@ -1,14 +1,16 @@
 """The ClientApp: ``train``, ``evaluate`` and ``query`` (partition handshake).
 
-Per-client persistent state lives in ``context.state`` and is written only as the last step
-of a successful ``train`` call (Flower's deployment runtime keeps partial writes of a call
-that later raises; the simulation runtime drops them).
+Per-client persistent state (client/state.py) lives in ``context.state`` or a state mirror on
+disk. It is staged only as the last step of a successful ``train`` call (Flower's deployment
+runtime keeps partial writes of a call that later raises; the simulation runtime drops them),
+and a call starts from the state of the client's last round the server accepted.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,7 @@ from client.algorithms.base import ClientRule
 from client.faults import Fault
 from client.layout import Layout
 from client.node import NodeSettings
-from client.state import StateMirror
+from client.state import ContextState, StateMirror
 from client.train import LocalResult, build_rule, local_train, round_generator, rule_outputs
 from common import protocol as P
 from common import registry
@@ -65,11 +67,12 @@ def _initial_weights(cfg: RunConfig, node: NodeSettings):
     return build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed).state_dict()
 
 
-def _mirror(cfg: RunConfig, node: NodeSettings) -> StateMirror | None:
-    """The on-disk copy of this client's state: node-config ``state-dir``, else the run
-    config's ``client-state-dir``; None when neither is set (state lives in context.state)."""
-    root = node.state_dir or cfg.client_state_dir
-    return StateMirror(root, node.partition_id, cfg.checkpoint_every) if root else None
+def _store(cfg: RunConfig, node: NodeSettings, context: Context) -> ContextState | StateMirror:
+    """Where this client's state lives: on disk under node-config ``state-dir``, else under the
+    run config's ``client-state-dir`` (a relative one is inside the run directory), else in
+    ``context.state``."""
+    root = node.state_dir or cfg.client_state_path()
+    return StateMirror(root, node.partition_id, cfg.checkpoint_every) if root else ContextState(context)
 
 
 def _nonce(msg: Message) -> int:
@@ -77,8 +80,16 @@ def _nonce(msg: Message) -> int:
     return int(msg.content[P.CONFIG].get("nonce", 0)) if P.CONFIG in msg.content.config_records else 0
 
 
-def _read_state(context: Context) -> dict:
-    return {name: P.from_record(rec) for name, rec in context.state.array_records.items()}
+def _state_round(msg: Message, server_round: int) -> int:
+    """The client's last round the server accepted (``state-round``), before this one."""
+    config = msg.content[P.CONFIG]
+    if "state-round" not in config:
+        raise ValueError("the train message lacks 'state-round' (the server's last accepted round "
+                         "of this client), which an algorithm with client state needs")
+    accepted = config["state-round"]
+    if isinstance(accepted, bool) or not isinstance(accepted, int) or not 0 <= accepted < server_round:
+        raise ValueError(f"state-round={accepted!r} is not a round before {server_round}")
+    return accepted
 
 
 @dataclass
@@ -101,7 +112,8 @@ class TrainCall:
     layout: Layout
     lr: float
     state: dict
-    mirror: StateMirror | None
+    store: ContextState | StateMirror
+    accepted: int  # the client's last round the server accepted: ``state`` is its state after it
     reported: dict | None  # the self-report before training (None: not made yet)
     pool_key: tuple
     after: dict | None = None  # the self-report after training, when the engine made it
@@ -121,8 +133,9 @@ class TrainCall:
         key, model = _model(cfg, node, msg.content[P.MODEL], device)
         try:
             broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
-            mirror = _mirror(cfg, node)
-            state = mirror.load_before(server_round) if mirror else _read_state(context)
+            store = _store(cfg, node, context)
+            accepted = _state_round(msg, server_round) if spec.state else 0
+            state = store.load(accepted)
             lr = cfg.round_lr(server_round)
             rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
             held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
@@ -131,7 +144,7 @@ class TrainCall:
             MODELS.give(key, model)
             raise
         return cls(msg, context, cfg, node, server_round, fault, data, held_out, model, rule,
-                   layout, lr, state, mirror, reported, key)
+                   layout, lr, state, store, accepted, reported, key)
 
     def close(self) -> None:
         """Give the model back to the pool (the call is done with it)."""
@@ -155,8 +168,8 @@ class TrainCall:
         return round_generator(self.cfg.seed, self.server_round, self.node.partition_id)
 
     def reply(self, result: LocalResult) -> Message:
-        """The reply to the train message, after ``self.model`` was trained; commits the
-        client's state (last: only a successful call changes it)."""
+        """The reply to the train message, after ``self.model`` was trained; stages the
+        client's new state (last: only a successful call changes it)."""
         cfg, node, model, server_round = self.cfg, self.node, self.model, self.server_round
         after = self.after if self.after is not None else _self_report(cfg, model, self.data,
                                                                         self.held_out, "after")
@@ -182,11 +195,9 @@ class TrainCall:
         )
         for name, tensors in uploads.items():
             content[name] = P.to_record(tensors)
-        if self.mirror and new_state:
-            self.mirror.save(server_round, {**self.state, **new_state})
+        if new_state:
+            self.store.stage(server_round, self.accepted, {**self.state, **new_state})
         context = self.context
-        for name, tensors in new_state.items():
-            context.state[name] = P.to_record(tensors)
         meta = context.state.metric_records.get(META, MetricRecord({"rounds-trained": 0}))
         context.state[META] = MetricRecord(
             {"rounds-trained": int(meta["rounds-trained"]) + 1, "last-round": server_round}
@@ -199,7 +210,11 @@ class TrainCall:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One round of local training with the run's algorithm."""
-    return TrainCall.open(msg, context).run()
+    call = TrainCall.open(msg, context)
+    reply = call.run()
+    if call.fault:
+        time.sleep(call.fault.late_by(call.server_round))  # a straggler, for tests
+    return reply
 
 
 def _self_report(cfg: RunConfig, model, data, held_out, when: str) -> dict[str, float]:

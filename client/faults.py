@@ -1,11 +1,13 @@
 """Fault injection for testing a federation (node-config ``inject-fault``; never set it in a
-real run). ``KIND`` or ``KIND@R`` (from round R on):
+real run). ``KIND``, ``KIND@R`` (from round R on) or ``KIND@R-S`` (rounds R to S):
 
     raise      the ClientApp raises before training (an error reply; state untouched)
     exit       the ClientApp process dies (os._exit): a crashed client
     hang       the ClientApp sleeps far past any round deadline: a hung client
     nan        the reply's model is all NaN (after training)
     scale:F    the reply's update w_i - w is multiplied by F (an outlier), e.g. scale:100
+    late:S     the reply leaves S seconds after the call finished (its state staged): a
+               straggler, e.g. late:30@2-2
 """
 
 from __future__ import annotations
@@ -15,33 +17,43 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-KINDS = ("raise", "exit", "hang", "nan", "scale")
+KINDS = ("raise", "exit", "hang", "nan", "scale", "late")
+WITH_ARGUMENT = ("scale", "late")
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
     from_round: int = 1
-    factor: float = 1.0
+    factor: float = 1.0  # scale's F, late's S
+    to_round: int = 0  # the last round it acts in (0: every round from from_round on)
 
     @classmethod
     def parse(cls, text: str) -> Fault | None:
         """``""`` -> None; otherwise a Fault or ValueError naming the valid forms."""
         if not text:
             return None
-        spec, _, rnd = text.partition("@")
+        spec, _, rounds = text.partition("@")
         kind, _, arg = spec.partition(":")
+        first, _, last = rounds.partition("-")
         try:
-            fault = cls(kind, int(rnd) if rnd else 1, float(arg) if arg else 1.0)
+            fault = cls(kind, int(first) if first else 1, float(arg) if arg else 1.0,
+                        int(last) if last else 0)
         except ValueError:
             fault = None
-        if fault is None or kind not in KINDS or (kind == "scale") != bool(arg) or fault.from_round < 1:
+        if (fault is None or kind not in KINDS or (kind in WITH_ARGUMENT) != bool(arg)
+                or fault.from_round < 1 or (last and fault.to_round < fault.from_round)
+                or (kind == "late" and not 0 <= fault.factor <= 24 * 3600)):
             raise ValueError(f"inject-fault={text!r} is not one of: raise, exit, hang, nan, "
-                             "scale:F, each optionally @ROUND")
+                             "scale:F, late:SECONDS, each optionally @ROUND or @FIRST-LAST")
         return fault
 
     def active(self, server_round: int) -> bool:
-        return server_round >= self.from_round
+        return server_round >= self.from_round and (not self.to_round or server_round <= self.to_round)
+
+    def late_by(self, server_round: int) -> float:
+        """Seconds the reply of this round is held back after the call finished."""
+        return self.factor if self.kind == "late" and self.active(server_round) else 0.0
 
     def before_training(self, server_round: int) -> None:
         if not self.active(server_round):

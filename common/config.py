@@ -15,6 +15,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 
@@ -207,6 +208,9 @@ class RunConfig:
                                                     or self.outlier_norm_factor > 1),
               "outlier-norm-factor must be 0 (off) or > 1 (a multiple of the round's median update norm)")
         check(self.checkpoint_every >= 0, "checkpoint-every must be >= 0 (0 = no checkpoints)")
+        check(not self.client_state_dir or not _relative(self.client_state_dir) or bool(self.run_dir),
+              f"client-state-dir={self.client_state_dir!r} is relative, which means inside the run "
+              "directory: set run-dir too, or give an absolute path")
         for name in ("node_wait_timeout", "round_timeout"):
             check(_pos(getattr(self, name)) and getattr(self, name) <= MAX_SECONDS,
                   f"{_key(name)} must be in (0, {MAX_SECONDS:.0f}] seconds (got {getattr(self, name)})")
@@ -232,6 +236,13 @@ class RunConfig:
         """The seed of the data partition: ``partition-seed``, or ``seed`` when it is -1. A
         sweep fixes it so that every seed and algorithm trains on the same partition."""
         return self.seed if self.partition_seed < 0 else self.partition_seed
+
+    def client_state_path(self) -> str:
+        """Where clients mirror their state (``client-state-dir``; "" = nowhere): a relative
+        path is inside the run directory, so a moved or copied run directory keeps its own."""
+        if not self.client_state_dir or not _relative(self.client_state_dir):
+            return self.client_state_dir
+        return str(Path(self.run_dir) / self.client_state_dir)
 
     def resolved_model(self) -> str:
         """The model name, with ``auto`` replaced by the dataset's default model."""
@@ -276,6 +287,10 @@ def _other_algorithms_problems(values: Mapping[str, Any], cfg: RunConfig) -> lis
 def general_fields() -> dict[str, dataclasses.Field]:
     """Run-config key -> field of the general keys (not the algorithm's params)."""
     return {_key(f.name): f for f in fields(RunConfig) if not f.metadata.get("internal")}
+
+
+def _relative(path: str) -> bool:
+    return not path.startswith(("/", "~"))
 
 
 def _pos(x: float) -> bool:

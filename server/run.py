@@ -25,7 +25,7 @@ from common.models import build_model
 from common.registry import get as get_spec
 from server.clients import client_rows
 from server.progress import RoundProgress
-from server.rundir import RunDir, check_resumable, default_run_dir, load_checkpoint
+from server.rundir import RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint
 from server.tensorboard import Board
 from strategies.base import RoundStats, all_finite
 from strategies.participation import exchange
@@ -62,6 +62,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
     if cfg.resume:
         ckpt = load_checkpoint(run_dir.path)
         check_resumable(cfg, ckpt)
+        check_client_state(cfg, ckpt)
         strategy.load_state_dict(ckpt["strategy"])
         first = ckpt["round"] + 1
         run_dir.truncate_metrics(ckpt["round"])

@@ -100,7 +100,7 @@ def write_json(path: Path, data: Any) -> None:
 
 
 CHECKPOINT = "checkpoint.pt"
-CHECKPOINT_FORMAT = 2  # 2: participation state (N, partition sizes) inside the strategy state
+CHECKPOINT_FORMAT = 3  # 3: the clients' last accepted rounds in the participation state
 # Run-config keys a resumed run may change; every other key must equal the checkpoint's (the
 # client-state-dir too: the clients' duals and control variates live there).
 RESUME_MAY_CHANGE = ("num-server-rounds", "resume", "run-dir", "round-timeout", "node-wait-timeout",
@@ -130,6 +130,42 @@ def check_resumable(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
     if cfg.num_server_rounds < ckpt["round"]:
         raise RunDirError(f"num-server-rounds={cfg.num_server_rounds} is below the checkpoint's "
                           f"round {ckpt['round']}")
+
+
+def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
+    """RunDirError unless the clients' state that the checkpoint's accepted rounds need is in
+    this run directory's ``client-state-dir``: each client resumes from its state after its
+    last accepted round (client/state.py), and a run that went on without it would be another
+    run. A relative ``client-state-dir`` is inside the run directory, where the server sees it;
+    an absolute one (e.g. node-local) is checked by each client when it trains."""
+    from client.state import MissingState, StateMirror, read_state_file
+    from common.registry import get as get_spec
+
+    needed = set(get_spec(cfg.algorithm).state)
+    accepted = ckpt["strategy"]["participation"].get("accepted", {})
+    path = Path(cfg.client_state_dir).expanduser()
+    if not needed or not cfg.client_state_dir:
+        return
+    if path.is_absolute():
+        saved = Path(str(ckpt["config"].get("run-dir", ""))).expanduser()
+        if saved.is_absolute() and path.is_relative_to(saved) and saved != Path(cfg.run_dir):
+            raise RunDirError(f"the clients' state of this run is in {path}, inside the run "
+                              f"directory it was started in ({saved}), not in {cfg.run_dir}: a "
+                              "moved or copied run directory of an older flatflower cannot resume")
+        return
+    for pid, rnd in sorted((int(p), int(r)) for p, r in accepted.items()):
+        mirror = StateMirror(cfg.client_state_path(), pid, cfg.checkpoint_every)
+        try:
+            if not mirror.path(rnd).is_file():
+                raise MissingState(f"{mirror.path(rnd)} is missing")
+            names = set(read_state_file(mirror.path(rnd)))
+        except MissingState as err:
+            raise RunDirError(f"cannot resume: client {pid}'s state after round {rnd} is not usable "
+                              f"({err}); the run needs every client's state of its checkpoint") from None
+        if names != needed:
+            raise RunDirError(f"cannot resume: client {pid}'s state after round {rnd} "
+                              f"({mirror.path(rnd)}) holds {sorted(names)}, not the {cfg.algorithm} "
+                              f"client state {sorted(needed)}")
 
 
 class RunDir:

@@ -98,6 +98,7 @@ class FlatStrategy(FlowerFedAvg):
         self.failure_reasons: dict[int, str] = {}  # this round's failed partitions -> why
         self.accepted: tuple[OrderedDict, list[ClientUpdate]] = (self.model, [])  # start point, updates
         self._messages: list[Message] = []  # this round's train messages (ids map error replies)
+        self._content = RecordDict()  # what every train message of this round carries
         self._nonce = 0  # this round's train nonce, echoed by every valid reply
         self._eval_messages: list[Message] = []
         self._eval_nonce = 0
@@ -190,19 +191,31 @@ class FlatStrategy(FlowerFedAvg):
         available = self.available_partitions(grid)
         chosen = self.participation.sample(server_round, list(available), self.fraction_train)
         self._nonce = new_nonce()
-        config = ConfigRecord({**dict(config), "server-round": server_round, "nonce": self._nonce})
         start = self.start_point()
-        content = RecordDict({P.MODEL: arrays if start is self.model else P.to_record(start),
-                              P.CONFIG: config})
+        self._content = RecordDict({P.MODEL: arrays if start is self.model else P.to_record(start),
+                                    P.CONFIG: ConfigRecord({**dict(config), "server-round": server_round,
+                                                            "nonce": self._nonce})})
         for name, tensors in self.broadcast(server_round).items():
-            content[name] = P.to_record(tensors)
-        msgs = [Message(content, dst_node_id=available[p], message_type=MessageType.TRAIN,
-                        group_id=str(server_round)) for p in chosen]
+            self._content[name] = P.to_record(tensors)
+        msgs = self.train_messages(server_round, {p: available[p] for p in chosen})
         self._messages = msgs
         self.stats.clients_sampled = len(msgs)
         self.stats.sampled_partitions = list(chosen)
-        self.stats.bytes_down = P.payload_bytes(content) * len(msgs)
         log.info("round %d: sampled partitions %s", server_round, chosen)
+        return msgs
+
+    def train_messages(self, server_round: int, nodes: dict[int, int]) -> list[Message]:
+        """The round's train message to each partition's node (``nodes``: partition -> node):
+        the round's content, with the partition's ``state-round`` (its last round the server
+        accepted) in the config, which tells the client what state to start from."""
+        msgs = []
+        for pid, node in nodes.items():
+            content = RecordDict(dict(self._content.items()))
+            content[P.CONFIG] = ConfigRecord({**dict(self._content[P.CONFIG]),
+                                              "state-round": self.participation.state_round(pid)})
+            msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
+                                group_id=str(server_round)))
+            self.stats.bytes_down += P.payload_bytes(content)
         return msgs
 
     def expected(self, pid: int, nonce: int) -> Expected:
@@ -261,16 +274,15 @@ class FlatStrategy(FlowerFedAvg):
         the algorithm's update, or the round is skipped."""
         msgs = list(self.configure_train(server_round, P.to_record(self.model), ConfigRecord(), grid))
         updates = self.collect(server_round, exchange(grid, msgs, self.cfg.round_timeout))
-        self.finish_round(server_round, self.retry(server_round, grid, msgs[0].content if msgs else None, updates))
+        self.finish_round(server_round, self.retry(server_round, grid, updates) if msgs else updates)
         return self.stats
 
-    def retry(self, server_round: int, grid: Grid, content: RecordDict | None,
-              updates: list[ClientUpdate]) -> list[ClientUpdate]:
-        """Re-send ``content`` to the sampled clients that gave no accepted reply, at most
-        ``max-retries`` times, while fewer than ``min-replies`` updates are accepted (only with
-        ``too-few-replies = retry``); the accepted updates, in partition order."""
+    def retry(self, server_round: int, grid: Grid, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        """Re-send the round's messages to the sampled clients that gave no accepted reply, at
+        most ``max-retries`` times, while fewer than ``min-replies`` updates are accepted (only
+        with ``too-few-replies = retry``); the accepted updates, in partition order."""
         while (len(updates) < self.cfg.min_replies and self.cfg.too_few_replies == "retry"
-               and self.stats.retries < self.cfg.max_retries and content is not None):
+               and self.stats.retries < self.cfg.max_retries):
             self.stats.retries += 1
             done = {u.partition_id for u in updates}
             missing = [p for p in self.stats.sampled_partitions if p not in done]
@@ -282,9 +294,7 @@ class FlatStrategy(FlowerFedAvg):
             again = [p for p in missing if p in available]
             if not again:
                 continue
-            self._messages = [Message(content, dst_node_id=available[p], message_type=MessageType.TRAIN,
-                                      group_id=str(server_round)) for p in again]
-            self.stats.bytes_down += P.payload_bytes(content) * len(again)
+            self._messages = self.train_messages(server_round, {p: available[p] for p in again})
             replies = exchange(grid, self._messages, self.cfg.round_timeout)
             updates = sorted(updates + self.collect(server_round, replies), key=lambda u: u.partition_id)
         return updates
@@ -313,6 +323,8 @@ class FlatStrategy(FlowerFedAvg):
             if not all_finite(self.model, *self.records.values()):
                 self.model, self.records = before
                 reason = "the server update gave non-finite values"
+            else:  # these clients' states after this round are the ones they go on from
+                self.participation.commit(server_round, [u.partition_id for u in updates])
         if reason:
             self.stats.skipped = 1
             log.warning("round %d skipped: %s; the global model and server state are unchanged",

@@ -109,15 +109,29 @@ class Participation:
         self.sizes: dict[int, int] = {}  # partition id -> number of training examples
         self.partition_sizes = partition_sizes
         self.partition_of: dict[int, int] = {}  # node id -> partition id
+        # partition id -> the last round whose reply entered a server update (absent: none);
+        # each train message carries it as ``state-round`` (client/state.py)
+        self.accepted: dict[int, int] = {}
 
     # ------------------------------------------------------------------ checkpointable state
     def state_dict(self) -> dict:
         return {"num_partitions": self.num_partitions,
-                "sizes": {str(p): n for p, n in sorted(self.sizes.items())}}
+                "sizes": {str(p): n for p, n in sorted(self.sizes.items())},
+                "accepted": {str(p): r for p, r in sorted(self.accepted.items())}}
 
     def load_state_dict(self, state: dict) -> None:
         self.num_partitions = state["num_partitions"]
         self.sizes = {int(p): int(n) for p, n in state["sizes"].items()}
+        self.accepted = {int(p): int(r) for p, r in state["accepted"].items()}
+
+    def state_round(self, partition_id: int) -> int:
+        """The last round of ``partition_id`` the server accepted (0 = none): the client's
+        state must be its state after that round."""
+        return self.accepted.get(partition_id, 0)
+
+    def commit(self, server_round: int, partition_ids: Iterable[int]) -> None:
+        """The replies of ``partition_ids`` entered the server update of ``server_round``."""
+        self.accepted.update({p: server_round for p in partition_ids})
 
     # ------------------------------------------------------------------ the federation
     def fix_size(self, connected: int) -> int:

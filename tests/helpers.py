@@ -19,6 +19,7 @@ from flwr.app import MessageType
 
 from client.app import app as client_app
 from client.batch import ModelBatch
+from client.state import latest
 from common import protocol as P
 from common import registry
 from common.config import RunConfig
@@ -158,10 +159,10 @@ def matches(result, prob, expected: np.ndarray) -> None:
 
 def client_state(result, partition: int, record: str, prob: Problem) -> np.ndarray:
     """A client's persistent record (flat float64); zeros if it never wrote one."""
-    state = result["grid"].contexts[FIRST_NODE + partition].state
-    if record not in state.array_records:
+    state = latest(result["grid"].contexts[FIRST_NODE + partition])
+    if record not in state:
         return prob.zeros()
-    return prob.flat(v.double().numpy() for v in P.from_record(state.array_records[record]).values())
+    return prob.flat(v.double().numpy() for v in state[record].values())
 
 
 def assert_client_duals(result, prob, expected: dict[int, np.ndarray]) -> None:
@@ -335,8 +336,7 @@ class SnapshotGrid(InProcessGrid):
         self.rounds = []
 
     def _states(self):
-        return {n: {name: P.from_record(rec) for name, rec in ctx.state.array_records.items()}
-                for n, ctx in self.contexts.items()}
+        return {n: latest(ctx) for n, ctx in self.contexts.items()}
 
     def push_messages(self, messages):
         messages = list(messages)

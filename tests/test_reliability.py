@@ -21,7 +21,7 @@ import torch
 
 from client.app import app as client_app
 from client.faults import Fault
-from client.state import StateMirror
+from client.state import MissingState, StateMirror
 from common.config import RunConfig
 from tools.cli import main as cli
 from tools.inprocess import InProcessGrid
@@ -195,14 +195,30 @@ def test_a_run_directory_in_use_is_refused_by_the_server(tmp_path):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-def test_state_mirror_reads_the_state_before_the_round_and_prunes(tmp_path):
+def test_state_mirror_loads_the_accepted_round_and_keeps_what_a_resume_needs(tmp_path):
+    """Round r staged with accepted round a: r and a stay, rounds after a (never accepted, or
+    left by a run resumed from an earlier checkpoint) go, and of the accepted rounds those a
+    resume from the last checkpoint may need (newer than r - 2, and the newest before)."""
     mirror = StateMirror(tmp_path, 3, checkpoint_every=1)
-    for rnd in (1, 4, 5, 6, 9):
-        mirror.save(rnd, {"dual": {"w": torch.full((2,), float(rnd))}})
-    assert mirror.rounds() == [6, 9]  # newer than 9 - 2, plus the newest before
-    assert float(mirror.load_before(9)["dual"]["w"][0]) == 6.0
-    assert float(mirror.load_before(10)["dual"]["w"][0]) == 9.0
-    assert mirror.load_before(6) == {}
+
+    def state(rnd):
+        return {"dual": {"w": torch.full((2,), float(rnd))}}
+
+    for rnd, accepted in ((1, 0), (4, 1), (5, 4), (6, 5)):
+        mirror.stage(rnd, accepted, state(rnd))
+    assert mirror.rounds() == [4, 5, 6]  # 1 is older than 4 <= 6 - 2
+    mirror.stage(7, 6, state(7))  # a straggler: round 7 is not accepted
+    mirror.stage(9, 6, state(9))
+    assert mirror.rounds() == [6, 9]
+    assert float(mirror.load(6)["dual"]["w"][0]) == 6.0
+    assert mirror.load(0) == {}
+    with pytest.raises(MissingState, match="round-000007.pt is missing"):
+        mirror.load(7)
+    mirror.stage(7, 6, state(70))  # resumed from round 6's checkpoint: 9 is the old run's
+    assert mirror.rounds() == [6, 7]
+    (mirror.dir / "round-000006.pt").write_bytes(b"")
+    with pytest.raises(MissingState, match="damaged or unreadable"):
+        mirror.load(6)
 
 
 SIM = ["--algorithm", "fedtoga", "--clients", "6", "--rounds", "12", "--fraction", "0.5",

@@ -30,6 +30,7 @@ import client.app as client_module
 import client.vectorized as vec
 from client.app import app as client_app
 from client.batch import ModelBatch, cross_entropy, mean_kl, trainable
+from client.state import latest
 from client.train import build_rule
 from client.vectorized import FunctionalBatch, check_batchable, groups, padded, sgd_step
 from common import protocol as P
@@ -495,8 +496,8 @@ def test_a_failing_client_does_not_sink_the_others_of_its_group(tmp_path, monkey
     assert_same_rows(inp, vec_dir)
     assert_same_client_state(grid_a, grid_b)
     if fault != "nan":  # the reply failed: nothing of the failing client's round was kept
-        assert not grid_b.contexts[FIRST_NODE + FAILING].state.array_records
-        assert P.CLIENT_CONTROL in grid_b.contexts[FIRST_NODE].state.array_records
+        assert not latest(grid_b.contexts[FIRST_NODE + FAILING])
+        assert P.CLIENT_CONTROL in latest(grid_b.contexts[FIRST_NODE])
 
 
 def test_a_hung_client_is_lost_alone_at_the_round_deadline(tmp_path):

@@ -480,6 +480,8 @@ def bench_memory(settings: Settings, workdir: Path, say=_silent) -> list[dict[st
         for clients in sizes:
             with _quiet():
                 run_dir, grid = _fast_run(workdir, name, clients, **{"checkpoint-every": 2})
+            # a client holds its state after its last accepted round and after its newest
+            # round, until the server accepts that one (client/state.py): two copies
             per_client = [_state_bytes(ctx.state.array_records) for ctx in grid.contexts.values()]
             ckpt = load_checkpoint(run_dir)
             server = sum(t.numel() * t.element_size() for rec in ckpt["strategy"]["records"].values()
@@ -490,7 +492,7 @@ def bench_memory(settings: Settings, workdir: Path, say=_silent) -> list[dict[st
                 "algorithm": name, "clients": clients,
                 "client_state_bytes_max": max(per_client),
                 "client_state_bytes_total": sum(per_client),
-                "expected_client_state_bytes": model_bytes * len(spec.state),
+                "expected_client_state_bytes": 2 * model_bytes * len(spec.state),
                 "server_state_bytes": server, "model_bytes": model_bytes,
             })
     return rows

@@ -17,6 +17,7 @@ from common.config import MAX_SECONDS, ConfigError, RunConfig, cli_float, cli_in
 from tools.presets import load_preset
 
 DEFAULT_CLIENTS = 4
+CLIENT_STATE = "client-state"  # the clients' state mirror, inside the run directory
 
 
 class UsageError(Exception):
@@ -107,8 +108,9 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
         raise UsageError(f"{run_dir} already holds a run; choose another --run-dir "
                          "(or continue it with --resume)")
     _check_writable(run_dir)
-    # clients mirror their state into the run directory, so --resume is exact
-    state_dir = cfg.client_state_dir or str(run_dir / "client-state")
+    # clients mirror their state into the run directory (a relative client-state-dir is inside
+    # it: the directory can be moved or copied), so --resume is exact
+    state_dir = cfg.client_state_dir or CLIENT_STATE
     return cfg.replace(run_dir=str(run_dir), client_state_dir=state_dir)
 
 
@@ -134,7 +136,7 @@ def _check_writable(run_dir: Path) -> None:
 def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> RunConfig:
     """The config of the run in ``--resume RUN_DIR``, checked against its checkpoint. The
     directory stays claimed by this command (a second resume of it is refused at once)."""
-    from server.rundir import check_resumable, claim, load_checkpoint
+    from server.rundir import check_client_state, check_resumable, claim, load_checkpoint
 
     run_dir = Path(args.resume).expanduser().resolve()
     given = [flag for flag, value in (
@@ -161,6 +163,7 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
         raise UsageError(f"{run_dir / 'config.json'}: {err}") from None
     ckpt = load_checkpoint(run_dir)
     check_resumable(cfg, ckpt)
+    check_client_state(cfg, ckpt)
     if args.clients != ckpt["num_partitions"]:
         raise UsageError(f"the run in {run_dir} has {ckpt['num_partitions']} clients, "
                          f"not --clients {args.clients}")
