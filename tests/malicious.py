@@ -10,6 +10,9 @@ with a number take it after a colon: ``sign-flip:4.5``, ``scale:50``, ``steal:0`
 ``fuzz:SEED`` sends a randomly malformed reply at every stage (its first handshake is a lie,
 later ones are honest half of the time, so that it gets to train; see :func:`fuzz`); what it sent is logged in :data:`SENT`
 (in-process runs read it back).
+
+Colluding attackers (ALIE, IPM) need the honest clients' updates: :func:`colluding_grid` is an
+in-process grid on which they act as an omniscient coalition (the threat model of their papers).
 """
 
 from __future__ import annotations
