@@ -177,6 +177,44 @@ def test_every_robust_rule_keeps_a_poisoned_upload_out_of_the_server_state(tmp_p
     assert float(poisoned.abs().max()) <= 2 * float(clean.abs().max())
 
 
+# ---------------------------------------------------------------- colluding attackers (ALIE, IPM)
+def test_alie_and_ipm_on_hand_computed_numbers():
+    honest = torch.tensor([[0.0, 1.0], [2.0, 1.0], [4.0, 1.0]], dtype=torch.float64)  # mean (2, 1), std (2, 0)
+    z = 0.2533471031357997  # Φ^-1(0.6): n = 10, f = 2, s = floor(10/2 + 1) - 2 = 4, (10 - 4) / 10
+    assert malicious.alie(honest, 10, 2, None).tolist() == pytest.approx([2 - 2 * z, 1.0])
+    assert malicious.alie(honest, 10, 2, 1.5).tolist() == pytest.approx([-1.0, 1.0])
+    assert malicious.ipm(honest, 10, 2, 4.0).tolist() == pytest.approx([-8.0, -4.0])
+
+
+def colluded(tmp_path, name: str, attack: str, clients: int = 7, **overrides):
+    """An in-process FedAvg run (uniform weights) on which partitions 0 and 1 collude."""
+    cfg = RunConfig.from_mapping(fast_config(
+        run_dir=str(tmp_path / name), num_partitions=clients, algorithm="fedavg",
+        aggregation="uniform", num_server_rounds=3, **overrides))
+    grid = malicious.colluding_grid(client_app, clients, cfg.to_dict(), attack, [0, 1]) if attack \
+        else InProcessGrid(client_app, clients, cfg.to_dict())
+    run_server(grid, cfg)
+    return metrics(tmp_path / name), torch.load(tmp_path / name / "model_final.pt")
+
+
+def distance(a, b) -> float:
+    return float(sum(((a[k] - b[k]).double() ** 2).sum() for k in a) ** 0.5)
+
+
+def test_ipm_cancels_the_mean_through_the_outlier_rule_and_a_robust_rule_holds(tmp_path):
+    """Issue 23: 2 colluding clients of 7 send -2.5 x the 5 honest clients' mean: the uniform
+    mean of the round is 0, so the model never moves, and the attackers' norm (2.5 x the mean's)
+    passes outlier-norm-factor 5. Multi-Krum (f = 2) drops them and learns as the clean run."""
+    _, clean = colluded(tmp_path, "clean", "")
+    initial = torch.load(tmp_path / "clean" / "model_init.pt")
+    rows, stuck = colluded(tmp_path, "ipm", "ipm:2.5", outlier_norm_factor=5.0)
+    assert not refusals(rows, "train")
+    assert distance(stuck, initial) < 1e-4 * distance(clean, initial)
+    _, held = colluded(tmp_path, "krum", "ipm:2.5", aggregator="multi-krum", aggregator_f=2)
+    _, held_clean = colluded(tmp_path, "krum-clean", "", aggregator="multi-krum", aggregator_f=2)
+    assert distance(held, held_clean) < 0.2 * distance(held_clean, initial)
+
+
 def test_an_impossible_evaluation_is_refused(tmp_path):
     rows, _ = attacked(tmp_path, "eval", {ATTACKER: "accuracy-1000"})
     clean, _ = attacked(tmp_path, "clean", {})
