@@ -23,7 +23,8 @@ class ConfigError(ValueError):
     """A run-config value is missing, of the wrong type or out of range."""
 
 
-AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "norm-clip")
+AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "norm-clip",
+               "centered-clip")
 MAX_SECONDS = 10_000_000.0  # ~116 days: any longer timeout is a typo (and overflows timers)
 MAX_INT = 2**31 - 1  # whole-number keys travel as 64-bit ints and index tensors
 MAX_SEED = 2**32 - 1  # numpy's and torch's seeds
@@ -60,6 +61,7 @@ class RunConfig:
     aggregator_f: int = 1
     aggregator_trim: float = 0.2
     aggregator_clip: float = 0.0
+    aggregator_iterations: int = 3
     server_lr: float = 1.0
     # reliability: failed clients, bad updates, checkpoints
     min_replies: int = 1
@@ -201,6 +203,7 @@ class RunConfig:
         check(0.0 <= self.aggregator_trim < 0.5, "aggregator-trim must be in [0, 0.5)")
         check(_nonneg(self.aggregator_clip),
               "aggregator-clip must be a finite number >= 0 (0 = the round's median update norm)")
+        check(1 <= self.aggregator_iterations <= 100, "aggregator-iterations must be in [1, 100]")
         check(self.min_available_nodes >= 1, "min-available-nodes must be >= 1")
         check(self.min_replies >= 1, "min-replies must be >= 1")
         check(self.max_retries >= 0, "max-retries must be >= 0")

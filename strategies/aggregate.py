@@ -53,6 +53,9 @@ def global_norm(a: OrderedDict) -> float:
 
 
 # ---------------------------------------------------------------------------- robust aggregation
+KRUM_FAMILY = ("krum", "multi-krum", "bulyan")  # rules that pick clients (the same for every quantity)
+
+
 def _to_numpy(item: OrderedDict) -> list[np.ndarray]:
     return [v.detach().cpu().numpy() for v in item.values()]
 
@@ -60,6 +63,12 @@ def _to_numpy(item: OrderedDict) -> list[np.ndarray]:
 def _from_numpy(arrays, like: OrderedDict) -> OrderedDict:
     return OrderedDict((k, torch.as_tensor(np.asarray(a), dtype=v.dtype).reshape(v.shape).clone())
                        for (k, v), a in zip(like.items(), arrays))
+
+
+def _flat64(item: OrderedDict) -> torch.Tensor:
+    """All floating-point tensors of ``item`` as one float64 vector (squares of float32 values
+    near 1e30 overflow float32, never float64)."""
+    return torch.cat([v.detach().reshape(-1).double() for v in item.values() if v.is_floating_point()])
 
 
 def norm_clipped(items: Sequence[OrderedDict], bound: float) -> list[OrderedDict]:
@@ -71,34 +80,127 @@ def norm_clipped(items: Sequence[OrderedDict], bound: float) -> list[OrderedDict
     return out
 
 
+def joint_vectors(uploads: Sequence[Sequence[OrderedDict]]) -> torch.Tensor:
+    """One float64 row per client: its quantities (model update, each uploaded record) each
+    divided by that quantity's round median norm, concatenated; so every quantity counts
+    alike, whatever its units (a zero median leaves the quantity as it is)."""
+    rows = []
+    for quantity in zip(*uploads):
+        flat = torch.stack([_flat64(item) for item in quantity])
+        median = float(np.median(flat.norm(dim=1).numpy()))
+        rows.append(flat / median if median > 0 else flat)
+    return torch.cat(rows, dim=1)
+
+
+def krum_scores(vectors: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum's score of each row (Blanchard et al. 2017): the sum of its squared distances to
+    its n - f - 2 nearest other rows (at least 1)."""
+    n = len(vectors)
+    distances = torch.cdist(vectors, vectors).pow(2) if n > 1 else torch.zeros(1, 1, dtype=vectors.dtype)
+    closest = max(1, n - f - 2)
+    others = distances + torch.diag(torch.full((n,), float("inf"), dtype=distances.dtype))
+    return others.sort(dim=1).values[:, :closest].sum(dim=1)
+
+
+def krum_choice(name: str, vectors: torch.Tensor, f: int) -> list[int]:
+    """The clients (row indices, ascending) that ``krum`` (the best score), ``multi-krum``
+    (the n - f best) or ``bulyan`` (θ = n - 2f picked one by one by Krum among those left,
+    El Mhamdi et al. 2018) keep."""
+    n = len(vectors)
+    if name == "krum":
+        return [int(krum_scores(vectors, f).argmin())]
+    if name == "multi-krum":
+        return sorted(int(i) for i in krum_scores(vectors, f).argsort(stable=True)[: n - f])
+    left = list(range(n))
+    for _ in range(n - 2 * f):
+        best = int(krum_scores(vectors[left], f).argmin())
+        left.pop(best)
+    return sorted(set(range(n)) - set(left))
+
+
+def closest_to_median(items: Sequence[OrderedDict], beta: int) -> OrderedDict:
+    """Per coordinate, the mean of the ``beta`` values closest to the coordinate-wise median
+    (Bulyan's second stage)."""
+    out = OrderedDict()
+    for k, v in items[0].items():
+        stacked = torch.stack([item[k] for item in items]).double()
+        median = torch.from_numpy(np.median(stacked.numpy(), axis=0))
+        order = (stacked - median).abs().argsort(dim=0, stable=True)[:beta]
+        out[k] = stacked.gather(0, order).mean(dim=0).to(v.dtype)
+    return out
+
+
+def centered_clip(items: Sequence[OrderedDict], weights: Sequence[float], bound: float,
+                  iterations: int) -> OrderedDict:
+    """Centred clipping (Karimireddy, He and Jaggi 2021), from the coordinate-wise median:
+    v <- v + sum_i p_i clip_τ(x_i - v), ``iterations`` times; τ = ``bound``, or (0) the median
+    of ||x_i - median||. Computed in float64."""
+    flat = torch.stack([_flat64(item) for item in items])
+    p = torch.tensor([float(w) for w in weights], dtype=torch.float64)[:, None]
+    v = torch.from_numpy(np.median(flat.numpy(), axis=0))
+    tau = bound or float(np.median((flat - v).norm(dim=1).numpy()))
+    for _ in range(iterations):
+        diff = flat - v
+        norms = diff.norm(dim=1, keepdim=True)
+        factor = torch.where(norms > tau, tau / norms.clamp_min(1e-300), torch.ones_like(norms))
+        v = v + (p * factor * diff).sum(dim=0)
+    out, at = OrderedDict(), 0
+    for k, t in items[0].items():
+        if t.is_floating_point():
+            out[k] = v[at:at + t.numel()].reshape(t.shape).to(t.dtype)
+            at += t.numel()
+        else:
+            out[k] = t.clone()
+    return out
+
+
 class Aggregator:
     """The server's estimate of the clients' mean, applied to every per-client quantity an
     algorithm aggregates (model updates and uploaded records alike; run-config ``aggregator``).
 
     * ``mean``: sum_i p_i x_i, the papers' rule (p_i by ``aggregation``: sample counts the
       server assigned, or uniform);
-    * ``median``, ``trimmed-mean`` (``aggregator-trim`` of each tail cut per coordinate),
-      ``krum`` (Blanchard et al. 2017), ``multi-krum`` (the mean of the n - f best by Krum's
-      score), ``bulyan`` (El Mhamdi et al. 2018, over Krum): Flower's own implementations
-      (flwr.server.strategy.aggregate), weights ignored except in multi-krum's mean;
-      f = ``aggregator-f``, the number of clients assumed Byzantine;
+    * ``median``, ``trimmed-mean`` (``aggregator-trim`` of each tail cut per coordinate):
+      Flower's own implementations (flwr.server.strategy.aggregate), weights ignored;
+    * ``krum`` (Blanchard et al. 2017: the client of best score), ``multi-krum`` (the weighted
+      mean of the n - f best), ``bulyan`` (El Mhamdi et al. 2018: n - 2f clients picked by
+      Krum, then per coordinate the mean of the n - 4f values closest to their median);
+      f = ``aggregator-f``, the number of clients assumed Byzantine. They pick clients: within
+      a round the picks are made once, from all of each client's uploads together
+      (:meth:`choose`), and every quantity is combined over the same clients;
     * ``norm-clip``: each x_i clipped to norm ``aggregator-clip`` (0: the round's median norm
-      of that quantity), then the mean.
+      of that quantity), then the mean;
+    * ``centered-clip``: centred clipping from the coordinate-wise median (:func:`centered_clip`),
+      τ = ``aggregator-clip`` (0: the round's median distance from the median),
+      ``aggregator-iterations`` steps.
     """
 
-    def __init__(self, name: str = "mean", f: int = 1, trim: float = 0.2, clip: float = 0.0):
-        self.name, self.f, self.trim, self.clip = name, f, trim, clip
+    def __init__(self, name: str = "mean", f: int = 1, trim: float = 0.2, clip: float = 0.0,
+                 iterations: int = 3):
+        self.name, self.f, self.trim, self.clip, self.iterations = name, f, trim, clip, iterations
 
     @classmethod
     def from_config(cls, cfg) -> Aggregator:
-        return cls(cfg.aggregator, cfg.aggregator_f, cfg.aggregator_trim, cfg.aggregator_clip)
+        return cls(cfg.aggregator, cfg.aggregator_f, cfg.aggregator_trim, cfg.aggregator_clip,
+                   cfg.aggregator_iterations)
 
     def required(self) -> int:
         """The fewest updates the rule is defined for (Krum: n >= 2f + 3, Bulyan: n >= 4f + 3)."""
         return {"krum": 2 * self.f + 3, "multi-krum": 2 * self.f + 3,
                 "bulyan": 4 * self.f + 3}.get(self.name, 1)
 
-    def __call__(self, items: Sequence[OrderedDict], weights: Sequence[float]) -> OrderedDict:
+    def choose(self, uploads: Sequence[Sequence[OrderedDict]]) -> list[int] | None:
+        """The clients a Krum-family rule keeps this round, given each client's uploads (its
+        model update and each record) and scored on them together (:func:`joint_vectors`);
+        None for the other rules, which combine every client."""
+        if self.name not in KRUM_FAMILY or len(uploads) < self.required():
+            return None
+        return krum_choice(self.name, joint_vectors(uploads), self.f)
+
+    def __call__(self, items: Sequence[OrderedDict], weights: Sequence[float],
+                 chosen: Sequence[int] | None = None) -> OrderedDict:
+        """The estimate from ``items`` (one per client); ``chosen``: the round's picks of a
+        Krum-family rule (:meth:`choose`; None: picked from ``items`` alone)."""
         if len(items) < self.required():
             raise ValueError(f"aggregator {self.name} needs at least {self.required()} updates "
                              f"(aggregator-f={self.f}), got {len(items)}")
@@ -107,6 +209,15 @@ class Aggregator:
         if self.name == "norm-clip":
             bound = self.clip or float(np.median([global_norm(i) for i in items]))
             return weighted_sum(norm_clipped(items, bound), weights)
+        if self.name == "centered-clip":
+            return centered_clip(items, weights, self.clip, self.iterations)
+        if self.name in KRUM_FAMILY:
+            chosen = self.choose([[item] for item in items]) if chosen is None else chosen
+            kept = [items[i] for i in chosen]
+            if self.name == "bulyan":
+                return closest_to_median(kept, len(kept) - 2 * self.f)
+            total = float(sum(weights[i] for i in chosen))
+            return weighted_sum(kept, [weights[i] / total for i in chosen])
         from flwr.server.strategy import aggregate as flower
 
         results = [(_to_numpy(item), float(w)) for item, w in zip(items, weights)]
@@ -114,12 +225,6 @@ class Aggregator:
             arrays = flower.aggregate_median(results)
         elif self.name == "trimmed-mean":
             arrays = flower.aggregate_trimmed_avg(results, self.trim)
-        elif self.name == "krum":
-            arrays = flower.aggregate_krum(results, self.f, to_keep=0)
-        elif self.name == "multi-krum":
-            arrays = flower.aggregate_krum(results, self.f, to_keep=len(items) - self.f)
-        elif self.name == "bulyan":
-            arrays = flower.aggregate_bulyan(list(results), self.f, flower.aggregate_krum, to_keep=0)
         else:
             raise ValueError(f"unknown aggregator {self.name!r}")
         return _from_numpy(arrays, items[0])

@@ -120,9 +120,20 @@ class FlatStrategy(FlowerFedAvg):
         """Server half of the algorithm: new ``self.model`` (and records) from accepted updates."""
         raise NotImplementedError
 
+    chosen: list[int] | None = None  # this round's clients under a Krum-family rule (finish_round)
+
     def aggregate(self, items: Sequence[OrderedDict], weights: Sequence[float]) -> OrderedDict:
-        """The run's estimate of sum_i p_i items[i] (``aggregator``: the mean, or a robust rule)."""
-        return self.aggregator(items, weights)
+        """The run's estimate of sum_i p_i items[i] (``aggregator``: the mean, or a robust rule;
+        a Krum-family rule combines the clients it picked from all their uploads)."""
+        return self.aggregator(items, weights, self.chosen)
+
+    def combine(self, server_round: int, updates: list[ClientUpdate], weights: list[float]) -> None:
+        """:meth:`update`, with a Krum-family rule's picks made once from every client's uploads."""
+        self.chosen = self.aggregator.choose([self.uploads(u) for u in updates])
+        try:
+            self.update(server_round, updates, weights)
+        finally:
+            self.chosen = None
 
     @property
     def num_partitions(self) -> int | None:
@@ -250,20 +261,27 @@ class FlatStrategy(FlowerFedAvg):
                              f"no reply within round-timeout={self.cfg.round_timeout:g}s (client lost)")
         return [updates[p] for p in sorted(updates)]
 
+    def uploads(self, update: ClientUpdate) -> list[OrderedDict]:
+        """Every quantity a client uploads that the server combines: its model update
+        w_i - (start point), then each of the algorithm's ``up`` records."""
+        return [sub(update.model, self.start_point()), *(update.records[n] for n in self.spec.up)]
+
     def reject_outliers(self, server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
-        """``outlier-norm-factor`` f > 0: reject updates with ||w_i - w|| > f * median of the
-        round's update norms (with at least 3 updates; the median itself is never rejected)."""
+        """``outlier-norm-factor`` f > 0: reject a client any of whose uploads (the model
+        update, each ``up`` record) has a norm > f * the round's median norm of that quantity
+        (with at least 3 updates; a median itself is never rejected). Norms in float64."""
         factor = self.cfg.outlier_norm_factor
         if factor <= 0 or len(updates) < 3:
             return updates
-        start = self.start_point()
-        norms = [global_norm(sub(u.model, start)) for u in updates]
-        limit = factor * float(np.median(norms))
+        names = ["update", *self.spec.up]
+        norms = [[global_norm(x) for x in self.uploads(u)] for u in updates]
+        medians = [float(np.median(column)) for column in zip(*norms)]
         kept = []
-        for u, norm in zip(updates, norms):
-            if norm > limit:
-                self._refused("train", u.partition_id, u.node_id,
-                              f"update norm {norm:.4g} > {factor:g} x round median {limit / factor:.4g}")
+        for u, row in zip(updates, norms):
+            over = [f"{name} norm {norm:.4g} > {factor:g} x round median {median:.4g}"
+                    for name, norm, median in zip(names, row, medians) if norm > factor * median]
+            if over:
+                self._refused("train", u.partition_id, u.node_id, "; ".join(over))
             else:
                 kept.append(u)
         return kept
@@ -319,7 +337,7 @@ class FlatStrategy(FlowerFedAvg):
             self.stats.train_loss = (float(sum(w * x for w, x in zip(weights, losses)))
                                      if self.aggregator.name == "mean" else float(np.median(losses)))
             self.records = {n: OrderedDict(r) for n, r in self.records.items()}
-            self.update(server_round, updates, weights)
+            self.combine(server_round, updates, weights)
             if not all_finite(self.model, *self.records.values()):
                 self.model, self.records = before
                 reason = "the server update gave non-finite values"

@@ -10,6 +10,9 @@ with a number take it after a colon: ``sign-flip:4.5``, ``scale:50``, ``steal:0`
 ``fuzz:SEED`` sends a randomly malformed reply at every stage (its first handshake is a lie,
 later ones are honest half of the time, so that it gets to train; see :func:`fuzz`); what it sent is logged in :data:`SENT`
 (in-process runs read it back).
+
+Colluding attackers (ALIE, IPM) need the honest clients' updates: :func:`colluding_grid` is an
+in-process grid on which they act as an omniscient coalition (the threat model of their papers).
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ from __future__ import annotations
 import copy
 import io
 import random
+import statistics
+import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+import torch
+from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord,
+                      RecordDict)
 from flwr.clientapp import ClientApp
 
 import client.app as honest
@@ -75,6 +83,16 @@ def scaled_update(reply: Message, msg: Message, factor: float) -> Message:
     return reply
 
 
+def with_records(reply: Message, value: float) -> Message:
+    """The reply with every array of its uploaded records (all but the model) set to ``value``:
+    an honest model with, e.g., SCAFFOLD's Δc = 1e30."""
+    for name, record in list(reply.content.array_records.items()):
+        if name != P.MODEL:
+            reply.content[name] = ArrayRecord({k: Array(np.full(tuple(a.shape), value, dtype=a.dtype))
+                                               for k, a in record.items()})
+    return reply
+
+
 def replay(reply: Message, msg: Message, context: Context) -> Message:
     """This node's first train reply again, every round (kept in ``context.state``, so it
     works in a deployment too, where each message runs in a new ClientApp process)."""
@@ -111,6 +129,7 @@ ATTACKS: dict[str, tuple[str, Tamper]] = {
     "sign-flip": ("train", lambda r, m, c, x: scaled_update(r, m, -x)),
     "scale": ("train", lambda r, m, c, x: scaled_update(r, m, x)),
     "replay": ("train", lambda r, m, c, x: replay(r, m, c)),
+    "records": ("train", lambda r, m, c, x: with_records(r, x)),  # e.g. records:1e30
     # the handshake
     "no-metrics": ("query", lambda r, m, c, x: Message(RecordDict(), reply_to=m)),
     "list-partition": ("query", lambda r, m, c, x: with_metric(r, "partition-id", [0, 1])),
@@ -241,3 +260,73 @@ def malicious_app(attacks: Mapping[int, str]) -> ClientApp:
 
 app = client_app(lambda context: str(context.node_config.get("attack", "")))
 """In a deployment: each SuperNode's ``--node-config "... attack='data-lie'"``."""
+
+
+# ---------------------------------------------------------------------------- colluding attackers
+def alie(honest: torch.Tensor, n: int, f: int, z: float | None) -> torch.Tensor:
+    """"A little is enough" (Baruch et al. 2019): mean - z * std of the honest updates, per
+    coordinate; z by default the paper's z_max for n clients of which f collude:
+    Φ^-1((n - s) / n), s = floor(n / 2 + 1) - f."""
+    if z is None:
+        s = n // 2 + 1 - f
+        z = statistics.NormalDist().inv_cdf((n - s) / n)
+    return honest.mean(0) - z * honest.std(0)
+
+
+def ipm(honest: torch.Tensor, n: int, f: int, epsilon: float | None) -> torch.Tensor:
+    """Inner-product manipulation (Xie et al. 2020): -epsilon * the honest updates' mean."""
+    return -(0.1 if epsilon is None else epsilon) * honest.mean(0)
+
+
+COLLUDING = {"alie": alie, "ipm": ipm}
+
+
+def colluding_grid(client_app: ClientApp, num_nodes: int, run_config, attack: str, attackers,
+                   **kwargs):
+    """In-process only: an InProcessGrid (tools/inprocess.py) on which partitions ``attackers``
+    collude as an omniscient adversary, the threat model of the ALIE and IPM papers: each train
+    round the grid collects every reply, then sets each attacker's model to start + the same
+    malicious update, computed from the honest clients' updates of that round (``attack``:
+    ``alie[:z]`` or ``ipm[:epsilon]``). The attackers' other uploads (records) stay honest."""
+    from tools.inprocess import InProcessGrid  # not in a deployed app (this module is its ClientApp)
+
+    class ColludingGrid(InProcessGrid):
+        def push_messages(self, messages):
+            messages = list(messages)
+            if not any(m.metadata.message_type == MessageType.TRAIN for m in messages):
+                return super().push_messages(messages)
+            pairs = {}
+            for msg in messages:  # one by one: the coalition sees every reply before its own go out
+                msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+                pairs[msg.metadata.message_id] = (msg, self._deliver(msg))
+            collude(list(pairs.values()), self.contexts, attack, set(attackers))
+            self._land({i: reply for i, (_, reply) in pairs.items()})
+            return list(pairs)
+
+    return ColludingGrid(client_app, num_nodes, run_config, **kwargs)
+
+
+def collude(pairs, contexts, attack: str, attackers: set[int]) -> None:
+    """Set the attackers' models among one round's (message, reply) ``pairs`` to start + the
+    attack's update (replies with an error are left alone)."""
+    name, _, arg = attack.partition(":")
+
+    def partition(msg: Message) -> int:
+        return int(contexts[msg.metadata.dst_node_id].node_config["partition-id"])
+
+    def flat_update(msg: Message, reply: Message) -> torch.Tensor:
+        start, local = P.from_record(msg.content[P.MODEL]), P.from_record(reply.content[P.MODEL])
+        return torch.cat([(local[k] - start[k]).reshape(-1).double() for k in start])
+
+    good = [(msg, reply) for msg, reply in pairs if not reply.has_error()]
+    honest = [flat_update(m, r) for m, r in good if partition(m) not in attackers]
+    bad = [(m, r) for m, r in good if partition(m) in attackers]
+    if not honest or not bad:
+        return
+    delta = COLLUDING[name](torch.stack(honest), len(pairs), len(bad), float(arg) if arg else None)
+    for msg, reply in bad:
+        start, at, model = P.from_record(msg.content[P.MODEL]), 0, OrderedDict()
+        for k, v in start.items():
+            model[k] = v + delta[at:at + v.numel()].reshape(v.shape).to(v.dtype)
+            at += v.numel()
+        reply.content[P.MODEL] = P.to_record(model)

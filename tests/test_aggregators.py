@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import AGGREGATORS, RunConfig
+from common.config import AGGREGATORS, ConfigError, RunConfig
+from common.protocol import CONTROL, CONTROL_DELTA
 from common.registry import ALGORITHMS
 from common.registry import get as get_spec
 from tools.cli import main as cli
@@ -46,6 +47,32 @@ def test_each_rule_on_hand_computed_numbers():
     outlier = outlier * (60.0 / float(outlier.norm()))
     expected = torch.stack([i["w"] for i in items[:4]] + [outlier]).mean(0)
     assert agg("norm-clip", items, clip=60.0).tolist() == pytest.approx(expected.tolist())
+
+
+def test_centered_clip_on_hand_computed_numbers():
+    """From the median 2, τ = the median distance to it, 2 (distances 2, 1, 0, 2, 98): each
+    step adds the mean of the clipped differences: (-2 - 1 + 0 + 2 + 2) / 5 = 0.2, then
+    (-2 - 1.2 - 0.2 + 1.8 + 2) / 5 = 0.08, then (-2 - 1.28 - 0.28 + 1.72 + 2) / 5 = 0.032."""
+    items = [vec(0.0), vec(1.0), vec(2.0), vec(4.0), vec(100.0)]
+    assert agg("centered-clip", items, iterations=1).tolist() == pytest.approx([2.2])
+    assert agg("centered-clip", items).tolist() == pytest.approx([2.312])  # 3 iterations
+    # a fixed τ = 1: differences -2, -1, 0, 2, 98 clip to -1, -1, 0, 1, 1: the median stays
+    assert agg("centered-clip", items, clip=1.0, iterations=1).tolist() == pytest.approx([2.0])
+    # the clip is on the whole vector's norm: (3, 4) - (0, 0) has norm 5, clipped to 1: (0.6, 0.8)
+    pair = [vec(0.0, 0.0), vec(0.0, 0.0), vec(3.0, 4.0)]
+    assert agg("centered-clip", pair, clip=1.0, iterations=1).tolist() == pytest.approx([0.2, 0.8 / 3])
+    # sample weights count as in the mean: (0.5, 0.25, 0.25) -> 0.25 * (0.6, 0.8)
+    assert agg("centered-clip", pair, [0.5, 0.25, 0.25], clip=1.0, iterations=1).tolist() == \
+        pytest.approx([0.15, 0.2])
+
+
+def test_rules_are_computed_in_float64_so_1e30_values_cannot_overflow():
+    """Squares of float32 values near 1e30 overflow float32: Krum's distances and the clipping
+    norms are float64, so a 1e30 client is scored and clipped, never turned into inf/NaN."""
+    items = [vec(1.0, 2.0), vec(1.5, 2.5), vec(2.0, 3.0), vec(2.5, 3.5), vec(1e30, 1e30)]
+    for name in ("krum", "multi-krum", "norm-clip", "centered-clip"):
+        out = agg(name, items)
+        assert bool(torch.isfinite(out).all()) and float(out.abs().max()) < 10, name
 
 
 def test_bulyan_needs_4f_plus_3_and_then_ignores_the_outlier():
@@ -119,7 +146,37 @@ def test_robust_rules_compose_with_every_algorithms_server_state(algorithm):
 
 
 def test_every_aggregator_is_one_the_config_accepts():
-    assert set(AGGREGATORS) == {"mean", *ROBUST, "norm-clip"}
+    assert set(AGGREGATORS) == {"mean", *ROBUST, "norm-clip", "centered-clip"}
+
+
+@pytest.mark.parametrize("value", [0, 101, 2.5])
+def test_aggregator_iterations_is_validated(value):
+    with pytest.raises(ConfigError, match="aggregator-iterations"):
+        RunConfig.from_mapping(fast_config(aggregator="centered-clip", aggregator_iterations=value))
+
+
+@pytest.mark.parametrize("name", ("krum", "multi-krum", "bulyan"))
+def test_the_krum_family_picks_the_same_clients_for_the_model_and_every_record(name):
+    """SCAFFOLD, 7 clients: six honest ones spread around the attacker, whose model update is
+    the most central of all and whose Δc is 1e30. Picked by the model alone, the attacker
+    would be kept (and its Δc left to a separate pick); scored on all its uploads together it
+    is dropped from every quantity: model and c are those of the honest clients' picks."""
+    strategy = strategy_for("scaffold", name)
+    start = strategy.start_point()
+    out = []
+    for i, shift in enumerate([-0.31, -0.17, -0.05, 0.08, 0.22, 0.4, 0.0]):
+        model = OrderedDict((k, v + shift) for k, v in start.items())
+        dc = OrderedDict((k, torch.full_like(v, 1e30 if i == 6 else shift)) for k, v in start.items())
+        out.append(ClientUpdate(1000 + i, i, 100, 2, 1.0, model, {CONTROL_DELTA: dc}))
+    strategy.combine(1, out, [1 / 7] * 7)
+    assert 6 not in strategy.aggregator.choose([strategy.uploads(u) for u in out])
+    step = OrderedDict((k, strategy.model[k] - start[k]) for k in start)
+    control = strategy.records[CONTROL]
+    assert bool(torch.isfinite(control["1.weight"]).all())
+    assert float(max(v.abs().max() for v in control.values())) <= 0.4
+    # the model step and the control step come from the same clients: Δc_i = model shift_i here
+    for k in start:
+        assert torch.allclose(control[k] * 10 / 7, step[k], atol=1e-6), (name, k)
 
 
 # ---------------------------------------------------------------- in a run

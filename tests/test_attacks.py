@@ -97,16 +97,19 @@ HANDSHAKE_ATTACKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def attacker_offline(tmp_path_factory):
-    """The model of the same run with the attacker's node offline from the start."""
-    tmp = tmp_path_factory.mktemp("offline")
-    cfg = RunConfig.from_mapping(fast_config(run_dir=str(tmp / "r"), num_partitions=4,
-                                             **CONFIG, fraction_evaluate=1.0))
-    grid = InProcessGrid(client_app, 4, cfg.to_dict())
+def offline_run(tmp: Path, clients: int = 4, **overrides) -> dict:
+    """The final model of the same run with the attacker's node offline from the start."""
+    cfg = RunConfig.from_mapping(fast_config(run_dir=str(tmp / "r"), num_partitions=clients,
+                                             **{**CONFIG, "fraction_evaluate": 1.0, **overrides}))
+    grid = InProcessGrid(client_app, clients, cfg.to_dict())
     grid.offline = {1000 + ATTACKER}
     run_server(grid, cfg)
     return torch.load(tmp / "r" / "model_final.pt")
+
+
+@pytest.fixture(scope="module")
+def attacker_offline(tmp_path_factory):
+    return offline_run(tmp_path_factory.mktemp("offline"))
 
 
 @pytest.mark.parametrize("attack", sorted(HANDSHAKE_ATTACKS))
@@ -136,6 +139,80 @@ def test_a_handshake_size_that_differs_from_the_servers_is_refused(tmp_path, att
     assert all("declares 7 examples, partition 3 has" in r["reason"]
                for r in refusals(rows, "handshake"))
     assert same(final, attacker_offline)
+
+
+# ---------------------------------------------------------------- an honest model with a poisoned upload
+UPLOADS = {"scaffold": "control_delta", "fedgamma": "control_delta", "fedsmoo": "perturbation_correction"}
+
+
+@pytest.mark.parametrize("algorithm", sorted(UPLOADS))
+def test_the_outlier_rule_measures_every_upload_not_only_the_model(tmp_path, algorithm):
+    """Issue 23: an honest model with Δc (SCAFFOLD, FedGAMMA) or s̃ (FedSMOO) = 1e30, under the
+    mean and outlier-norm-factor 5, used to pass (the rule measured ||w_i - w|| only) and sent
+    the server's c to 7e29. Each upload is measured against its own round median: the client
+    is refused every round, naming the record, and the run is the one without it."""
+    config = {"algorithm": algorithm, "outlier_norm_factor": 5.0}
+    rows, final = attacked(tmp_path, "poisoned", {ATTACKER: "records:1e30"}, **config)
+    for row in rows[1:]:
+        (refusal,) = refusals([row], "train")
+        assert refusal["partition"] == ATTACKER and row["skipped"] == 0
+        assert refusal["reason"].startswith(f"{UPLOADS[algorithm]} norm 1.449e+31 > 5 x round median ")
+    assert same(final, offline_run(tmp_path / "offline", **config))
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed-mean", "krum", "multi-krum", "bulyan",
+                                  "norm-clip", "centered-clip"])
+def test_every_robust_rule_keeps_a_poisoned_upload_out_of_the_server_state(tmp_path, rule):
+    """The same attacker (one of 7, SCAFFOLD) under each robust rule, without the outlier
+    rule: the server's control variate c stays within the range the clean run's c spans
+    (the mean puts it at ~1e29)."""
+    def control(rows_and_dir) -> torch.Tensor:
+        state = torch.load(tmp_path / rows_and_dir / "checkpoint.pt")["strategy"]["records"]
+        return torch.cat([v.reshape(-1) for v in state["control_variate"].values()])
+
+    attacked(tmp_path, "clean", {}, clients=7, aggregator=rule)
+    attacked(tmp_path, "poisoned", {ATTACKER: "records:1e30"}, clients=7, aggregator=rule)
+    clean, poisoned = control("clean"), control("poisoned")
+    assert bool(torch.isfinite(poisoned).all())
+    assert float(poisoned.abs().max()) <= 2 * float(clean.abs().max())
+
+
+# ---------------------------------------------------------------- colluding attackers (ALIE, IPM)
+def test_alie_and_ipm_on_hand_computed_numbers():
+    honest = torch.tensor([[0.0, 1.0], [2.0, 1.0], [4.0, 1.0]], dtype=torch.float64)  # mean (2, 1), std (2, 0)
+    z = 0.2533471031357997  # Φ^-1(0.6): n = 10, f = 2, s = floor(10/2 + 1) - 2 = 4, (10 - 4) / 10
+    assert malicious.alie(honest, 10, 2, None).tolist() == pytest.approx([2 - 2 * z, 1.0])
+    assert malicious.alie(honest, 10, 2, 1.5).tolist() == pytest.approx([-1.0, 1.0])
+    assert malicious.ipm(honest, 10, 2, 4.0).tolist() == pytest.approx([-8.0, -4.0])
+
+
+def colluded(tmp_path, name: str, attack: str, clients: int = 7, **overrides):
+    """An in-process FedAvg run (uniform weights) on which partitions 0 and 1 collude."""
+    cfg = RunConfig.from_mapping(fast_config(
+        run_dir=str(tmp_path / name), num_partitions=clients, algorithm="fedavg",
+        aggregation="uniform", num_server_rounds=3, **overrides))
+    grid = malicious.colluding_grid(client_app, clients, cfg.to_dict(), attack, [0, 1]) if attack \
+        else InProcessGrid(client_app, clients, cfg.to_dict())
+    run_server(grid, cfg)
+    return metrics(tmp_path / name), torch.load(tmp_path / name / "model_final.pt")
+
+
+def distance(a, b) -> float:
+    return float(sum(((a[k] - b[k]).double() ** 2).sum() for k in a) ** 0.5)
+
+
+def test_ipm_cancels_the_mean_through_the_outlier_rule_and_a_robust_rule_holds(tmp_path):
+    """Issue 23: 2 colluding clients of 7 send -2.5 x the 5 honest clients' mean: the uniform
+    mean of the round is 0, so the model never moves, and the attackers' norm (2.5 x the mean's)
+    passes outlier-norm-factor 5. Multi-Krum (f = 2) drops them and learns as the clean run."""
+    _, clean = colluded(tmp_path, "clean", "")
+    initial = torch.load(tmp_path / "clean" / "model_init.pt")
+    rows, stuck = colluded(tmp_path, "ipm", "ipm:2.5", outlier_norm_factor=5.0)
+    assert not refusals(rows, "train")
+    assert distance(stuck, initial) < 1e-4 * distance(clean, initial)
+    _, held = colluded(tmp_path, "krum", "ipm:2.5", aggregator="multi-krum", aggregator_f=2)
+    _, held_clean = colluded(tmp_path, "krum-clean", "", aggregator="multi-krum", aggregator_f=2)
+    assert distance(held, held_clean) < 0.2 * distance(held_clean, initial)
 
 
 def test_an_impossible_evaluation_is_refused(tmp_path):
