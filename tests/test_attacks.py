@@ -58,6 +58,14 @@ TRAIN_ATTACKS = {  # attack -> what the refusal says
     "num-examples-huge": "'num-examples'=1.797e+308 is not a whole number",
     "weight-inflation": "reply claims 1000000000 examples, partition 3 has",
     "steps-inflation": "reply claims 1000000 local steps, the round asks for 2",
+    # numbers beyond meaning (finite, >= 0: they passed before)
+    "train-loss:1e300": "metric 'train-loss'=1e+300 is out of range [0, 1e+06]",
+    "loss-before:1e300": "metric 'loss-before'=1e+300 is out of range [0, 1e+06]",
+    # records and keys beyond the protocol, of any type
+    "train-extra-config": "unexpected config records ['surprise']",
+    "train-extra-metrics": "unexpected metric records ['surprise']",
+    "train-extra-arrays": "array records ['arrays', 'control_delta', 'surprise'] do not match",
+    "train-extra-key": "metrics hold unexpected keys ['junk']",
 }
 
 
@@ -94,6 +102,11 @@ HANDSHAKE_ATTACKS = {
     "one-partition": "node is configured for num-partitions=1, the run has 4",
     "huge-partition": "'partition-id'=1000000 is out of range [0, 3]",
     "steal:0": "claims partition 0, which node 1000 holds",
+    "query-extra-config": "unexpected config records ['surprise']",
+    "query-extra-metrics": "unexpected metric records ['surprise']",
+    "query-extra-arrays": "unexpected array records ['surprise']",
+    "query-extra-key": "metrics hold unexpected keys ['junk']",
+    "query-long-device": "config record 'node' holds other than texts of at most 100 characters",
 }
 
 
@@ -138,13 +151,29 @@ def test_a_handshake_size_that_differs_from_the_servers_is_refused(tmp_path, att
     assert same(final, attacker_offline)
 
 
-def test_an_impossible_evaluation_is_refused(tmp_path):
-    rows, _ = attacked(tmp_path, "eval", {ATTACKER: "accuracy-1000"})
-    clean, _ = attacked(tmp_path, "clean", {})
-    for row, ref in zip(rows[1:], clean[1:]):
+EVALUATE_ATTACKS = {
+    "accuracy-1000": "'eval-accuracy'=1000.0 is out of range",
+    "eval-loss:1e300": "'eval-loss'=1e+300 is out of range [0, 1e+06]",
+    "evaluate-extra-config": "unexpected config records ['surprise']",
+    "evaluate-extra-metrics": "unexpected metric records ['surprise']",
+    "evaluate-extra-arrays": "unexpected array records ['surprise']",
+    "evaluate-extra-key": "metrics hold unexpected keys ['junk']",
+}
+
+
+@pytest.fixture(scope="module")
+def clean_evaluation(tmp_path_factory):
+    return attacked(tmp_path_factory.mktemp("clean"), "clean", {})[0]
+
+
+@pytest.mark.parametrize("attack", sorted(EVALUATE_ATTACKS))
+def test_an_impossible_evaluation_is_refused(tmp_path, attack, clean_evaluation):
+    rows, _ = attacked(tmp_path, "eval", {ATTACKER: attack})
+    for row, ref in zip(rows[1:], clean_evaluation[1:]):
         (refusal,) = refusals([row], "evaluate")
-        assert refusal["partition"] == ATTACKER and "'eval-accuracy'=1000.0 is out of range" in refusal["reason"]
+        assert refusal["partition"] == ATTACKER and EVALUATE_ATTACKS[attack] in refusal["reason"]
         assert 0.0 <= row["eval_accuracy"] <= 1.0 and ref["eval_accuracy"] <= 1.0
+        assert row["eval_loss"] < 1e6
 
 
 # ---------------------------------------------------------------- fuzzing: malformed replies for every algorithm
