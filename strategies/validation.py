@@ -1,13 +1,14 @@
 """Validation of everything a client sends (ARCHITECTURE.md, "Trust").
 
-The server checks what arrives, not what it claims: every array is decoded and its decoded
-shape, dtype and values are checked (not the header's), after a size check that refuses an
-array larger than the model's before it is decoded. Identity and weight come from the server:
-a reply must hold the partition, the number of examples and of local steps the server
-assigned, and echo the nonce of the message it answers (a replayed reply does not). Any
-exception while reading a reply is that reply's rejection (:class:`RejectedReply`), never the
-run's end.
-"""
+The server checks what arrives, not what it claims: a reply must hold exactly the protocol's
+records (any other ArrayRecord, ConfigRecord or MetricRecord, or metric key, is refused before
+a value is read); every array is decoded and its decoded shape, dtype and values are checked
+(not the header's), after a size check that refuses an array larger than the model's before it
+is decoded; every number must be of its kind and in a meaningful range (a loss at most
+:data:`MAX_LOSS`). Identity and weight come from the server: a reply must hold the
+partition, the number of examples and of local steps the server assigned, and echo the nonce
+of the message it answers (a replayed reply does not). Any exception while reading a reply is
+that reply's rejection (:class:`RejectedReply`), never the run's end."""
 
 from __future__ import annotations
 
