@@ -249,3 +249,20 @@ def test_a_deployed_attacker_is_refused_over_the_real_transport(tmp_path):
     _, inproc = run_with_faults(tmp_path, "inp", client=malicious.malicious_app({2: attack}), clients=3,
                     **{k.replace("-", "_"): v for k, v in config.items()})
     assert same(torch.load(run_dir / "model_final.pt"), inproc)
+
+
+@pytest.mark.integration
+def test_numbers_and_records_beyond_the_protocol_are_refused_over_the_real_transport(tmp_path):
+    """Node 2 reports loss-before = 1e300 (without client-eval no one else reports it: alone in
+    its TensorBoard histogram it ended the run) and adds a MetricRecord to its evaluation
+    replies. Both are refused with their reasons; the run completes, TensorBoard on."""
+    config = {**DEPLOYED, "algorithm": "fedavg", "num-server-rounds": 2, "fraction-evaluate": 1.0,
+              "client-eval": False, "tensorboard": True}
+    _, run_dir = deployed(tmp_path, "dep", config, 3, app=malicious_app_dir(tmp_path),
+                          node_configs={2: {"attack": "loss-before:1e300+evaluate-extra-metrics"}})
+    for row in metrics(run_dir)[1:]:
+        (train,) = refusals([row], "train")
+        assert train["partition"] == 2 and "'loss-before'=1e+300 is out of range" in train["reason"]
+        (evaluation,) = refusals([row], "evaluate")
+        assert evaluation["partition"] == 2 and "unexpected metric records ['surprise']" in evaluation["reason"]
+    assert list(run_dir.glob("events.out.tfevents.*"))
