@@ -44,17 +44,22 @@ def client_rows(strategy: FlatStrategy, server_round: int) -> list[dict[str, Any
     if updates:
         w0 = _flat(start)
         deltas = [_flat(u.model) - w0 for u in updates]
+        # in units of the largest entry where squares could overflow (float64 models): no norm
+        # or cosine of a huge but finite update becomes Inf or NaN
+        scale = max(float(d.abs().max()) if d.numel() else 0.0 for d in deltas)
+        scale = scale if 1e150 < scale < math.inf else 1.0
+        deltas = [d / scale for d in deltas]
         weights = client_weights([u.num_examples for u in updates], strategy.cfg.aggregation)
         mean = sum(w * d for w, d in zip(weights, deltas))
         mean_norm = float(mean.norm())
         for u, w, d in zip(updates, weights, deltas):
             norm = float(d.norm())
-            cosine = float(d @ mean) / (norm * mean_norm) if norm > 0 and mean_norm > 0 else None
+            cosine = float(d @ mean) / (norm * mean_norm) if norm > 0 and mean_norm > 0 else math.nan
             row = rows.setdefault(u.partition_id, {"round": server_round, "partition": u.partition_id,
                                                    "examples": u.num_examples, "steps": u.num_steps})
             row.update(status="accepted", reason=None, node=u.node_id, weight=float(w),
-                       train_loss=u.train_loss, update_norm=norm,
-                       cosine_to_mean=None if cosine is None else max(-1.0, min(1.0, cosine)))
+                       train_loss=u.train_loss, update_norm=scale * norm,
+                       cosine_to_mean=max(-1.0, min(1.0, cosine)) if math.isfinite(cosine) else None)
             row.update({REPORTED_FIELDS[k]: v for k, v in u.reported.items()})
     for row in rows.values():
         for key in ("node", "weight", "train_loss", "update_norm", "cosine_to_mean", *REPORTED_FIELDS.values()):

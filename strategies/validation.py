@@ -1,13 +1,14 @@
 """Validation of everything a client sends (ARCHITECTURE.md, "Trust").
 
-The server checks what arrives, not what it claims: every array is decoded and its decoded
-shape, dtype and values are checked (not the header's), after a size check that refuses an
-array larger than the model's before it is decoded. Identity and weight come from the server:
-a reply must hold the partition, the number of examples and of local steps the server
-assigned, and echo the nonce of the message it answers (a replayed reply does not). Any
-exception while reading a reply is that reply's rejection (:class:`RejectedReply`), never the
-run's end.
-"""
+The server checks what arrives, not what it claims: a reply must hold exactly the protocol's
+records (any other ArrayRecord, ConfigRecord or MetricRecord, or metric key, is refused before
+a value is read); every array is decoded and its decoded shape, dtype and values are checked
+(not the header's), after a size check that refuses an array larger than the model's before it
+is decoded; every number must be of its kind and in a meaningful range (a loss at most
+:data:`MAX_LOSS`). Identity and weight come from the server: a reply must hold the
+partition, the number of examples and of local steps the server assigned, and echo the nonce
+of the message it answers (a replayed reply does not). Any exception while reading a reply is
+that reply's rejection (:class:`RejectedReply`), never the run's end."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ from common import protocol as P
 Layout = dict[str, tuple[tuple[int, ...], str]]
 NPY_HEADER_BYTES = 4096  # an .npy header is at most a few hundred bytes
 REASON_CHARS = 300  # how much of an unexpected error a rejection reason keeps
+# The largest loss a reply may report. A cross-entropy is ln C for a uniform guess over C classes
+# (2.3 for 10, 11.5 for 10^5) and float32 cannot hold a probability below e^-104: a loss of 10^6
+# measures nothing but a diverged model, whose next steps overflow anyway (an honest client whose
+# loss is not finite fails its round). It also keeps every loss far inside what TensorBoard bins.
+MAX_LOSS = 1e6
 
 T = TypeVar("T")
 
@@ -125,16 +131,6 @@ def metric(metrics: Any, key: str, kind: type = float, low: float = -math.inf,
     return value
 
 
-def metrics_of(msg: Message, arrays: bool = False) -> Any:
-    """The reply's metrics record; with ``arrays=False`` a reply that carries arrays is refused
-    (handshake and evaluation replies have none to carry)."""
-    if not arrays and msg.content.array_records:
-        raise RejectedReply(f"unexpected array records {sorted(msg.content.array_records)[:5]}")
-    if P.METRICS not in msg.content.metric_records:
-        raise RejectedReply("reply has no 'metrics' record")
-    return msg.content.metric_records[P.METRICS]
-
-
 def check_identity(metrics: Any, expected: Expected) -> None:
     """The reply is for this partition, its size, and this message (nonce)."""
     if metric(metrics, "nonce", int) != expected.nonce:
@@ -151,7 +147,7 @@ def check_identity(metrics: Any, expected: Expected) -> None:
 # Optional train-reply metrics a client may add about itself (client/app.py): checked like every
 # metric (a bad one refuses the reply), written to clients.jsonl, never used for aggregation.
 REPORTED = {  # key -> upper bound (all >= 0)
-    "loss-before": math.inf, "loss-after": math.inf,  # on its training data, before / after training
+    "loss-before": MAX_LOSS, "loss-after": MAX_LOSS,  # on its training data, before / after training
     "accuracy-before": 1.0, "accuracy-after": 1.0,
     "heldout-accuracy-before": 1.0, "heldout-accuracy-after": 1.0,  # on its own held-out data
 }
@@ -163,6 +159,49 @@ def reported_metrics(metrics: Any) -> dict[str, float]:
             if key in metrics}
 
 
+# ---------------------------------------------------------------------------- records
+# What each reply holds (client/app.py); anything else is refused before a value is read.
+TRAIN_METRICS = frozenset({"num-examples", "num-steps", "train-loss", "partition-id", "nonce", *REPORTED})
+EVALUATE_METRICS = frozenset({"num-examples", "eval-loss", "eval-accuracy", "partition-id", "nonce"})
+HANDSHAKE_METRICS = frozenset({"partition-id", "num-partitions", "num-examples", "nonce"})
+HANDSHAKE_CONFIGS = {"node": frozenset({"device"})}  # what the node runs on (not used by the server)
+CONFIG_CHARS = 100  # the longest text a protocol ConfigRecord value may be
+
+
+def _few(names: Any) -> list[str]:
+    """Up to five of ``names``, each cut to 40 characters (for a bounded reason)."""
+    return [str(name)[:40] for name in sorted(names, key=str)[:5]]
+
+
+def metrics_of(msg: Message, keys: frozenset, arrays: frozenset = frozenset(),
+               configs: Mapping[str, frozenset] | None = None) -> Any:
+    """The reply's 'metrics' record, once the reply is seen to hold exactly the protocol's
+    records: the ArrayRecords ``arrays``, one MetricRecord 'metrics' whose keys are among
+    ``keys``, and no ConfigRecord but those of ``configs`` (name -> its keys, short texts)."""
+    content, configs = msg.content, configs or {}
+    got = set(content.array_records)
+    if got != arrays:
+        raise RejectedReply(f"array records {_few(got)} do not match the protocol {sorted(arrays)}"
+                            if arrays else f"unexpected array records {_few(got)}")
+    if extra := set(content.config_records) - set(configs):
+        raise RejectedReply(f"unexpected config records {_few(extra)}")
+    for name, allowed in configs.items():
+        record = content.config_records.get(name, {})
+        if extra := set(record) - allowed:
+            raise RejectedReply(f"config record '{name}' has unexpected keys {_few(extra)}")
+        if any(not isinstance(v, str) or len(v) > CONFIG_CHARS for v in record.values()):
+            raise RejectedReply(f"config record '{name}' holds other than texts of at most "
+                                f"{CONFIG_CHARS} characters")
+    if P.METRICS not in content.metric_records:
+        raise RejectedReply("reply has no 'metrics' record")
+    if extra := set(content.metric_records) - {P.METRICS}:
+        raise RejectedReply(f"unexpected metric records {_few(extra)}")
+    metrics = content.metric_records[P.METRICS]
+    if extra := set(metrics) - keys:
+        raise RejectedReply(f"metrics hold unexpected keys {_few(extra)}")
+    return metrics
+
+
 # ---------------------------------------------------------------------------- replies
 def parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientUpdate:
     """The reply as a ClientUpdate, or RejectedReply with the reason."""
@@ -171,16 +210,12 @@ def parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientU
 
 def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientUpdate:
     content = msg.content
-    wanted = {P.MODEL, *expected.uploads}
-    got = set(content.array_records)
-    if got != wanted:
-        raise RejectedReply(f"array records {sorted(got)[:5]} do not match the protocol {sorted(wanted)}")
-    metrics = metrics_of(msg, arrays=True)
+    metrics = metrics_of(msg, TRAIN_METRICS, arrays=frozenset({P.MODEL, *expected.uploads}))
     check_identity(metrics, expected)
     steps = metric(metrics, "num-steps", int)
     if steps != expected.num_steps:
         raise RejectedReply(f"reply claims {steps} local steps, the round asks for {expected.num_steps}")
-    train_loss = float(metric(metrics, "train-loss", float, 0.0))
+    train_loss = float(metric(metrics, "train-loss", float, 0.0, MAX_LOSS))
     return ClientUpdate(
         node_id=node_id,
         partition_id=expected.partition_id,
@@ -197,9 +232,9 @@ def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> Client
 def parse_evaluate_reply(msg: Message, expected: Expected) -> tuple[float, float]:
     """(eval-loss, eval-accuracy) of a federated-evaluation reply, or RejectedReply."""
     def read() -> tuple[float, float]:
-        metrics = metrics_of(msg)
+        metrics = metrics_of(msg, EVALUATE_METRICS)
         check_identity(metrics, expected)
-        return (float(metric(metrics, "eval-loss", float, 0.0)),
+        return (float(metric(metrics, "eval-loss", float, 0.0, MAX_LOSS)),
                 float(metric(metrics, "eval-accuracy", float, 0.0, 1.0)))
 
     return guarded(read)
@@ -208,7 +243,7 @@ def parse_evaluate_reply(msg: Message, expected: Expected) -> tuple[float, float
 def parse_handshake_reply(msg: Message, nonce: int, num_partitions: int) -> tuple[int, int]:
     """(partition id, declared number of examples) of a handshake reply, or RejectedReply."""
     def read() -> tuple[int, int]:
-        metrics = metrics_of(msg)
+        metrics = metrics_of(msg, HANDSHAKE_METRICS, configs=HANDSHAKE_CONFIGS)
         if metric(metrics, "nonce", int) != nonce:
             raise RejectedReply("handshake reply does not echo its nonce (a stale or replayed reply)")
         n = metric(metrics, "num-partitions", int)

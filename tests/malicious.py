@@ -33,6 +33,7 @@ from flwr.clientapp import ClientApp
 
 import client.app as honest
 from common import protocol as P
+from strategies.validation import MAX_LOSS
 
 Tamper = Callable[[Message, Message, Context, float], Message]
 SENT: list[dict] = []  # every malformed reply of a fuzzing client: {"node", "stage", "round", "kind"}
@@ -72,6 +73,29 @@ def with_metric(reply: Message, key: str, value) -> Message:
         reply.content[P.METRICS] = MetricRecord(metrics)
     except Exception:  # noqa: BLE001 - whatever Flower refuses
         reply.content[P.METRICS] = ConfigRecord(metrics)
+    return reply
+
+
+def with_value(reply: Message, value: float) -> Message:
+    """The reply with the first entry of its model's first array set to ``value`` (a valid,
+    finite float32: a well-formed reply with one huge weight)."""
+    def make(a: Array) -> Array:
+        data = a.numpy().copy()
+        data.flat[0] = value
+        return Array(data)
+    return with_first_array(reply, make)
+
+
+EXTRA_RECORDS = {  # a record that is not the protocol's, of each type
+    "config": lambda: ConfigRecord({"junk": "x" * 1000}),
+    "metrics": lambda: MetricRecord({"junk": [0.0] * 1000}),
+    "arrays": lambda: ArrayRecord({"x": Array(np.zeros(3, dtype=np.float32))}),
+}
+
+
+def with_record(reply: Message, name: str, record) -> Message:
+    """The reply with ``record`` under ``name`` (added, or in place of the reply's own)."""
+    reply.content[name] = record
     return reply
 
 
@@ -137,9 +161,22 @@ ATTACKS: dict[str, tuple[str, Tamper]] = {
         with_metric(r, "num-partitions", 1), "partition-id", 0)),
     "steal": ("query", lambda r, m, c, x: with_metric(r, "partition-id", int(x))),
     "huge-partition": ("query", lambda r, m, c, x: with_metric(r, "partition-id", 1_000_000)),
+    # train: numbers far beyond meaning (x: the value)
+    "train-loss": ("train", lambda r, m, c, x: with_metric(r, "train-loss", x)),
+    "loss-before": ("train", lambda r, m, c, x: with_metric(r, "loss-before", x)),
+    "huge-weight": ("train", lambda r, m, c, x: with_value(r, x)),
     # evaluation
     "accuracy-1000": ("evaluate", lambda r, m, c, x: with_metric(r, "eval-accuracy", 1000.0)),
+    "eval-loss": ("evaluate", lambda r, m, c, x: with_metric(r, "eval-loss", x)),
 }
+# records and metrics beyond the protocol, at every stage: e.g. train-extra-config, query-extra-key
+for _stage in ("query", "train", "evaluate"):
+    for _kind in EXTRA_RECORDS:
+        ATTACKS[f"{_stage}-extra-{_kind}"] = (_stage, lambda r, m, c, x, k=_kind: with_record(
+            r, "surprise", EXTRA_RECORDS[k]()))
+    ATTACKS[f"{_stage}-extra-key"] = (_stage, lambda r, m, c, x: with_metric(r, "junk", [0.0] * 1000))
+ATTACKS["query-long-device"] = ("query", lambda r, m, c, x: with_record(
+    r, "node", ConfigRecord({"device": "x" * 1000})))
 
 
 def parse(spec: str) -> dict[str, tuple[Tamper, float]]:
@@ -209,7 +246,9 @@ def fuzz(reply: Message, msg: Message, context: Context, seed: float) -> Message
     elif kind == "no-metrics":
         del reply.content[P.METRICS]
     elif kind == "extra-record":
-        reply.content["surprise"] = ArrayRecord({"x": Array(np.zeros(3, dtype=np.float32))})
+        extra = rng.choice(sorted(EXTRA_RECORDS))
+        reply = with_record(reply, "surprise", EXTRA_RECORDS[extra]())
+        kind = f"extra {extra} record"
     elif kind == "array":
         reply = with_first_array(reply, _array_mutations(rng))
     elif kind == "missing-key":
@@ -228,8 +267,7 @@ def fuzz(reply: Message, msg: Message, context: Context, seed: float) -> Message
 def _harmless(key: str, value) -> bool:
     """Values a valid reply may hold for ``key`` (the fuzzer must only send invalid ones)."""
     if key in ("train-loss", "eval-loss"):
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
-            and 0 <= value < float("inf")
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_LOSS
     if key == "eval-accuracy":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
     return False

@@ -58,6 +58,14 @@ TRAIN_ATTACKS = {  # attack -> what the refusal says
     "num-examples-huge": "'num-examples'=1.797e+308 is not a whole number",
     "weight-inflation": "reply claims 1000000000 examples, partition 3 has",
     "steps-inflation": "reply claims 1000000 local steps, the round asks for 2",
+    # numbers beyond meaning (finite, >= 0: they passed before)
+    "train-loss:1e300": "metric 'train-loss'=1e+300 is out of range [0, 1e+06]",
+    "loss-before:1e300": "metric 'loss-before'=1e+300 is out of range [0, 1e+06]",
+    # records and keys beyond the protocol, of any type
+    "train-extra-config": "unexpected config records ['surprise']",
+    "train-extra-metrics": "unexpected metric records ['surprise']",
+    "train-extra-arrays": "array records ['arrays', 'control_delta', 'surprise'] do not match",
+    "train-extra-key": "metrics hold unexpected keys ['junk']",
 }
 
 
@@ -94,6 +102,11 @@ HANDSHAKE_ATTACKS = {
     "one-partition": "node is configured for num-partitions=1, the run has 4",
     "huge-partition": "'partition-id'=1000000 is out of range [0, 3]",
     "steal:0": "claims partition 0, which node 1000 holds",
+    "query-extra-config": "unexpected config records ['surprise']",
+    "query-extra-metrics": "unexpected metric records ['surprise']",
+    "query-extra-arrays": "unexpected array records ['surprise']",
+    "query-extra-key": "metrics hold unexpected keys ['junk']",
+    "query-long-device": "config record 'node' holds other than texts of at most 100 characters",
 }
 
 
@@ -215,13 +228,29 @@ def test_ipm_cancels_the_mean_through_the_outlier_rule_and_a_robust_rule_holds(t
     assert distance(held, held_clean) < 0.2 * distance(held_clean, initial)
 
 
-def test_an_impossible_evaluation_is_refused(tmp_path):
-    rows, _ = attacked(tmp_path, "eval", {ATTACKER: "accuracy-1000"})
-    clean, _ = attacked(tmp_path, "clean", {})
-    for row, ref in zip(rows[1:], clean[1:]):
+EVALUATE_ATTACKS = {
+    "accuracy-1000": "'eval-accuracy'=1000.0 is out of range",
+    "eval-loss:1e300": "'eval-loss'=1e+300 is out of range [0, 1e+06]",
+    "evaluate-extra-config": "unexpected config records ['surprise']",
+    "evaluate-extra-metrics": "unexpected metric records ['surprise']",
+    "evaluate-extra-arrays": "unexpected array records ['surprise']",
+    "evaluate-extra-key": "metrics hold unexpected keys ['junk']",
+}
+
+
+@pytest.fixture(scope="module")
+def clean_evaluation(tmp_path_factory):
+    return attacked(tmp_path_factory.mktemp("clean"), "clean", {})[0]
+
+
+@pytest.mark.parametrize("attack", sorted(EVALUATE_ATTACKS))
+def test_an_impossible_evaluation_is_refused(tmp_path, attack, clean_evaluation):
+    rows, _ = attacked(tmp_path, "eval", {ATTACKER: attack})
+    for row, ref in zip(rows[1:], clean_evaluation[1:]):
         (refusal,) = refusals([row], "evaluate")
-        assert refusal["partition"] == ATTACKER and "'eval-accuracy'=1000.0 is out of range" in refusal["reason"]
+        assert refusal["partition"] == ATTACKER and EVALUATE_ATTACKS[attack] in refusal["reason"]
         assert 0.0 <= row["eval_accuracy"] <= 1.0 and ref["eval_accuracy"] <= 1.0
+        assert row["eval_loss"] < 1e6
 
 
 # ---------------------------------------------------------------- fuzzing: malformed replies for every algorithm
@@ -297,3 +326,20 @@ def test_a_deployed_attacker_is_refused_over_the_real_transport(tmp_path):
     _, inproc = run_with_faults(tmp_path, "inp", client=malicious.malicious_app({2: attack}), clients=3,
                     **{k.replace("-", "_"): v for k, v in config.items()})
     assert same(torch.load(run_dir / "model_final.pt"), inproc)
+
+
+@pytest.mark.integration
+def test_numbers_and_records_beyond_the_protocol_are_refused_over_the_real_transport(tmp_path):
+    """Node 2 reports loss-before = 1e300 (without client-eval no one else reports it: alone in
+    its TensorBoard histogram it ended the run) and adds a MetricRecord to its evaluation
+    replies. Both are refused with their reasons; the run completes, TensorBoard on."""
+    config = {**DEPLOYED, "algorithm": "fedavg", "num-server-rounds": 2, "fraction-evaluate": 1.0,
+              "client-eval": False, "tensorboard": True}
+    _, run_dir = deployed(tmp_path, "dep", config, 3, app=malicious_app_dir(tmp_path),
+                          node_configs={2: {"attack": "loss-before:1e300+evaluate-extra-metrics"}})
+    for row in metrics(run_dir)[1:]:
+        (train,) = refusals([row], "train")
+        assert train["partition"] == 2 and "'loss-before'=1e+300 is out of range" in train["reason"]
+        (evaluation,) = refusals([row], "evaluate")
+        assert evaluation["partition"] == 2 and "unexpected metric records ['surprise']" in evaluation["reason"]
+    assert list(run_dir.glob("events.out.tfevents.*"))

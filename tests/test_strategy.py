@@ -95,6 +95,11 @@ REJECTED = [
     ("accuracy-above-1", dict(metrics={"heldout-accuracy-after": 1.5}),
      "'heldout-accuracy-after'=1.5 is out of range [0, 1]"),
     ("accuracy-list", dict(metrics={"accuracy-before": [0.5, 0.6]}), "is not a number"),
+    ("loss-beyond-meaning", dict(metrics={"train-loss": 1e300}), "'train-loss'=1e+300 is out of range [0, 1e+06]"),
+    # nothing beyond the protocol's records and keys; a reason stays short whatever the names
+    ("extra-config", dict(surprise=ConfigRecord({"a": "b"})), "unexpected config records ['surprise']"),
+    ("extra-metrics", dict(surprise=MetricRecord({"a": 1})), "unexpected metric records ['surprise']"),
+    ("long-key", dict(metrics={"k" * 10**5: 1.0}), f"metrics hold unexpected keys ['{'k' * 40}']"),
 ]
 
 
