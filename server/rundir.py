@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.config import RunConfig
+from common import schema
+from common.config import RunConfig, user_path
 
 
 class RunDirError(RuntimeError):
@@ -110,14 +111,34 @@ RESUME_MAY_CHANGE = ("num-server-rounds", "resume", "run-dir", "round-timeout", 
 
 def load_checkpoint(run_dir: str | Path) -> dict:
     """The checkpoint of ``run_dir``, or RunDirError saying why it cannot be used."""
-    path = Path(run_dir).expanduser().resolve() / CHECKPOINT
+    path = user_path(str(run_dir), "run directory").resolve() / CHECKPOINT
     if not path.is_file():
         raise RunDirError(f"no checkpoint in {path.parent} (checkpoint-every=0, or the run "
                           "stopped before its first checkpoint): nothing to resume")
     ckpt = load_tensors(path, "checkpoint")
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT or "strategy" not in ckpt:
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise RunDirError(f"checkpoint {path} is not a flatflower checkpoint (format {CHECKPOINT_FORMAT})")
+    try:
+        check_checkpoint(ckpt)
+    except ValueError as err:
+        raise RunDirError(f"checkpoint {path} is damaged: {err}") from None
     return ckpt
+
+
+def check_checkpoint(ckpt: dict) -> None:
+    """ValueError naming the first field of a checkpoint's outer tables that is wrong (the
+    strategy's own state is checked by its ``load_state_dict``, against the run's model)."""
+    schema.table(ckpt, "checkpoint", format=schema.anything, round=schema.whole(0),
+                 config=schema.any_table, strategy=schema.any_table, num_partitions=schema.whole(1),
+                 sampling=schema.fields(seed=schema.anything, scheme=schema.anything))
+    strategy = ckpt["strategy"]
+    participation = strategy.get("participation")
+    participation = participation if isinstance(participation, dict) else {}
+    for key, inner, saved in (("round", "strategy.round", strategy.get("round")),
+                              ("num_partitions", "strategy.participation.num_partitions",
+                               participation.get("num_partitions"))):
+        if saved != ckpt[key]:
+            raise ValueError(f"checkpoint.{key} is {ckpt[key]}, {inner} is {saved!r:.40}")
 
 
 def check_resumable(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
@@ -134,7 +155,7 @@ def check_resumable(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
 
 class RunDir:
     def __init__(self, path: str | Path, resume: bool = False):
-        self.path = Path(path).expanduser().resolve()
+        self.path = user_path(str(path), "run-dir").resolve()
         if (self.path / "metrics.jsonl").exists() and not resume:
             raise RunDirError(
                 f"{self.path} already holds a run (metrics.jsonl); choose another --run-dir"

@@ -434,7 +434,9 @@ def render_table(rows: Sequence[dict[str, Any]], title: str, width: int = 160) -
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``flatflower report`` argument parser."""
-    parser = argparse.ArgumentParser(prog="flatflower report", description="Summarize run directories.")
+    from tools.prepare import Parser
+
+    parser = Parser(prog="flatflower report", description="Summarize run directories.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to summarize")
     parser.add_argument("--last-k", type=cli_int, default=5, help="rounds averaged for the last-k mean (default 5)")
     parser.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
