@@ -70,3 +70,11 @@ def tensors(layout: Mapping[str, tuple[tuple[int, ...], str]], finite: bool = Tr
             if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{where}.{name} holds values that are not finite")
     return check
+
+
+def printable(text: Any, limit: int = 1000) -> str:
+    """``text`` for the terminal, from a file or a client: every character that is not
+    printable (escape sequences, newlines, bidi controls) written as its escape, cut to
+    ``limit`` characters; a file can neither rewrite the screen nor fake a line."""
+    text = str(text)[:limit]
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -157,7 +157,7 @@ class FlatStrategy(FlowerFedAvg):
 
         def algorithm(name, where):
             if name != self.spec.name:
-                raise ValueError(f"{where} is {str(name)[:40]!r}, not {self.spec.name}")
+                raise ValueError(f"{where}: checkpoint is for {str(name)[:40]}, not {self.spec.name}")
 
         records = {name: schema.tensors(layout_of(r)) for name, r in self.records.items()}
         schema.table(state, "strategy", algorithm=algorithm, round=schema.whole(0),

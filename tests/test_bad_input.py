@@ -273,6 +273,18 @@ def write(name: str, content: bytes | str):
     return setup
 
 
+def plant(name: str, replace: bool = False):
+    """A symbolic link at ``name`` to the file ``victim`` (which must stay as it is)."""
+    def setup(tmp: Path) -> None:
+        (tmp / "victim").write_text("precious")
+        link = tmp / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if replace:
+            shutil.rmtree(link) if link.is_dir() else link.unlink()
+        link.symlink_to(tmp / "victim")
+    return setup
+
+
 def remove(name: str):
     return lambda tmp: (tmp / name).unlink()
 
@@ -402,6 +414,16 @@ FILE_CASES = [
     pytest.param(None, [*RESUME, "--rounds", "1"], "num-server-rounds=1 is below the checkpoint's round 2",
                  id="resume-rounds-below-checkpoint"),
     pytest.param(None, [*RESUME, "--rounds", "0"], "num-server-rounds must be >= 1", id="resume-rounds-zero"),
+    # links planted in a run directory (never followed: they would redirect writes elsewhere)
+    pytest.param(plant("new/clients.jsonl"), [*QUICK[:-1], "{tmp}/new"],
+                 "{tmp}/new/clients.jsonl is a symbolic link; flatflower never follows links",
+                 id="run-dir-with-a-planted-link"),
+    pytest.param(plant("new/logs/superlink.log"), [*QUICK[:-1], "{tmp}/new"],
+                 "{tmp}/new/logs/superlink.log is a symbolic link", id="run-dir-with-a-planted-log-link"),
+    pytest.param(plant("run/clients.jsonl", replace=True), [*RESUME, "--rounds", "3"],
+                 "{tmp}/run/clients.jsonl is a symbolic link", id="resume-with-a-planted-link"),
+    pytest.param(plant("run/client-state", replace=True), [*RESUME, "--rounds", "3"],
+                 "{tmp}/run/client-state is a symbolic link", id="resume-with-a-planted-directory-link"),
     # --run-dir
     pytest.param(None, [*QUICK[:-1], "{tmp}/run"], "{tmp}/run already holds a run; choose another --run-dir",
                  id="run-dir-holds-a-run"),
@@ -595,3 +617,47 @@ def test_damaged_checkpoint_is_refused(tmp_path, capfd, caplog, finished_run, ch
     shutil.copytree(finished_run, tmp_path / "run")
     ckpt_edit(change)(tmp_path)
     check_cli([*RESUME, "--rounds", "3"], tmp_path, capfd, caplog, USAGE, message)
+
+
+# ------------------------------------------------ 5. links planted while a run goes on (issue 23)
+def test_run_directory_files_are_never_opened_through_a_link(tmp_path):
+    """Every file flatflower appends to, reads or replaces in a run directory is opened without
+    following a link planted at its name (or at its temporary name): the link's target is never
+    read or changed; an append or a read is refused in one line, an atomic write replaces the
+    link itself."""
+    from server.progress import PROGRESS_FILE, read_progress, write_progress
+    from server.rundir import RunDir, RunDirError, RunWriteError, load_tensors, open_file
+    from tools.progress import Progress
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    run = RunDir(tmp_path / "run")
+    for name in ("metrics.jsonl", "clients.jsonl"):
+        (run.path / name).symlink_to(victim)
+        with pytest.raises(RunWriteError, match=f"cannot write {run.path / name}: it is a symbolic link"):
+            run.append_rows(name, [{"round": 1}])
+    with pytest.raises(RunDirError, match="it is a symbolic link"):
+        run.truncate_metrics(0)
+    with pytest.raises(OSError, match="it is a symbolic link"):
+        Progress(run.path, 3, live=False)()
+    for name in ("summary.json", "checkpoint.pt"):
+        (run.path / f"{name}.tmp").symlink_to(victim)
+    run.write_summary({"status": "ok"})
+    run.save("checkpoint.pt", {"x": torch.zeros(1)})
+    (run.path / "config.json").symlink_to(victim)
+    run.save("config.json", {"x": torch.zeros(1)})
+    assert not (run.path / "config.json").is_symlink()
+    torch.save({"x": torch.ones(1)}, tmp_path / "elsewhere.pt")
+    (run.path / "model_init.pt").symlink_to(tmp_path / "elsewhere.pt")
+    with pytest.raises(RunDirError, match="cannot read initial model .*: it is a symbolic link"):
+        load_tensors(run.path / "model_init.pt", "initial model")
+    (run.path / f".{PROGRESS_FILE}.{os.getpid()}.tmp").symlink_to(victim)
+    write_progress(run.path, {"round": 1})
+    (run.path / PROGRESS_FILE).unlink()
+    (run.path / PROGRESS_FILE).symlink_to(victim)
+    assert read_progress(run.path) is None
+    (run.path / "logs").mkdir()
+    (run.path / "logs" / "superlink.log").symlink_to(victim)
+    with pytest.raises(OSError, match="it is a symbolic link"):
+        open_file(run.path / "logs" / "superlink.log", "w")
+    assert victim.read_text() == "precious"

@@ -173,3 +173,13 @@ def test_missing_preset_is_one_line_exit_2(tmp_path, capsys, arg, message):
     assert message in err
     if "available" in message:
         assert all(name in err for name in PRESETS)
+
+
+def test_a_presets_escape_bytes_are_shown_escaped_never_sent_to_the_terminal(tmp_path, capsys):
+    """A preset's description is text from a file: ``\\x1b[2J`` (clear screen) or a newline
+    faking a line is printed as its escape."""
+    path = write_preset(tmp_path, GOOD.replace('"test preset"', '"evil \\u001b[2J\\nerror: fake"'))
+    assert main(["simulate", "--engine", "inprocess", "--preset", str(path), "--clients", "0"]) == 2
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\nerror: fake" not in out
+    assert "preset p: evil \\x1b[2J\\nerror: fake" in out

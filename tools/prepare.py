@@ -87,6 +87,8 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
 
     Idempotent: the preset is read once and kept on ``args``."""
     if not hasattr(args, "preset_values"):
+        from common.schema import printable
+
         preset = load_preset(args.preset) if args.preset else None
         args.preset_values = dict(preset.config) if preset else {}
         if args.clients is None and args.resume:
@@ -94,7 +96,7 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
         if args.clients is None:
             args.clients = preset.clients if preset and preset.clients else DEFAULT_CLIENTS
         if preset:
-            print(f"preset {preset.name}: {preset.description}", flush=True)
+            print(f"preset {preset.name}: {printable(preset.description)}", flush=True)
     return args.preset_values
 
 
@@ -122,6 +124,10 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
         raise UsageError(f"{run_dir} already holds a run; choose another --run-dir "
                          "(or continue it with --resume)")
     _check_writable(run_dir)
+    if run_dir.is_dir():
+        from server.rundir import refuse_links
+
+        refuse_links(run_dir)
     # clients mirror their state into the run directory, so --resume is exact
     state_dir = cfg.client_state_dir or str(run_dir / "client-state")
     return cfg.replace(run_dir=str(run_dir), client_state_dir=state_dir)
@@ -149,7 +155,7 @@ def _check_writable(run_dir: Path) -> None:
 def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> RunConfig:
     """The config of the run in ``--resume RUN_DIR``, checked against its checkpoint. The
     directory stays claimed by this command (a second resume of it is refused at once)."""
-    from server.rundir import check_resumable, claim, load_checkpoint
+    from server.rundir import check_resumable, claim, load_checkpoint, refuse_links
 
     run_dir = user_path(args.resume, "--resume").resolve()
     given = [flag for flag, value in (
@@ -160,6 +166,8 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
         raise UsageError(f"--resume continues a run as it was configured: {', '.join(given)} "
                          "cannot be combined with it (only --rounds, --clients, --timeout)")
     check_run_arguments(args)
+    if run_dir.is_dir():
+        refuse_links(run_dir)
     saved = _saved_config(run_dir)
     # the directory itself (the ServerApp locks its .lock file): nothing is written here
     args.run_dir_claim = claim(run_dir, f"{run_dir} is being resumed or run by another "
@@ -185,13 +193,16 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
 
 def _saved_config(run_dir: Path) -> dict[str, Any]:
     """config.json's run config of a run directory (UsageError when there is none)."""
+    from server.rundir import open_file
+
     path = run_dir / "config.json"
     if not run_dir.is_dir():
         raise UsageError(f"run directory {run_dir} does not exist")
     if not path.is_file():
         raise UsageError(f"{run_dir} is not a flatflower run directory (no config.json)")
     try:
-        saved = json.loads(path.read_text())["config"]
+        with open_file(path) as f:
+            saved = json.loads(f.read())["config"]
         if not isinstance(saved, dict):
             raise TypeError("'config' is not a table")
     except (ValueError, KeyError, TypeError, RecursionError) as err:  # ValueError: not JSON or UTF-8
@@ -201,10 +212,11 @@ def _saved_config(run_dir: Path) -> dict[str, Any]:
 
 def resume_clients(run_dir: str) -> int | None:
     """Number of clients of the run in ``run_dir`` (partition.json, else its checkpoint)."""
-    from server.rundir import RunDirError, load_checkpoint
+    from server.rundir import RunDirError, load_checkpoint, open_file
 
     try:
-        n = json.loads((Path(run_dir) / "partition.json").read_text())["num_partitions"]
+        with open_file(Path(run_dir) / "partition.json") as f:
+            n = json.loads(f.read())["num_partitions"]
         if type(n) is int and n >= 1:
             return n
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
