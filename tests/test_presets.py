@@ -115,6 +115,8 @@ def test_digits_preset_runs_inprocess(tmp_path, capsys):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == preset.config["num-server-rounds"] + 1
     assert rows[-1]["clients_sampled"] == 10  # 20 clients from the preset, fraction 0.5
+    # it looks like learning (5 rounds ended at 39%), as its description says
+    assert rows[-1]["test_accuracy"] >= 0.75 and "ends at 75-86% test accuracy" in preset.description
     assert "preset digits-quick" in capsys.readouterr().out
 
 

@@ -33,6 +33,15 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def seconds_text(value: Any) -> str:
+    """A number of seconds as Flower reports it (``31.795824``, maybe as text) -> ``31.8s``;
+    anything else as it is."""
+    try:
+        return f"{float(value):.1f}s"
+    except (TypeError, ValueError):
+        return printable(value, 40)
+
+
 def round_line(row: dict[str, Any], rounds: int, eta: float | None) -> str:
     """The plain line of one metrics.jsonl row."""
     extra = ""
