@@ -167,7 +167,6 @@ class FlatStrategy(FlowerFedAvg):
         self.round = state["round"]
         self.model = OrderedDict((k, v.clone()) for k, v in state["model"].items())
         self.records = {n: OrderedDict((k, v.clone()) for k, v in r.items()) for n, r in state["records"].items()}
-        self.participation.load_state_dict(state["participation"])
 
     # ------------------------------------------------------------------ refusals
     def _refused(self, stage: str, pid: int, node: int, why: str) -> None:
