@@ -126,7 +126,9 @@ class StateMirror:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(server_round)
         tmp = path.with_suffix(".tmp")
-        torch.save({name: dict(tensors) for name, tensors in state.items()}, tmp)
+        tmp.unlink(missing_ok=True)  # never written through a link planted there
+        with open(tmp, "xb") as f:
+            torch.save({name: dict(tensors) for name, tensors in state.items()}, f)
         tmp.replace(path)
         rounds = self.rounds()
         keep = _kept(rounds, server_round, accepted, self.horizon)

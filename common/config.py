@@ -166,11 +166,16 @@ class RunConfig:
         for f in general_fields().values():
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-                problems.append(f"{_key(f.name)}={value} is out of range (at most {MAX_INT})")
+                problems.append(f"{_key(f.name)}={shown(value)} is out of range (at most {MAX_INT})")
             if isinstance(value, str) and not value.isprintable():
                 problems.append(f"{_key(f.name)}={value!r} holds control characters")
+        for key in PATH_KEYS:
+            try:
+                user_path(getattr(self, key.replace("-", "_")), key)
+            except ConfigError as err:
+                problems.append(str(err))
         check(self.num_server_rounds >= 1, "num-server-rounds must be >= 1")
-        check(0 <= self.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}] (got {self.seed})")
+        check(0 <= self.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}] (got {shown(self.seed)})")
         check(_pos(self.lr), f"lr must be a finite number > 0 (got {self.lr})")
         check(_pos(self.lr_decay) and self.lr_decay <= 1.0, "lr-decay must be in (0, 1]")
         check(_pos(self.server_lr), f"server-lr must be a finite number > 0 (got {self.server_lr})")
@@ -334,8 +339,14 @@ def _coerce(key: str, value: Any, type_name: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # e.g. run-dir=123 read as a TOML number
         raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r} is not a valid {type_name}") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: float(10**400)
+        raise ConfigError(f"{key}={shown(value)} is not a valid {type_name}") from None
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters for a message (a number of 5000 digits)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 13]}...({len(text)} chars)"
 
 
 def flat_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -348,6 +359,19 @@ def flat_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+PATH_KEYS = ("run-dir", "client-state-dir", "data-dir")
+
+
+def user_path(text: str, what: str) -> Path:
+    """``Path(text).expanduser()``; ConfigError naming ``what`` when ``text`` starts with the
+    home directory of a user this machine does not have (``~nosuchuser/x``)."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise ConfigError(f"{what}={text!r}: {text.split('/')[0]} is no user's home directory "
+                          "on this machine") from None
 
 
 def cli_int(text: str) -> int:
@@ -389,7 +413,7 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
+        except ValueError:  # TOMLDecodeError, or an int of over 4300 digits (int() refuses it)
             value = raw  # a bare word such as fedsam
         if isinstance(known.get(key), str) and not isinstance(value, str):
             value = raw.strip('"\'')  # text keys keep the text: run-dir=2024-01-01

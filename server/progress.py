@@ -21,21 +21,26 @@ from typing import Any
 
 from flwr.app import Message, MessageType
 
+from server.rundir import open_file
+
 PROGRESS_FILE = "progress.json"
 
 
 def write_progress(run_dir: Path, state: dict[str, Any]) -> None:
     path = run_dir / PROGRESS_FILE
     tmp = path.with_name(f".{PROGRESS_FILE}.{os.getpid()}.tmp")
-    with contextlib.suppress(OSError):
-        tmp.write_text(json.dumps({**state, "time": time.time()}))
+    with contextlib.suppress(OSError):  # a link planted at either name is never written through
+        tmp.unlink(missing_ok=True)
+        with open_file(tmp, "x") as f:
+            f.write(json.dumps({**state, "time": time.time()}))
         tmp.replace(path)
 
 
 def read_progress(run_dir: Path) -> dict[str, Any] | None:
     """The latest progress state of a run directory (None if there is none yet)."""
     try:
-        data = json.loads((run_dir / PROGRESS_FILE).read_text())
+        with open_file(run_dir / PROGRESS_FILE) as f:
+            data = json.loads(f.read())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -25,6 +25,7 @@ objects is refused, never run.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -32,12 +33,13 @@ import platform
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
-from common.config import RunConfig
+from common import schema
+from common.config import RunConfig, user_path
 
 
 class RunDirError(RuntimeError):
@@ -48,11 +50,44 @@ class RunWriteError(RuntimeError):
     """Writing into the run directory failed during the run (full disk, read-only...)."""
 
 
+_OPEN_FLAGS = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+               "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}
+
+
+def open_file(path: str | Path, mode: str = "r", **kwargs: Any) -> IO:
+    """``open(path, mode)`` that never follows a symbolic link at ``path``: one planted in a run
+    directory would have flatflower read, append to or truncate another file. A link is an
+    OSError whose strerror says so."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS[mode[0]] | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP or (err.errno == errno.EEXIST and os.path.islink(path)):
+            raise OSError(errno.ELOOP, "it is a symbolic link, which flatflower never follows "
+                                       "in a run directory", str(path)) from None
+        raise
+    return os.fdopen(fd, mode, **kwargs)
+
+
+def refuse_links(run_dir: Path) -> None:
+    """RunDirError naming the first symbolic link inside ``run_dir`` (flatflower writes none:
+    one there was planted to redirect its reads or writes, logs/ and client-state/ included)."""
+    for root, dirs, files in os.walk(run_dir):
+        for name in [*dirs, *files]:
+            if os.path.islink(os.path.join(root, name)):
+                raise RunDirError(f"{os.path.join(root, name)} is a symbolic link; flatflower never "
+                                  "follows links in a run directory (remove it)")
+
+
 def load_tensors(path: Path, what: str) -> Any:
     """``torch.load(path, weights_only=True)``: tensors and plain containers only. A file that
-    asks to unpickle anything else is refused (RunDirError), as is a damaged one."""
+    asks to unpickle anything else is refused (RunDirError), as is a damaged one or a link."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        f = open_file(path, "rb")
+    except OSError as err:
+        raise RunDirError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    try:
+        with f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises many types for a damaged file
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line),
@@ -79,13 +114,18 @@ def versions() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def writing(path: Path) -> Iterator[Path]:
-    """Yield a temporary path to write ``path``'s new content to; it replaces ``path`` when the
-    block succeeds. Any failure (ENOSPC, EROFS, a torch writer error) is one RunWriteError and
-    leaves ``path`` as it was."""
+def writing(path: Path, mode: str = "x") -> Iterator[IO]:
+    """Yield a new temporary file (``mode`` "x" text, "xb" binary) for ``path``'s new content;
+    it replaces ``path`` when the block succeeds. Any failure (ENOSPC, EROFS, a torch writer
+    error, a link planted at the temporary name) is one RunWriteError and leaves ``path`` as it
+    was. The file is created, never opened through a link; the rename replaces a link at
+    ``path`` itself, never its target."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        yield tmp
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a previous attempt's, or a link: removed, never written through
+        with open_file(tmp, mode) as f:
+            yield f
         tmp.replace(path)
     except Exception as err:
         with contextlib.suppress(OSError):
@@ -95,8 +135,8 @@ def writing(path: Path) -> Iterator[Path]:
 
 
 def write_json(path: Path, data: Any) -> None:
-    with writing(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1))
+    with writing(path) as f:
+        f.write(json.dumps(data, indent=1))
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -110,14 +150,34 @@ RESUME_MAY_CHANGE = ("num-server-rounds", "resume", "run-dir", "round-timeout", 
 
 def load_checkpoint(run_dir: str | Path) -> dict:
     """The checkpoint of ``run_dir``, or RunDirError saying why it cannot be used."""
-    path = Path(run_dir).expanduser().resolve() / CHECKPOINT
+    path = user_path(str(run_dir), "run directory").resolve() / CHECKPOINT
     if not path.is_file():
         raise RunDirError(f"no checkpoint in {path.parent} (checkpoint-every=0, or the run "
                           "stopped before its first checkpoint): nothing to resume")
     ckpt = load_tensors(path, "checkpoint")
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT or "strategy" not in ckpt:
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise RunDirError(f"checkpoint {path} is not a flatflower checkpoint (format {CHECKPOINT_FORMAT})")
+    try:
+        check_checkpoint(ckpt)
+    except ValueError as err:
+        raise RunDirError(f"checkpoint {path} is damaged: {err}") from None
     return ckpt
+
+
+def check_checkpoint(ckpt: dict) -> None:
+    """ValueError naming the first field of a checkpoint's outer tables that is wrong (the
+    strategy's own state is checked by its ``load_state_dict``, against the run's model)."""
+    schema.table(ckpt, "checkpoint", format=schema.anything, round=schema.whole(0),
+                 config=schema.any_table, strategy=schema.any_table, num_partitions=schema.whole(1),
+                 sampling=schema.fields(seed=schema.anything, scheme=schema.anything))
+    strategy = ckpt["strategy"]
+    participation = strategy.get("participation")
+    participation = participation if isinstance(participation, dict) else {}
+    for key, inner, saved in (("round", "strategy.round", strategy.get("round")),
+                              ("num_partitions", "strategy.participation.num_partitions",
+                               participation.get("num_partitions"))):
+        if saved != ckpt[key]:
+            raise ValueError(f"checkpoint.{key} is {ckpt[key]}, {inner} is {saved!r:.40}")
 
 
 def check_resumable(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
@@ -170,7 +230,7 @@ def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
 
 class RunDir:
     def __init__(self, path: str | Path, resume: bool = False):
-        self.path = Path(path).expanduser().resolve()
+        self.path = user_path(str(path), "run-dir").resolve()
         if (self.path / "metrics.jsonl").exists() and not resume:
             raise RunDirError(
                 f"{self.path} already holds a run (metrics.jsonl); choose another --run-dir"
@@ -179,6 +239,7 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise RunDirError(f"cannot create run directory {self.path}: {err}") from None
+        refuse_links(self.path)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[RunDir]:
@@ -213,7 +274,7 @@ class RunDir:
         """Append JSON lines to ``name`` (metrics.jsonl, clients.jsonl)."""
         path = self.path / name
         try:
-            with open(path, "a") as f:
+            with open_file(path, "a") as f:
                 f.write("".join(json.dumps(dict(row)) + "\n" for row in rows))
                 f.flush()
         except OSError as err:
@@ -223,22 +284,29 @@ class RunDir:
         """Keep the complete rows of rounds <= last_round (a resumed run redoes the rest)."""
         path = self.path / name
         rows = []
-        for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            with open_file(path) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            lines = []
+        except OSError as err:
+            raise RunDirError(f"cannot read {path}: {err.strerror or err}") from None
+        for line in lines:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a row cut short by the kill
             if row.get("round", last_round + 1) <= last_round:
                 rows.append(line)
-        with writing(path) as tmp:
-            tmp.write_text("".join(r + "\n" for r in rows))
+        with writing(path) as f:
+            f.write("".join(r + "\n" for r in rows))
 
     def save_model(self, name: str, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.save(name, dict(state_dict))
 
     def save(self, name: str, obj: Any) -> None:
         """torch.save, atomically: a crash or a failed write leaves the previous file."""
-        with writing(self.path / name) as tmp, open(tmp, "wb") as f:
+        with writing(self.path / name, "xb") as f:
             torch.save(obj, f)  # through a Python file: a failed write is an OSError with errno
 
     def save_checkpoint(self, cfg: RunConfig, server_round: int, strategy_state: Mapping[str, Any]) -> None:

@@ -161,14 +161,24 @@ class FlatStrategy(FlowerFedAvg):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["algorithm"] != self.spec.name:
-            raise ValueError(f"checkpoint is for {state['algorithm']}, not {self.spec.name}")
-        if layout_of(state["model"]) != self.layout:
-            raise ValueError("checkpoint model does not match this run's model (keys/shapes/dtypes)")
-        self.round = int(state["round"])
+        """Restore a :meth:`state_dict`. ValueError naming the first field that differs from
+        what this run allocates (algorithm, round, the model's and every record's names, shapes
+        and dtypes, finite values; the participation state), and nothing restored then: a
+        damaged checkpoint never resumes to a different model."""
+        from common import schema
+
+        def algorithm(name, where):
+            if name != self.spec.name:
+                raise ValueError(f"{where}: checkpoint is for {str(name)[:40]}, not {self.spec.name}")
+
+        records = {name: schema.tensors(layout_of(r)) for name, r in self.records.items()}
+        schema.table(state, "strategy", algorithm=algorithm, round=schema.whole(0),
+                     model=schema.tensors(self.layout), records=schema.fields(**records),
+                     participation=schema.anything)
+        self.participation.load_state_dict(state["participation"])
+        self.round = state["round"]
         self.model = OrderedDict((k, v.clone()) for k, v in state["model"].items())
         self.records = {n: OrderedDict((k, v.clone()) for k, v in r.items()) for n, r in state["records"].items()}
-        self.participation.load_state_dict(state["participation"])
 
     # ------------------------------------------------------------------ refusals
     def _refused(self, stage: str, pid: int, node: int, why: str) -> None:

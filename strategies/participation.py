@@ -30,6 +30,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from common import protocol as P
+from common import schema
 from common.config import RunConfig
 from strategies.validation import REASON_CHARS, RejectedReply, parse_handshake_reply
 
@@ -120,9 +121,24 @@ class Participation:
                 "accepted": {str(p): r for p, r in sorted(self.accepted.items())}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.num_partitions = state["num_partitions"]
-        self.sizes = {int(p): int(n) for p, n in state["sizes"].items()}
-        self.accepted = {int(p): int(r) for p, r in state["accepted"].items()}
+        """Restore a :meth:`state_dict`; ValueError naming the first field that is wrong (or
+        that disagrees with this run's N and partition sizes), and nothing restored then."""
+        schema.table(state, "participation", num_partitions=schema.whole(1), sizes=schema.anything,
+                     accepted=schema.anything)
+        n, sizes = state["num_partitions"], state["sizes"]
+        known = [str(p) for p in range(n) if isinstance(sizes, dict) and str(p) in sizes]
+        schema.table(sizes, "participation.sizes", **dict.fromkeys(known, schema.whole(0)))
+        sizes = {int(p): size for p, size in sizes.items()}  # the partitions known so far
+        if self.num_partitions is not None and n != self.num_partitions:
+            raise ValueError(f"participation.num_partitions is {n}, this run's is {self.num_partitions}")
+        if self.partition_sizes is not None and sizes != dict(enumerate(map(int, self.partition_sizes(n)))):
+            raise ValueError("participation.sizes differ from this run's partition sizes")
+        accepted = state["accepted"]  # the clients' last accepted rounds, of known partitions
+        schema.any_table(accepted, "participation.accepted")
+        schema.table(accepted, "participation.accepted",
+                     **dict.fromkeys([k for k in accepted if k in known], schema.whole(1)))
+        self.num_partitions, self.sizes = n, sizes
+        self.accepted = {int(p): r for p, r in accepted.items()}
 
     def state_round(self, partition_id: int) -> int:
         """The last round of ``partition_id`` the server accepted (0 = none): the client's

@@ -2,13 +2,15 @@
 substring of the message a user must see.
 
 For each CLI case the contract is: exactly one line ``error: ...`` on stderr, exit code 2
-(a usage error; argparse's own errors print usage and also exit 2), never a traceback, and
+(a usage error), never a traceback, and
 nothing that was on disk before (a run directory, a checkpoint, a preset file) is changed,
-removed or added to. Three groups:
+removed or added to. Four groups:
 
 1. run-config values through ``flatflower simulate --engine inprocess``,
 2. files: presets, ``--resume`` of damaged run directories, existing/unwritable ``--run-dir``,
-3. node config (``NodeSettings.from_node_config`` -> ValueError) and argparse errors.
+3. node config (``NodeSettings.from_node_config`` -> ValueError) and argparse errors (one line
+   too, with a pointer to ``--help``, not argparse's usage),
+4. checkpoints that load but are wrong in one field: refused in one line, never resumed.
 
 No Flower process is started: only the in-process engine, and (except for the two cases
 marked xfail that document a defect) validation fails before any round runs. Cases marked
@@ -192,6 +194,15 @@ CONFIG_CASES = [
     pytest.param(["--seed", "4294967296"], "seed must be in [0, 4294967295]", id="seed-beyond-2-32"),
     pytest.param(["--set", "local-epochs=1000000000000"], "local-epochs=1000000000000 is out of range",
                  id="local-epochs-beyond-int32"),
+    pytest.param(["--set", "lr=" + "1" * 5000], "lr must be a finite number > 0 (got inf)", id="lr-5000-digits"),
+    pytest.param(["--set", "lr=1" + "0" * 400], "lr=10000", id="lr-beyond-float"),
+    pytest.param(["--set", "local-epochs=1" + "0" * 5000], "local-epochs='10000", id="local-epochs-5000-digits"),
+    pytest.param(["--run-dir", "~nosuchuser/x"], "~nosuchuser is no user's home directory", id="run-dir-no-such-user"),
+    pytest.param(["--set", "client-state-dir=~nosuchuser/x"],
+                 "client-state-dir='~nosuchuser/x': ~nosuchuser is no user's home directory",
+                 id="client-state-dir-no-such-user"),
+    pytest.param(["--preset", "~nosuchuser/p.toml"], "--preset='~nosuchuser/p.toml': ~nosuchuser is no user",
+                 id="preset-no-such-user"),
     pytest.param(["--set", "lr=\u0661"], "lr='\u0661' is not a valid float (use ASCII digits)",
                  id="lr-arabic-indic-digit"),
     pytest.param(["--set", "lr=\uff10.\uff15"], "is not a valid float (use ASCII digits)", id="lr-full-width"),
@@ -245,10 +256,32 @@ def edit_config(**changes):
     return setup
 
 
+def edit_partition(**changes):
+    """Change fields of the run's partition.json (``inf`` is written as 1e999)."""
+    def setup(tmp: Path) -> None:
+        path = tmp / "run" / "partition.json"
+        data = json.loads(path.read_text())
+        data.update(changes)
+        path.write_text(json.dumps(data).replace("Infinity", "1e999"))
+    return setup
+
+
 def write(name: str, content: bytes | str):
     def setup(tmp: Path) -> None:
         path = tmp / name
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return setup
+
+
+def plant(name: str, replace: bool = False):
+    """A symbolic link at ``name`` to the file ``victim`` (which must stay as it is)."""
+    def setup(tmp: Path) -> None:
+        (tmp / "victim").write_text("precious")
+        link = tmp / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if replace:
+            shutil.rmtree(link) if link.is_dir() else link.unlink()
+        link.symlink_to(tmp / "victim")
     return setup
 
 
@@ -320,6 +353,16 @@ FILE_CASES = [
                  "[preset] needs a description", id="preset-description-empty"),
     pytest.param(preset(GOOD_PRESET + 'run-dir = "a\\u0000b"\n'), [*SIM, "--preset", "{tmp}/p.toml"],
                  "run-dir='a\\x00b' holds control characters", id="preset-value-with-a-nul-byte"),
+    pytest.param(preset(GOOD_PRESET.replace('"d"', '"d"\nclients = 1' + "0" * 5000)),
+                 [*SIM, "--preset", "{tmp}/p.toml", *NEW], "p.toml: invalid TOML: Exceeds the limit",
+                 id="preset-int-of-5000-digits"),
+    pytest.param(preset(GOOD_PRESET.replace('"d"', '"d"\nclients = 1' + "0" * 30)),
+                 [*SIM, "--preset", "{tmp}/p.toml", *NEW], "is out of range", id="preset-clients-huge"),
+    pytest.param(preset(GOOD_PRESET + "x = " + "[" * 100_000 + "]" * 100_000 + "\n"),
+                 [*SIM, "--preset", "{tmp}/p.toml", *NEW], "p.toml: invalid TOML", id="preset-nested-deeply"),
+    pytest.param(preset(GOOD_PRESET + ".".join(["a"] * 5000) + " = 1\n"),
+                 [*SIM, "--preset", "{tmp}/p.toml", *NEW], "p.toml: [config] is nested too deeply",
+                 id="preset-keys-nested-deeply"),
     # --resume of a damaged or missing run directory
     pytest.param(None, [*SIM, "--resume", "{tmp}/nowhere"], "run directory {tmp}/nowhere does not exist",
                  id="resume-dir-missing"),
@@ -330,6 +373,14 @@ FILE_CASES = [
     pytest.param(write("run/config.json", '{"config": [1, 2]}'), RESUME,
                  "config.json is corrupt: 'config' is not a table", id="resume-config-json-not-a-table"),
     pytest.param(write("run/config.json", "[]"), RESUME, "config.json is corrupt", id="resume-config-json-a-list"),
+    pytest.param(write("run/config.json", b"\xff\xfe{}"), RESUME, "config.json is corrupt: 'utf-8' codec",
+                 id="resume-config-json-not-utf8"),
+    pytest.param(write("run/config.json", '{"config": ' * 100_000 + "1" + "}" * 100_000), RESUME,
+                 "config.json is corrupt: maximum recursion depth", id="resume-config-json-nested-deeply"),
+    pytest.param(None, [*SIM, "--resume", "~nosuchuser/run"], "~nosuchuser is no user's home directory",
+                 id="resume-no-such-user"),
+    pytest.param(edit_partition(num_partitions=float("inf")), [*RESUME, "--rounds", "1"],
+                 "num-server-rounds=1 is below the checkpoint's round 2", id="resume-partition-json-1e999"),
     pytest.param(edit_config(lr=-1), RESUME, "config.json", id="resume-config-json-invalid-value"),
     pytest.param(edit_config(**{"no-such-key": 1}), RESUME, "config.json", id="resume-config-json-unknown-key"),
     pytest.param(remove("run/checkpoint.pt"), RESUME, "no checkpoint in {tmp}/run", id="resume-no-checkpoint"),
@@ -363,6 +414,16 @@ FILE_CASES = [
     pytest.param(None, [*RESUME, "--rounds", "1"], "num-server-rounds=1 is below the checkpoint's round 2",
                  id="resume-rounds-below-checkpoint"),
     pytest.param(None, [*RESUME, "--rounds", "0"], "num-server-rounds must be >= 1", id="resume-rounds-zero"),
+    # links planted in a run directory (never followed: they would redirect writes elsewhere)
+    pytest.param(plant("new/clients.jsonl"), [*QUICK[:-1], "{tmp}/new"],
+                 "{tmp}/new/clients.jsonl is a symbolic link; flatflower never follows links",
+                 id="run-dir-with-a-planted-link"),
+    pytest.param(plant("new/logs/superlink.log"), [*QUICK[:-1], "{tmp}/new"],
+                 "{tmp}/new/logs/superlink.log is a symbolic link", id="run-dir-with-a-planted-log-link"),
+    pytest.param(plant("run/clients.jsonl", replace=True), [*RESUME, "--rounds", "3"],
+                 "{tmp}/run/clients.jsonl is a symbolic link", id="resume-with-a-planted-link"),
+    pytest.param(plant("run/client-state", replace=True), [*RESUME, "--rounds", "3"],
+                 "{tmp}/run/client-state is a symbolic link", id="resume-with-a-planted-directory-link"),
     # --run-dir
     pytest.param(None, [*QUICK[:-1], "{tmp}/run"], "{tmp}/run already holds a run; choose another --run-dir",
                  id="run-dir-holds-a-run"),
@@ -451,6 +512,13 @@ ARGPARSE_CASES = [
                  id="engine-unknown"),
     pytest.param(["simulate", "--no-such-flag"], "unrecognized arguments: --no-such-flag", id="flag-unknown"),
     pytest.param(["simulate", "--set"], "argument --set: expected one argument", id="set-without-value"),
+    pytest.param(["simulate", "--engine", "vectorised"], "argument --engine: invalid choice: 'vectorised'",
+                 id="engine-misspelt"),
+    pytest.param(["simulate", "--seed", "abc"], "argument --seed: invalid int value: 'abc'", id="seed-not-a-number"),
+    pytest.param(["report", "--last-k", "x", "r"], "argument --last-k: invalid int value: 'x'",
+                 id="report-last-k-not-a-number"),
+    pytest.param(["sweep", "--algorithms", "fedavg", "--out", "{tmp}/s", "--algorithm", "fedsam"],
+                 "unrecognized arguments: --algorithm fedsam", id="sweep-algorithm"),
 ]
 
 
@@ -460,5 +528,136 @@ def test_bad_arguments(tmp_path, capfd, argv, message):
     code, out, err = run_cli(argv, tmp_path, capfd)
     assert "Traceback" not in out + err
     assert code == USAGE
-    assert message in err and "usage: flatflower" in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"not one 'error: ...' line: {err!r}"
+    assert message in lines[0] and "--help)" in lines[0]
     assert_untouched(before, snapshot(tmp_path))
+
+
+# ------------------------------------------------- 4. loadable but wrong checkpoints (issue 23)
+def ckpt_edit(change):
+    """Load the run's real checkpoint, apply ``change(ckpt)`` to it, save it back."""
+    def setup(tmp: Path) -> None:
+        path = tmp / "run" / "checkpoint.pt"
+        ckpt = torch.load(path, weights_only=True)
+        change(ckpt)
+        torch.save(ckpt, path)
+    return setup
+
+
+def at(*keys):
+    """``ckpt[k0][k1]...`` (the dict that holds the last key) and that key."""
+    def get(ckpt):
+        for k in keys[:-1]:
+            ckpt = ckpt[k]
+        return ckpt, keys[-1]
+    return get
+
+
+def set_(path, value):
+    def change(ckpt):
+        d, k = path(ckpt)
+        d[k] = value(d[k]) if callable(value) else value
+    return change
+
+
+def drop(path):
+    def change(ckpt):
+        d, k = path(ckpt)
+        del d[k]
+    return change
+
+
+W, DUAL = at("strategy", "model", "1.weight"), at("strategy", "records", "dual", "1.weight")
+SIZES = at("strategy", "participation", "sizes")
+CHECKPOINT_CASES = [
+    pytest.param(set_(at("round"), -3), "round", id="round-negative"),
+    pytest.param(set_(at("round"), "2"), "round", id="round-a-string"),
+    pytest.param(set_(at("round"), 2.0), "round", id="round-a-float"),
+    pytest.param(set_(at("round"), True), "round", id="round-a-bool"),
+    pytest.param(set_(at("round"), 10**30), "round", id="round-huge"),
+    pytest.param(set_(at("strategy", "round"), 1), "round", id="round-differs-from-strategy"),
+    pytest.param(set_(at("format"), 99), "is not a flatflower checkpoint", id="format-unknown"),
+    pytest.param(drop(at("config")), "config", id="config-missing"),
+    pytest.param(set_(at("config"), [1, 2]), "config", id="config-a-list"),
+    pytest.param(set_(at("config", "algorithm"), "fedavg"), "algorithm", id="config-another-algorithm"),
+    pytest.param(set_(at("strategy", "algorithm"), "fedavg"), "fedavg", id="strategy-another-algorithm"),
+    pytest.param(drop(at("strategy", "model")), "model", id="model-missing"),
+    pytest.param(set_(at("strategy", "model"), torch.zeros(3)), "model", id="model-a-tensor"),
+    pytest.param(set_(W, lambda t: t.double()), "float64", id="model-float64"),
+    pytest.param(set_(W, lambda t: t[:5]), "shape", id="model-wrong-shape"),
+    pytest.param(set_(W, lambda t: t.tolist()), "1.weight", id="model-value-a-list"),
+    pytest.param(drop(at("strategy", "model", "1.bias")), "1.bias", id="model-key-missing"),
+    pytest.param(set_(at("strategy", "model", "extra"), torch.zeros(1)), "extra", id="model-key-extra"),
+    pytest.param(set_(W, lambda t: t.fill_(float("nan"))), "finite", id="model-nan"),
+    pytest.param(drop(at("strategy", "records", "dual")), "dual", id="record-missing"),
+    pytest.param(set_(at("strategy", "records", "other"), {}), "other", id="record-extra"),
+    pytest.param(set_(DUAL, lambda t: t.double()), "float64", id="record-float64"),
+    pytest.param(set_(DUAL, lambda t: t.reshape(-1)), "shape", id="record-wrong-shape"),
+    pytest.param(drop(at("strategy", "records", "dual", "1.bias")), "1.bias", id="record-key-missing"),
+    pytest.param(set_(at("strategy", "records"), [1]), "records", id="records-a-list"),
+    pytest.param(drop(at("strategy", "participation")), "participation", id="participation-missing"),
+    pytest.param(set_(at("strategy", "participation", "num_partitions"), "3"), "num_partitions",
+                 id="participation-num-partitions-a-string"),
+    pytest.param(set_(at("strategy", "participation", "num_partitions"), 4), "num_partitions",
+                 id="participation-num-partitions-differs"),
+    pytest.param(drop(at("strategy", "participation", "sizes", "2")), "sizes", id="participation-size-missing"),
+    pytest.param(set_(at("strategy", "participation", "sizes", "1"), -5), "sizes", id="participation-size-negative"),
+    pytest.param(set_(at("strategy", "participation", "sizes", "x"), 5), "sizes", id="participation-size-bad-key"),
+    pytest.param(drop(at("num_partitions")), "num_partitions", id="num-partitions-missing"),
+    pytest.param(drop(at("strategy")), "strategy", id="strategy-missing"),
+    pytest.param(set_(at("strategy"), [1]), "strategy", id="strategy-a-list"),
+]
+
+
+@pytest.mark.parametrize("change, message", CHECKPOINT_CASES)
+def test_damaged_checkpoint_is_refused(tmp_path, capfd, caplog, finished_run, change, message):
+    """Every loadable but wrong checkpoint is refused in one line before anything runs: none
+    resumes (to a different model) or ends in a traceback."""
+    shutil.copytree(finished_run, tmp_path / "run")
+    ckpt_edit(change)(tmp_path)
+    check_cli([*RESUME, "--rounds", "3"], tmp_path, capfd, caplog, USAGE, message)
+
+
+# ------------------------------------------------ 5. links planted while a run goes on (issue 23)
+def test_run_directory_files_are_never_opened_through_a_link(tmp_path):
+    """Every file flatflower appends to, reads or replaces in a run directory is opened without
+    following a link planted at its name (or at its temporary name): the link's target is never
+    read or changed; an append or a read is refused in one line, an atomic write replaces the
+    link itself."""
+    from server.progress import PROGRESS_FILE, read_progress, write_progress
+    from server.rundir import RunDir, RunDirError, RunWriteError, load_tensors, open_file
+    from tools.progress import Progress
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    run = RunDir(tmp_path / "run")
+    for name in ("metrics.jsonl", "clients.jsonl"):
+        (run.path / name).symlink_to(victim)
+        with pytest.raises(RunWriteError, match=f"cannot write {run.path / name}: it is a symbolic link"):
+            run.append_rows(name, [{"round": 1}])
+    with pytest.raises(RunDirError, match="it is a symbolic link"):
+        run.truncate_metrics(0)
+    with pytest.raises(OSError, match="it is a symbolic link"):
+        Progress(run.path, 3, live=False)()
+    for name in ("summary.json", "checkpoint.pt"):
+        (run.path / f"{name}.tmp").symlink_to(victim)
+    run.write_summary({"status": "ok"})
+    run.save("checkpoint.pt", {"x": torch.zeros(1)})
+    (run.path / "config.json").symlink_to(victim)
+    run.save("config.json", {"x": torch.zeros(1)})
+    assert not (run.path / "config.json").is_symlink()
+    torch.save({"x": torch.ones(1)}, tmp_path / "elsewhere.pt")
+    (run.path / "model_init.pt").symlink_to(tmp_path / "elsewhere.pt")
+    with pytest.raises(RunDirError, match="cannot read initial model .*: it is a symbolic link"):
+        load_tensors(run.path / "model_init.pt", "initial model")
+    (run.path / f".{PROGRESS_FILE}.{os.getpid()}.tmp").symlink_to(victim)
+    write_progress(run.path, {"round": 1})
+    (run.path / PROGRESS_FILE).unlink()
+    (run.path / PROGRESS_FILE).symlink_to(victim)
+    assert read_progress(run.path) is None
+    (run.path / "logs").mkdir()
+    (run.path / "logs" / "superlink.log").symlink_to(victim)
+    with pytest.raises(OSError, match="it is a symbolic link"):
+        open_file(run.path / "logs" / "superlink.log", "w")
+    assert victim.read_text() == "precious"

@@ -135,3 +135,61 @@ def test_output_into_a_closed_pipe_ends_quietly_as_a_shell_reports_sigpipe(comma
     proc.stdout.close()  # before the command writes a byte
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and err == b"", err.decode()
+
+
+def test_the_flower_app_ships_its_code_only_whatever_lies_in_the_checkout(tmp_path):
+    """`flwr run .`, `flatflower local` and Ray `simulate` ship the app directory as a FAB:
+    a sweep or run directories written into the checkout (as the README's examples do) are
+    never packed (they made Flower refuse the run over 10 MB, or shipped them to every node)."""
+    import zipfile
+    from io import BytesIO
+
+    from flwr.cli.build import build_fab_from_disk
+
+    app = tmp_path / "app"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    for name in tracked:
+        if (ROOT / name).is_file():
+            (app / name).parent.mkdir(parents=True, exist_ok=True)
+            (app / name).write_bytes((ROOT / name).read_bytes())
+    for junk in ("sweep-digits/fedavg-s0", "runs/fedsam-digits-s0"):
+        (app / junk).mkdir(parents=True)
+        (app / junk / "metrics.jsonl").write_text('{"round": 0}\n' * 1_000_000)  # 13 MB
+        (app / junk / "config.json").write_text("{}")
+    shipped = sorted(zipfile.ZipFile(BytesIO(build_fab_from_disk(app))).namelist())
+    code = sorted(n for n in tracked if n.split("/")[0] in ("common", "client", "server", "strategies", "tools")
+                  and (n.endswith(".py") or n.startswith("tools/presets/")))
+    assert shipped == sorted([".info/CONTENT", "pyproject.toml", *code])
+
+
+def test_every_set_example_in_the_help_is_accepted():
+    """The help's `--set KEY=VALUE` examples are valid run-config keys and values (it showed
+    `--set rho=0.05`, which is refused: the key is sam.rho)."""
+    from common.config import parse_assignments
+    from tools.cli import build_parser
+    from tools.sweep import build_parser as sweep_parser
+
+    parser = build_parser()
+    helps = [parser.format_help(), sweep_parser().format_help()]
+    helps += [sub.format_help() for action in parser._subparsers._group_actions
+              for sub in action.choices.values()]
+    examples = {m for text in helps for m in re.findall(r"--set\s+([a-z][\w.-]*=[^\s)]+)", " ".join(text.split()))}
+    assert "sam.rho=0.05" in examples
+    for example in examples:
+        RunConfig.from_mapping(parse_assignments([example]))
+
+
+def test_the_top_level_help_names_every_simulation_engine(capsys):
+    with pytest.raises(SystemExit):
+        cli(["--help"])
+    simulate = next(line for line in " ".join(capsys.readouterr().out.split()).split("simulate ")[1:]
+                    if line.startswith("run on"))
+    assert all(engine in simulate for engine in ("Ray", "inprocess", "vectorized"))
+
+
+def test_run_elapsed_is_formatted():
+    from tools.progress import seconds_text
+
+    assert seconds_text("31.795824") == "31.8s" and seconds_text(31.795824) == "31.8s"
+    assert seconds_text("?") == "?" and seconds_text("\x1b[2J") == "\\x1b[2J"

@@ -115,6 +115,8 @@ def test_digits_preset_runs_inprocess(tmp_path, capsys):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == preset.config["num-server-rounds"] + 1
     assert rows[-1]["clients_sampled"] == 10  # 20 clients from the preset, fraction 0.5
+    # it looks like learning (5 rounds ended at 39%), as its description says
+    assert rows[-1]["test_accuracy"] >= 0.75 and "ends at 75-86% test accuracy" in preset.description
     assert "preset digits-quick" in capsys.readouterr().out
 
 
@@ -173,3 +175,13 @@ def test_missing_preset_is_one_line_exit_2(tmp_path, capsys, arg, message):
     assert message in err
     if "available" in message:
         assert all(name in err for name in PRESETS)
+
+
+def test_a_presets_escape_bytes_are_shown_escaped_never_sent_to_the_terminal(tmp_path, capsys):
+    """A preset's description is text from a file: ``\\x1b[2J`` (clear screen) or a newline
+    faking a line is printed as its escape."""
+    path = write_preset(tmp_path, GOOD.replace('"test preset"', '"evil \\u001b[2J\\nerror: fake"'))
+    assert main(["simulate", "--engine", "inprocess", "--preset", str(path), "--clients", "0"]) == 2
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\nerror: fake" not in out
+    assert "preset p: evil \\x1b[2J\\nerror: fake" in out

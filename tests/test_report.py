@@ -194,11 +194,29 @@ def test_main_writes_png_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "Per algorithm" in stdout  # shown because fedsam has two seeds
 
 
-def test_main_default_png_in_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_default_png_beside_the_runs_never_in_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One run: its plots go into its directory; several: into the directory holding them all.
+    Nothing is written to the current directory (a checkout's own files were overwritten)."""
+    runs = tmp_path / "runs"
+    a, b = write_run(runs, "a", ACC), write_run(runs, "b", ACC)
+    cwd = tmp_path / "checkout"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert main([str(a)]) == 0
+    assert (a / "report.png").read_bytes().startswith(PNG_MAGIC)
+    assert (a / "report-bytes.png").is_file()
+    assert main([str(a), str(b)]) == 0
+    assert (runs / "report.png").read_bytes().startswith(PNG_MAGIC)
+    assert list(cwd.iterdir()) == []
+
+
+def test_main_out_under_a_regular_file_is_one_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     run_dir = write_run(tmp_path, "r", ACC)
-    monkeypatch.chdir(tmp_path)
-    assert main([str(run_dir)]) == 0
-    assert (tmp_path / "report.png").read_bytes().startswith(PNG_MAGIC)
+    (tmp_path / "afile").write_text("precious")
+    assert main([str(run_dir), "--out", str(tmp_path / "afile" / "r.png")]) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert err == [f"error: cannot write the report: {tmp_path / 'afile'}: File exists"]
+    assert (tmp_path / "afile").read_text() == "precious"
 
 
 def test_main_missing_directory_returns_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tools.cli import main as cli
+from tools.sweep import main
 
 FAST = ["--engine", "inprocess", "--clients", "3", "--rounds", "2", "--dataset", "synthetic",
         "--model", "logreg", "--partition", "dirichlet", "--set", "local-steps=2"]
@@ -62,12 +64,26 @@ def test_bad_input_is_one_error_line_and_runs_nothing(tmp_path, capsys):
         ("fedavg,fedfoo", "0", [], "unknown algorithm(s) fedfoo"),
         ("fedavg", "0,x", [], "--seeds expects comma-separated integers"),
         ("fedavg", "1,1", [], "--seeds must be distinct"),
-        ("fedavg", "0", ["--seed", "3"], "--seed is set by the sweep"),
         ("fedavg", "0", ["--set", "lr=-1"], "lr must be a finite number > 0"),
     ]:
         assert sweep(out, *extra, algorithms=algorithms, seeds=seeds) == 2
         assert message in capsys.readouterr().err
         assert not (out / "fedavg-s0" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag", ["--algorithm", "--seed", "--run-dir", "--resume"])
+def test_the_flags_the_sweep_sets_itself_are_not_options(tmp_path, capsys, flag):
+    """--algorithm, --seed, --run-dir and --resume mean nothing to a sweep (it sets each run's):
+    not in its help, and refused in one line."""
+    from tools.sweep import build_parser
+
+    assert flag + " " not in build_parser().format_help()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--algorithms", "fedavg", "--out", str(tmp_path / "s"), flag, "x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == [f"error: unrecognized arguments: {flag} x (see flatflower "
+                                             "sweep --help)"]
+    assert not (tmp_path / "s").exists()
 
 
 def test_partition_seed_decouples_the_partition_from_the_seed(tmp_path):

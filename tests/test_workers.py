@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,3 +176,38 @@ def test_sigterm_stops_the_supervisor_and_its_worker_at_once():
             supervisor.wait(30)
         if worker and not _gone(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- what the worker says
+def _wait_for_line(path, needle: str, seconds: float) -> str:
+    """The first line of file ``path`` that holds ``needle``, once it is there ('' at the deadline)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.exists():
+            found = [line for line in path.read_text().splitlines() if needle in line]
+            if found:
+                return found[0]
+        time.sleep(0.2)
+    return ""
+
+
+@pytest.mark.integration
+def test_the_worker_says_where_it_connected_and_where_it_cannot(tmp_path):
+    """flatflower-worker prints one line when it reaches its SuperNode's Runtime API, and its
+    retries name the address it cannot reach (Flower's own say "Connection attempt failed")."""
+    port = free_port()
+    log = tmp_path / "lonely.log"
+    with open(log, "w") as out:
+        lonely = subprocess.Popen([sys.executable, "-m", "tools.worker", "--runtime-api-address",
+                                   f"127.0.0.1:{port}", "--insecure"], cwd=ROOT, stdout=out, stderr=out)
+    try:
+        line = _wait_for_line(log, "cannot reach", round_deadline())
+        assert line == (f"flatflower-worker: cannot reach the SuperNode's Runtime API at 127.0.0.1:{port}; "
+                        f"retrying in {line.rsplit(' ', 2)[-2]} s"), log.read_text()
+    finally:
+        lonely.terminate()
+        lonely.wait(30)
+    with LocalFederation(1, tmp_path / "work", tmp_path / "logs"):
+        line = _wait_for_line(tmp_path / "logs" / "supernode-0-worker.log", "connected", round_deadline())
+    assert re.fullmatch(r"flatflower-worker: connected to the SuperNode's Runtime API at 127\.0\.0\.1:\d+",
+                        line), line

@@ -24,7 +24,7 @@ import sys
 
 from common.config import cli_int
 from tools import commands
-from tools.prepare import add_run_arguments, add_simulate_arguments
+from tools.prepare import Parser, add_run_arguments, add_simulate_arguments
 
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
@@ -40,7 +40,7 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="flatflower", description="Sharpness-aware federated learning on Flower: run, "
         "simulate, compare and benchmark the SAM family of algorithms.")
     parser.add_argument("--version", action="version", version=version())
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--tls", action="store_true",
                        help="TLS on the SuperLink's APIs and SuperNode authentication "
                             "(certificates and node keys generated for the run)")
-    sim = sub.add_parser("simulate", help="run on Flower's simulation engine (Ray)")
+    sim = sub.add_parser("simulate", help="run on one machine: Flower's simulation engine (Ray), or "
+                         "in one process (--engine inprocess | vectorized)")
     add_run_arguments(sim)
     add_simulate_arguments(sim)
     sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)

@@ -111,7 +111,10 @@ def check(args: argparse.Namespace) -> int:
 
 
 def presets(args: argparse.Namespace) -> int:
-    """List name, description and source of each preset in tools/presets/."""
+    """List name, description and source of each preset in tools/presets/ (control characters
+    shown escaped: a preset file cannot write to the terminal)."""
+    from common.schema import printable
+
     names = available()
     if not names:
         print("no presets in tools/presets/")
@@ -124,7 +127,8 @@ def presets(args: argparse.Namespace) -> int:
             failed = True
             continue
         clients = f"  ({preset.clients} clients)" if preset.clients else ""
-        print(f"{name}{clients}\n    {preset.description}\n    source: {preset.source or '-'}")
+        print(f"{printable(name)}{clients}\n    {printable(preset.description)}\n    "
+              f"source: {printable(preset.source or '-')}")
     return EXIT_USAGE if failed else EXIT_OK
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import RunConfig
+from tools.progress import seconds_text
 
 OnPoll = Callable[[], None]
 
@@ -50,7 +51,7 @@ def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: f
             row = fed.wait(run_id, timeout, poll=0.5, on_poll=on_poll)
             fed.save_log(run_id, logs / "run.log")
         print(f"flower: {row.get('status')} in {time.monotonic() - t0:.1f}s "
-              f"(run elapsed {row.get('elapsed', '?')})", flush=True)
+              f"(run elapsed {seconds_text(row.get('elapsed', '?'))})", flush=True)
         return Outcome(row.get("status") == COMPLETED, row.get("status-details", ""))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -246,7 +246,9 @@ class LocalFederation:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        log_file = open(self.log_dir / f"{name}.log", "w")
+        from server.rundir import open_file  # never through a link planted in the run's logs
+
+        log_file = open_file(self.log_dir / f"{name}.log", "w")
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
                                 cwd=self.work_dir, start_new_session=True)
         log_file.close()
@@ -532,7 +534,11 @@ class LocalFederation:
                 and table.get(pid, (0, b""))[1] == cmd}
 
     def save_log(self, run_id: int, path: Path) -> None:
+        from server.rundir import open_file
+
         try:
-            path.write_text(self.flwr("log", str(run_id), self.connection, "--show", timeout=60))
+            text = self.flwr("log", str(run_id), self.connection, "--show", timeout=60)
         except FederationError as err:
-            path.write_text(f"could not fetch the run log: {err}\n")
+            text = f"could not fetch the run log: {err}\n"
+        with open_file(path, "w") as f:
+            f.write(text)

@@ -11,9 +11,10 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from common.config import MAX_SECONDS, ConfigError, RunConfig, cli_float, cli_int, parse_assignments
+from common.config import (MAX_SECONDS, ConfigError, RunConfig, cli_float, cli_int, parse_assignments,
+                           user_path)
 from tools.presets import load_preset
 
 DEFAULT_CLIENTS = 4
@@ -25,9 +26,20 @@ class UsageError(Exception):
 
 
 # ---------------------------------------------------------------------------- arguments
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of every command that runs a federation (local, simulate, sweep)."""
-    p.add_argument("--algorithm", "-a", help="algorithm name, e.g. fedsam, fedgmt, fedtoga (default: run config)")
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one ``error:`` line and exit code 2 (argparse's own
+    print the whole usage first); its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
+    """The options of every command that runs a federation (local, simulate; sweep without
+    the ``per_run`` ones it sets itself: --algorithm, --seed, --run-dir, --resume)."""
+    if per_run:
+        p.add_argument("--algorithm", "-a",
+                       help="algorithm name, e.g. fedsam, fedgmt, fedtoga (default: run config)")
     p.add_argument("--preset", metavar="NAME_OR_FILE",
                    help="start from a preset: a TOML file or a name in tools/presets/ "
                         "(list: flatflower presets)")
@@ -39,17 +51,20 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | resnet18-gn")
     p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological | "
                    "natural (synthetic-fedprox's own clients)")
-    p.add_argument("--seed", type=cli_int)
+    if per_run:
+        p.add_argument("--seed", type=cli_int)
     p.add_argument("--fraction", type=cli_float, help="fraction of clients per round (fraction-train)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="any run-config key, e.g. --set rho=0.05 --set lr=0.05 (repeatable)")
-    p.add_argument("--run-dir", help="where the run directory goes (default runs/<name>)")
+                   help="any run-config key, e.g. --set sam.rho=0.05 --set lr=0.05 (repeatable)")
+    if per_run:
+        p.add_argument("--run-dir", help="where the run directory goes (default runs/<name>)")
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="TensorBoard event files in the run directory (default: on when the "
                         "tensorboard package is installed)")
-    p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its last checkpoint (same config; "
-                        "--rounds may extend it)")
+    if per_run:
+        p.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its last checkpoint (same config; "
+                            "--rounds may extend it)")
     p.add_argument("--timeout", type=cli_float, default=3600.0,
                    help=f"give up after this many seconds (at most {MAX_SECONDS:.0f})")
 
@@ -73,6 +88,8 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
 
     Idempotent: the preset is read once and kept on ``args``."""
     if not hasattr(args, "preset_values"):
+        from common.schema import printable
+
         preset = load_preset(args.preset) if args.preset else None
         args.preset_values = dict(preset.config) if preset else {}
         if args.clients is None and args.resume:
@@ -80,7 +97,7 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
         if args.clients is None:
             args.clients = preset.clients if preset and preset.clients else DEFAULT_CLIENTS
         if preset:
-            print(f"preset {preset.name}: {preset.description}", flush=True)
+            print(f"preset {preset.name}: {printable(preset.description)}", flush=True)
     return args.preset_values
 
 
@@ -103,11 +120,15 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     cfg = RunConfig.from_mapping(values)
     if cfg.num_partitions != args.clients:
         raise UsageError(f"num-partitions={cfg.num_partitions} disagrees with --clients {args.clients}")
-    run_dir = Path(args.run_dir or cfg.run_dir or _default_run_dir(cfg)).expanduser().resolve()
+    run_dir = user_path(str(args.run_dir or cfg.run_dir or _default_run_dir(cfg)), "--run-dir").resolve()
     if (run_dir / "metrics.jsonl").exists():
         raise UsageError(f"{run_dir} already holds a run; choose another --run-dir "
                          "(or continue it with --resume)")
     _check_writable(run_dir)
+    if run_dir.is_dir():
+        from server.rundir import refuse_links
+
+        refuse_links(run_dir)
     # clients mirror their state into the run directory (a relative client-state-dir is inside
     # it: the directory can be moved or copied), so --resume is exact
     state_dir = cfg.client_state_dir or CLIENT_STATE
@@ -136,9 +157,9 @@ def _check_writable(run_dir: Path) -> None:
 def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> RunConfig:
     """The config of the run in ``--resume RUN_DIR``, checked against its checkpoint. The
     directory stays claimed by this command (a second resume of it is refused at once)."""
-    from server.rundir import check_client_state, check_resumable, claim, load_checkpoint
+    from server.rundir import check_client_state, check_resumable, claim, load_checkpoint, refuse_links
 
-    run_dir = Path(args.resume).expanduser().resolve()
+    run_dir = user_path(args.resume, "--resume").resolve()
     given = [flag for flag, value in (
         ("--preset", args.preset), ("--set", args.sets), ("--algorithm", args.algorithm),
         ("--dataset", args.dataset), ("--model", args.model), ("--partition", args.partition),
@@ -147,6 +168,8 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
         raise UsageError(f"--resume continues a run as it was configured: {', '.join(given)} "
                          "cannot be combined with it (only --rounds, --clients, --timeout)")
     check_run_arguments(args)
+    if run_dir.is_dir():
+        refuse_links(run_dir)
     saved = _saved_config(run_dir)
     # the directory itself (the ServerApp locks its .lock file): nothing is written here
     args.run_dir_claim = claim(run_dir, f"{run_dir} is being resumed or run by another "
@@ -173,31 +196,37 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
 
 def _saved_config(run_dir: Path) -> dict[str, Any]:
     """config.json's run config of a run directory (UsageError when there is none)."""
+    from server.rundir import open_file
+
     path = run_dir / "config.json"
     if not run_dir.is_dir():
         raise UsageError(f"run directory {run_dir} does not exist")
     if not path.is_file():
         raise UsageError(f"{run_dir} is not a flatflower run directory (no config.json)")
     try:
-        saved = json.loads(path.read_text())["config"]
+        with open_file(path) as f:
+            saved = json.loads(f.read())["config"]
         if not isinstance(saved, dict):
             raise TypeError("'config' is not a table")
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, RecursionError) as err:  # ValueError: not JSON or UTF-8
         raise UsageError(f"{path} is corrupt: {err}") from None
     return saved
 
 
 def resume_clients(run_dir: str) -> int | None:
     """Number of clients of the run in ``run_dir`` (partition.json, else its checkpoint)."""
-    from server.rundir import RunDirError, load_checkpoint
+    from server.rundir import RunDirError, load_checkpoint, open_file
 
     try:
-        return int(json.loads((Path(run_dir) / "partition.json").read_text())["num_partitions"])
-    except (OSError, ValueError, KeyError, TypeError):
+        with open_file(Path(run_dir) / "partition.json") as f:
+            n = json.loads(f.read())["num_partitions"]
+        if type(n) is int and n >= 1:
+            return n
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass
     try:
-        return int(load_checkpoint(run_dir)["num_partitions"])
-    except (RunDirError, KeyError, TypeError, ValueError):
+        return load_checkpoint(run_dir)["num_partitions"]
+    except (RunDirError, ConfigError):
         return None  # the resume itself reports what is wrong
 
 
@@ -234,6 +263,8 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
         model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
     except ValueError as err:
         raise UsageError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
+    if cfg.resume:
+        _check_strategy_state(cfg, model.state_dict())
     if engine == "vectorized":
         from client.vectorized import check_batchable
 
@@ -254,6 +285,21 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
         raise UsageError(f"min-replies={cfg.min_replies} exceeds the {per_round} clients sampled per "
                          f"round ({num_clients} clients, fraction-train={cfg.fraction_train:g}): "
                          "every round would be skipped")
+
+
+def _check_strategy_state(cfg: RunConfig, model_state: dict) -> None:
+    """UsageError unless the checkpoint's strategy state is what this run's strategy allocates
+    (as the ServerApp will load it): a damaged checkpoint is refused before anything starts."""
+    from common.data import partitions_for
+    from common.registry import get as get_spec
+    from server.rundir import CHECKPOINT, load_checkpoint
+
+    strategy = get_spec(cfg.algorithm).strategy_class()(
+        cfg, model_state, partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)])
+    try:
+        strategy.load_state_dict(load_checkpoint(cfg.run_dir)["strategy"])
+    except ValueError as err:
+        raise UsageError(f"checkpoint {Path(cfg.run_dir) / CHECKPOINT} is damaged: {err}") from None
 
 
 def app_dir(given: str | None) -> Path:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig, did_you_mean, flat_keys
+from common.config import ConfigError, RunConfig, did_you_mean, flat_keys, user_path
 
 try:
     import tomllib
@@ -56,7 +56,10 @@ def available(directory: Path = PRESET_DIR) -> list[str]:
 
 def find_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Path:
     """The file of a preset: an existing path, else ``directory/<name>.toml``."""
-    path = Path(name_or_path).expanduser()
+    try:
+        path = user_path(str(name_or_path), "--preset")
+    except ConfigError as err:
+        raise PresetError(str(err)) from None
     if path.is_file():
         return path
     text = str(name_or_path)
@@ -80,6 +83,8 @@ def load_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Prese
         raise PresetError(f"{path}: invalid TOML: {err}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise PresetError(f"{path}: cannot read preset: {err}") from None
+    except (ValueError, RecursionError) as err:  # an int of over 4300 digits; nesting too deep
+        raise PresetError(f"{path}: invalid TOML: {str(err)[:200]}") from None
 
     unknown = sorted(set(data) - {"preset", "config"})
     if unknown:
@@ -90,7 +95,11 @@ def load_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Prese
             raise PresetError(f"{path}: missing [{table}] table")
         if not isinstance(data[table], dict):
             raise PresetError(f"{path}: {table} must be a table ([{table}])")
-    meta, config = data["preset"], flat_keys(data["config"])
+    meta = data["preset"]
+    try:
+        config = flat_keys(data["config"])
+    except RecursionError:
+        raise PresetError(f"{path}: [config] is nested too deeply") from None
 
     unknown = sorted(set(meta) - set(PRESET_KEYS))
     if unknown:

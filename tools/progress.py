@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from common.config import RunConfig
+from common.schema import printable
 from server.progress import read_progress
+from server.rundir import open_file
 
 EXIT_OK, EXIT_FAILED = 0, 1
 STAGES = {"handshake": "nodes answered the partition handshake", "train": "clients replied"}
@@ -29,6 +31,15 @@ def duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def seconds_text(value: Any) -> str:
+    """A number of seconds as Flower reports it (``31.795824``, maybe as text) -> ``31.8s``;
+    anything else as it is."""
+    try:
+        return f"{float(value):.1f}s"
+    except (TypeError, ValueError):
+        return printable(value, 40)
 
 
 def round_line(row: dict[str, Any], rounds: int, eta: float | None) -> str:
@@ -49,7 +60,8 @@ def client_lines(row: dict[str, Any]) -> list[str]:
     for what, entries in (("failed", row.get("failures", [])), ("refused", row.get("rejections", []))):
         for e in entries:
             stage = f"{e['stage']} reply " if "stage" in e else ""
-            lines.append(f"    client {e['partition']} (node {e['node']}) {stage}{what}: {e['reason']}")
+            lines.append(printable(f"    client {e['partition']} (node {e['node']}) {stage}{what}: "
+                                   f"{e['reason']}"))
     return lines
 
 
@@ -91,10 +103,13 @@ class Progress:
             print(text, file=self.out, flush=True)
 
     def _new_rows(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
+        try:
+            with open_file(self.path) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
             return []
         rows = []
-        for line in self.path.read_text().splitlines()[self.seen:]:
+        for line in lines[self.seen:]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -205,7 +220,9 @@ def finish(cfg: RunConfig, ok: bool, progress: Progress, details: str = "") -> i
 def failure_reason(run_dir: Path) -> str:
     """The one-line reason a failed run wrote to its summary.json ('' if none)."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        with open_file(run_dir / "summary.json") as f:
+            summary = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
         return ""
-    return str(summary.get("error", "")) if isinstance(summary, dict) and summary.get("status") == "failed" else ""
+    failed = isinstance(summary, dict) and summary.get("status") == "failed"
+    return printable(summary.get("error", ""), 500) if failed else ""

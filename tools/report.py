@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -434,11 +435,15 @@ def render_table(rows: Sequence[dict[str, Any]], title: str, width: int = 160) -
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``flatflower report`` argument parser."""
-    parser = argparse.ArgumentParser(prog="flatflower report", description="Summarize run directories.")
+    from tools.prepare import Parser
+
+    parser = Parser(prog="flatflower report", description="Summarize run directories.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to summarize")
     parser.add_argument("--last-k", type=cli_int, default=5, help="rounds averaged for the last-k mean (default 5)")
     parser.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
-    parser.add_argument("--out", type=Path, default=Path("report.png"), help="accuracy plot (default report.png)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="accuracy plot (default: report.png in the run directory, or in the "
+                             "directory that holds all the RUN_DIRs)")
     parser.add_argument("--out-bytes", type=Path, default=None,
                         help="accuracy vs cumulative bytes plot (default: <out stem>-bytes.png)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
@@ -507,22 +512,36 @@ def main(argv: list[str] | None = None) -> int:
         print(render_table(drift_table(drift_rows),
                            title="Client drift per algorithm (clients.jsonl: mean over rounds, "
                                  "± std over seeds)"))
-    png = plot_accuracy(runs, args.out)
-    print(f"plot: {png}")
-    out_bytes = args.out_bytes or args.out.with_name(f"{args.out.stem}-bytes{args.out.suffix or '.png'}")
+    try:
+        write_outputs(args, runs, {"runs": summaries, "by_algorithm": grouped, "drift": drift_rows,
+                                   "setting_differences": differences})
+    except OSError as err:  # e.g. --out under a regular file
+        print(f"error: cannot write the report: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def default_out(run_dirs: Sequence[str | Path]) -> Path:
+    """report.png in the run directory, or in the deepest directory holding all of them (never
+    the current directory: a report run in a checkout would overwrite its files)."""
+    return Path(os.path.commonpath([Path(d).resolve() for d in run_dirs])) / "report.png"
+
+
+def write_outputs(args: argparse.Namespace, runs: Sequence[RunSummary], payload: dict) -> None:
+    """The plots (accuracy vs rounds and vs bytes, client drift) and the --json / --csv files."""
+    out = args.out or default_out(args.run_dirs)
+    print(f"plot: {plot_accuracy(runs, out)}")
+    out_bytes = args.out_bytes or out.with_name(f"{out.stem}-bytes{out.suffix or '.png'}")
     print(f"plot: {plot_accuracy(runs, out_bytes, x='bytes')}")
-    drift_png = plot_drift(runs, args.out.with_name(f"{args.out.stem}-drift{args.out.suffix or '.png'}"))
+    drift_png = plot_drift(runs, out.with_name(f"{out.stem}-drift{out.suffix or '.png'}"))
     if drift_png is not None:
         print(f"plot: {drift_png}")
     if args.json is not None:
-        payload = {"runs": summaries, "by_algorithm": grouped, "drift": drift_rows,
-                   "setting_differences": differences}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"json: {args.json}")
     if args.csv is not None:
         print(f"csv: {write_csv(runs, args.csv)}")
-    return 0
 
 
 if __name__ == "__main__":

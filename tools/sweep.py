@@ -27,13 +27,13 @@ from pathlib import Path
 from common.config import cli_float, cli_int, did_you_mean
 from common.registry import ALGORITHMS
 from tools import commands
-from tools.prepare import add_run_arguments, add_simulate_arguments
+from tools.prepare import Parser, add_run_arguments, add_simulate_arguments
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="flatflower sweep", description=__doc__.split("\n\n")[0].replace("``", "'"),
         allow_abbrev=False, epilog="The other options are `flatflower simulate`'s.")
     p.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedsam,fedtoga")
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", "-j", type=cli_int, default=1,
                    help="runs at a time, each in its own process (default 1: one after the other, "
                         "in this process); at most the number of CPU cores helps")
-    add_run_arguments(p)
+    add_run_arguments(p, per_run=False)  # each run's algorithm, seed and directory: the sweep's
     add_simulate_arguments(p)
     return p
 
@@ -64,10 +64,6 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
         raise ValueError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds must be distinct integers >= 0, got {args.seeds!r}")
-    for flag in ("algorithm", "seed", "run_dir", "resume"):
-        if getattr(args, flag) is not None:
-            raise ValueError(f"--{flag.replace('_', '-')} is set by the sweep; use --algorithms / "
-                             "--seeds / --out")
     if args.last_k < 1:
         raise ValueError("--last-k must be >= 1")
     if args.jobs < 1:
@@ -102,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             one = copy.copy(args)
             one.algorithm, one.seed, one.run_dir, one.sets = algorithm, seed, str(run_dir), list(args.sets)
+            one.resume = None
             todo.append(one)
     if args.jobs > 1 and todo:
         if commands.run("check", copy.copy(todo[0])) == EXIT_USAGE:

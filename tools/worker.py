@@ -53,13 +53,22 @@ class Worker:
         self.app = None
 
     def client(self, *interceptors):
+        """A Runtime API client with Flower's retries, each of which says the address it tries."""
         from flwr.supercore.retry import make_simple_http_retry_invoker
         from flwr.supercore.runtime import RuntimeHttpClient
 
+        retry = make_simple_http_retry_invoker()
+
+        def wait(seconds: float) -> None:  # Flower's says "Connection attempt failed" only
+            say(f"cannot reach the SuperNode's Runtime API at {self.address}; retrying in "
+                f"{seconds:.1f} s")
+            time.sleep(seconds)
+
+        retry.wait_function = wait
         return RuntimeHttpClient.from_server_address(
             server_address=self.address, insecure=self.insecure,
             root_certificates=self.root_certificates, interceptors=list(interceptors),
-            retry_invoker=make_simple_http_retry_invoker())
+            retry_invoker=retry)
 
     def serve(self) -> int:
         """Acquire and run tasks until a task of another FAB has run (then exit to reload)."""
@@ -68,9 +77,13 @@ class Worker:
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
         client = self.client(RuntimeVersionHttpInterceptor(component_name="SuperExec"))
+        connected = False
         try:
             while True:
                 res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+                if not connected:
+                    say(f"connected to the SuperNode's Runtime API at {self.address}")
+                    connected = True
                 if res.HasField("task") and res.token:
                     if res.task.fab_hash and self.fab_hash not in (None, res.task.fab_hash):
                         self.cold(res.token)
@@ -137,6 +150,11 @@ class Worker:
         return self.app
 
 
+def say(text: str) -> None:
+    """One line of the worker's own on its standard error."""
+    print(f"flatflower-worker: {text}", file=sys.stderr, flush=True)
+
+
 def pull_task_input(client):
     """(message, context, run, fab) of the acquired task: Flower's ``pull_task_input`` with
     short object-pull backoffs (a parameter of Flower's own pull function)."""
@@ -168,7 +186,9 @@ def pull_task_input(client):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flatflower-worker", description=(
+    from tools.prepare import Parser
+
+    p = Parser(prog="flatflower-worker", description=(
         "A warm ClientApp worker for one SuperNode started with --isolation process: it runs "
         "the SuperNode's ClientApp tasks in one long-lived process (restarted when it exits)."))
     p.add_argument("--runtime-api-address", default="127.0.0.1:9094",
@@ -231,7 +251,7 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
         if stopping or (args.parent_pid and not _alive(args.parent_pid)):
             return 0
         failures = 0 if code == WORKER_EXIT_NEW_FAB or time.monotonic() - started > 60 else failures + 1
-        print(f"flatflower-worker: worker exited with code {code}; restarting", file=sys.stderr, flush=True)
+        say(f"worker exited with code {code}; restarting")
         pause_until = time.monotonic() + min(10.0, 0.5 * 2 ** min(failures, 5))
         while not stopping and time.monotonic() < pause_until:
             time.sleep(0.1)
