@@ -6,6 +6,8 @@ real run). ``KIND`` or ``KIND@R`` (from round R on):
     hang       the ClientApp sleeps far past any round deadline: a hung client
     nan        the reply's model is all NaN (after training)
     scale:F    the reply's update w_i - w is multiplied by F (an outlier), e.g. scale:100
+    mute       the ClientApp never answers the partition handshake (query); ``mute:S``: it
+               answers after S seconds (a node that joins late)
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-KINDS = ("raise", "exit", "hang", "nan", "scale")
+KINDS = ("raise", "exit", "hang", "nan", "scale", "mute")
+FOREVER = 24 * 3600.0  # seconds: far past any deadline
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
     from_round: int = 1
-    factor: float = 1.0
+    factor: float = 1.0  # scale's F; mute's seconds
 
     @classmethod
     def parse(cls, text: str) -> Fault | None:
@@ -31,13 +34,16 @@ class Fault:
             return None
         spec, _, rnd = text.partition("@")
         kind, _, arg = spec.partition(":")
+        takes_arg = {"scale": (True,), "mute": (False, True)}.get(kind, (False,))
         try:
-            fault = cls(kind, int(rnd) if rnd else 1, float(arg) if arg else 1.0)
+            fault = cls(kind, int(rnd) if rnd else 1,
+                        float(arg) if arg else FOREVER if kind == "mute" else 1.0)
         except ValueError:
             fault = None
-        if fault is None or kind not in KINDS or (kind == "scale") != bool(arg) or fault.from_round < 1:
+        if (fault is None or kind not in KINDS or bool(arg) not in takes_arg or fault.from_round < 1
+                or kind == "mute" and not 0 <= fault.factor <= FOREVER):
             raise ValueError(f"inject-fault={text!r} is not one of: raise, exit, hang, nan, "
-                             "scale:F, each optionally @ROUND")
+                             "scale:F, each optionally @ROUND; mute, mute:SECONDS")
         return fault
 
     def active(self, server_round: int) -> bool:
@@ -51,7 +57,12 @@ class Fault:
         if self.kind == "exit":
             os._exit(17)
         if self.kind == "hang":
-            time.sleep(24 * 3600)
+            time.sleep(FOREVER)
+
+    def before_query(self) -> None:
+        """``mute``: the handshake's answer comes after ``factor`` seconds (never, by default)."""
+        if self.kind == "mute":
+            time.sleep(self.factor)
 
     def corrupt(self, server_round: int, start: OrderedDict, local: OrderedDict) -> OrderedDict:
         """The model the client reports instead of ``local``."""

@@ -13,22 +13,31 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from flwr.app import Error, Message, MessageType
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from client.app import app as client_app
+from client.app import query as client_query
+from client.app import train as client_train
 from client.faults import Fault
 from client.state import StateMirror
+from common import protocol as P
 from common.config import RunConfig
 from tools.cli import main as cli
 from tools.inprocess import InProcessGrid
 from server.rundir import RunDirError, load_checkpoint
 from server.run import RunFailed, run_server
+from strategies.participation import NoNodesError
 from tests.helpers import (DEPLOYED, RAY_RETRY, ROOT, deployed, fast_config, flower_pids, metrics,
-                           run_with_faults, same, set_flags)
+                           run_with_faults, same, set_flags, startup_seconds)
 
 
 # ---------------------------------------------------------------- client failures
@@ -124,6 +133,100 @@ def test_fault_specs_are_validated():
     for bad in ("explode", "scale", "nan:2", "raise@0", "scale:x"):
         with pytest.raises(ValueError, match="inject-fault"):
             Fault.parse(bad)
+
+
+def test_fault_specs_mute_the_handshake_for_ever_or_for_seconds():
+    assert Fault.parse("mute") == Fault("mute", 1, 24 * 3600.0)
+    assert Fault.parse("mute:2.5") == Fault("mute", 1, 2.5)
+    for bad in ("mute:-1", "mute:nan", "mute:x"):
+        with pytest.raises(ValueError, match="inject-fault"):
+            Fault.parse(bad)
+
+
+# ---------------------------------------------------------------- a node that never answers its handshake
+class CountingGrid(InProcessGrid):
+    """The in-process grid, counting the handshake queries each node is sent."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.queries: dict[int, list[str]] = {}  # node id -> message ids of its queries
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        for msg, message_id in zip(messages, ids):
+            if msg.metadata.message_type == MessageType.QUERY:
+                self.queries.setdefault(msg.metadata.dst_node_id, []).append(message_id)
+        return ids
+
+
+def _handshake_run(tmp_path, name, grid_class=CountingGrid, client=None, faults=None,
+                   offline=(), **overrides):
+    """4 rounds of 3 in-process clients, all sampled; a node's handshake is waited for at most
+    the measured start-up of a Python process with torch (far longer than an in-process
+    answer takes)."""
+    cfg = RunConfig.from_mapping(fast_config(
+        run_dir=str(tmp_path / name), algorithm="fedavg", num_partitions=3, num_server_rounds=4,
+        node_wait_timeout=round(startup_seconds(), 1), **overrides))
+    grid = grid_class(client or client_app, 3, cfg.to_dict())
+    grid.offline = {1000 + p for p in offline}
+    for pid, fault in (faults or {}).items():
+        grid.contexts[1000 + pid].node_config["inject-fault"] = fault
+    run_server(grid, cfg)
+    return metrics(Path(cfg.run_dir)), torch.load(Path(cfg.run_dir) / "model_final.pt"), grid
+
+
+def _handshake_refusals(rows: list[dict]) -> list[tuple[int, dict]]:
+    return [(r["round"], e) for r in rows[1:] for e in r["rejections"] if e["stage"] == "handshake"]
+
+
+def test_a_node_that_never_answers_its_handshake_is_reported_once_and_waited_for_once(tmp_path, caplog):
+    """Node 2 never answers its query: round 1 waits node-wait-timeout for it once, records it
+    (with its node id) under `rejections` and the log, and no later round (train or evaluate)
+    asks it again and waits; the run is that of a federation without it."""
+    caplog.set_level(logging.WARNING)
+    rows, final, grid = _handshake_run(tmp_path, "mute", faults={2: "mute"}, fraction_evaluate=1.0)
+    refusals = _handshake_refusals(rows)
+    assert len(refusals) == 1 and refusals[0][0] == 1, refusals
+    assert refusals[0][1]["node"] == 1002 and "no answer to the partition handshake" in refusals[0][1]["reason"]
+    assert "node 1002" in caplog.text and "no answer to the partition handshake" in caplog.text
+    assert len(grid.queries[1002]) == 1  # one query, one wait: not one per round
+    assert all(r["sampled_partitions"] == [0, 1] and r["skipped"] == 0 for r in rows[1:]), rows
+    _, without, _ = _handshake_run(tmp_path, "offline", offline=[2], fraction_evaluate=1.0)
+    assert same(final, without)
+
+
+class ReleaseAtRound(CountingGrid):
+    """Holds node 2's handshake answer until round 2's train messages go out, then lets it
+    land (the server takes it at its next look, round 3)."""
+
+    release = threading.Event()
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        if any(m.metadata.message_type == MessageType.TRAIN for m in messages) \
+                and int(messages[0].content[P.CONFIG]["server-round"]) == 2:
+            self.release.set()
+            with self._arrived:
+                assert self._arrived.wait_for(lambda: self.queries[1002][0] in self._pending, 60)
+        return super().push_messages(messages)
+
+
+def test_a_node_that_answers_its_handshake_late_joins_without_holding_up_a_round(tmp_path):
+    late = ClientApp()
+    late.train()(client_train)
+
+    @late.query()
+    def query(msg, context):
+        if context.node_config["partition-id"] == 2:
+            ReleaseAtRound.release.wait()
+        return client_query(msg, context)
+
+    ReleaseAtRound.release.clear()
+    rows, _, grid = _handshake_run(tmp_path, "late", ReleaseAtRound, client=late)
+    assert [r["sampled_partitions"] for r in rows[1:]] == [[0, 1], [0, 1], [0, 1, 2], [0, 1, 2]]
+    assert len(_handshake_refusals(rows)) == 1 and len(grid.queries[1002]) == 1
+    assert all(r["skipped"] == 0 for r in rows[1:])
 
 
 # ---------------------------------------------------------------- checkpoints and resume
@@ -223,6 +326,58 @@ def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SI
 def _cli_process(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], cwd=ROOT,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
+
+
+class LeavingGrid(InProcessGrid):
+    """Every node leaves as round 3's train messages go out: each gets the error reply the
+    SuperLink gives for a node that is gone, and ``get_node_ids`` finds none ``looks`` times."""
+
+    def __init__(self, *args, looks: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.looks, self.gone = looks, False
+
+    def get_node_ids(self):
+        if self.gone and self.looks > 0:
+            self.looks -= 1
+            return []
+        return super().get_node_ids()
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        if self.gone or not any(m.metadata.message_type == MessageType.TRAIN
+                                and int(m.content[P.CONFIG]["server-round"]) == 3 for m in messages):
+            return super().push_messages(messages)
+        self.gone = True
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self._land({msg.metadata.message_id: self._answer(msg, msg, lambda: Message(
+                Error(ErrorCode.NODE_UNAVAILABLE, "node unavailable"), reply_to=msg))})
+        return [m.metadata.message_id for m in messages]
+
+
+@pytest.mark.parametrize("back", [False, True], ids=["for-good", "and-back"])
+def test_a_round_that_every_node_left_is_never_recorded(tmp_path, back):
+    """All nodes leave during round 3 (a federation shut down under its ServerApp). That round
+    is not recorded as skipped: when they come back it runs again, else the run fails after
+    node-wait-timeout with round 2's checkpoint; either way the model is the uninterrupted one."""
+    config = fast_config(algorithm="fedsam", num_partitions=2, num_server_rounds=4,
+                         node_wait_timeout=round(startup_seconds(), 1))
+    full = RunConfig.from_mapping({**config, "run-dir": str(tmp_path / "full")})
+    run_server(InProcessGrid(client_app, 2, full.to_dict()), full)
+    cfg = RunConfig.from_mapping({**config, "run-dir": str(tmp_path / "cut")})
+    grid = LeavingGrid(client_app, 2, cfg.to_dict(), looks=1 if back else math.inf)
+    if back:
+        run_server(grid, cfg)
+    else:
+        with pytest.raises(NoNodesError, match="node-wait-timeout"):
+            run_server(grid, cfg)
+        assert load_checkpoint(Path(cfg.run_dir))["round"] == 2
+        assert [r["round"] for r in metrics(Path(cfg.run_dir))] == [0, 1, 2]
+        cfg = cfg.replace(resume=True)
+        run_server(InProcessGrid(client_app, 2, cfg.to_dict()), cfg)
+    assert all(r["skipped"] == 0 for r in metrics(Path(cfg.run_dir))[1:])
+    assert same(torch.load(Path(cfg.run_dir) / "model_final.pt"),
+                torch.load(Path(full.run_dir) / "model_final.pt"))
 
 
 def test_killed_inprocess_run_resumes_to_the_uninterrupted_model(tmp_path):

@@ -170,6 +170,18 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _terminate(pids: list[int], grace: float, proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM ``pids``, then SIGKILL those still alive after ``grace`` seconds (``proc``: our
+    child among them, reaped while waiting)."""
+    _signal(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        if proc is not None:
+            proc.poll()
+        time.sleep(0.1)
+    _signal([p for p in pids if _alive(p)], signal.SIGKILL)
+
+
 def is_loopback(host: str) -> bool:
     """``localhost`` or a loopback IP address."""
     host = host.strip("[]")
@@ -409,15 +421,14 @@ class LocalFederation:
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop every process started here and all their children (SIGTERM, then SIGKILL),
-        and any process seen in their families before that is still running."""
+        and any process seen in their families before that is still running.
+
+        The runs' ServerApp (or simulation) processes go first, while the SuperLink and the
+        SuperNodes are still up: a ServerApp that outlived its SuperNodes would run a round
+        against none, record it as skipped and checkpoint it (a resume would then skip it)."""
+        _terminate(sorted(self._app_processes(self.remember())), grace)
         for name, proc in reversed(self.procs):
-            family = _family(proc)
-            _signal(family, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(_alive(p) for p in family):
-                proc.poll()
-                time.sleep(0.1)
-            _signal([p for p in family if _alive(p)], signal.SIGKILL)
+            _terminate(_family(proc), grace, proc)
             proc.wait(timeout=grace)
         self.procs.clear()
         orphans = [pid for pid, cmd in self.seen.items() if _alive(pid) and _cmdline(pid) == cmd]
