@@ -37,7 +37,8 @@ from server.rundir import RunDirError, load_checkpoint
 from server.run import RunFailed, run_server
 from strategies.participation import NoNodesError
 from tests.helpers import (DEPLOYED, RAY_RETRY, ROOT, deployed, fast_config, flower_pids, metrics,
-                           run_with_faults, same, set_flags, startup_seconds)
+                           round_deadline, run_with_faults, same, set_flags,
+                           startup_seconds)
 
 
 # ---------------------------------------------------------------- client failures
@@ -312,8 +313,11 @@ SIM = ["--algorithm", "fedtoga", "--clients", "6", "--rounds", "12", "--fraction
        "--dataset", "digits", "--set", "local-epochs=3"]
 
 
-def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SIGKILL) -> None:
-    deadline = time.monotonic() + 300
+def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SIGKILL,
+               within: float = 300) -> None:
+    """Send ``sig`` to ``proc`` as soon as metrics.jsonl has round ``round_``'s row (fails if
+    that takes over ``within`` seconds) and wait for it to end."""
+    deadline = time.monotonic() + within
     path = run_dir / "metrics.jsonl"
     while f'"round": {round_}' not in (path.read_text() if path.exists() else ""):
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -445,6 +449,33 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
                                 **{k.replace("-", "_"): v for k, v in config.items()})
     assert same(torch.load(run_dir / "model_final.pt"), inproc)  # as if the NaN client were absent
     assert all(r["test_accuracy"] > rows[0]["test_accuracy"] + 0.1 for r in rows[1:])  # it learns
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig, after", [(signal.SIGINT, 1), (signal.SIGTERM, 2)], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_local_run_resumes_to_the_uninterrupted_model(tmp_path, sig, after):
+    """Ctrl-C or `kill` of `flatflower local` as round `after`'s row lands (its checkpoint being
+    written, the next round starting): the ServerApp is stopped before the SuperNodes, so no
+    round runs against none of them; `--resume` trains every round and ends with the model
+    of an uninterrupted run."""
+    args = ["--algorithm", "fedsam", "--clients", "2", "--rounds", "4", "--dataset", "digits",
+            "--set", "local-epochs=1"]
+    before = flower_pids()
+    cut = tmp_path / "cut"
+    proc = _cli_process(["local", *args, "--run-dir", str(cut)], tmp_path / "cut.log")
+    _kill_when(proc, cut, after, sig, within=(after + 1) * round_deadline())
+    out = (tmp_path / "cut.log").read_text()
+    assert proc.returncode == 130 and "interrupted; all Flower processes were stopped" in out, out
+    assert flower_pids() - before == set(), "Flower processes left behind"
+    assert not (cut / "model_final.pt").exists()
+    assert load_checkpoint(cut)["round"] <= after
+    assert cli(["local", "--resume", str(cut)]) == 0
+    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "full")]) == 0
+    full, resumed = (torch.load(d / "model_final.pt") for d in (tmp_path / "full", cut))
+    assert same(full, resumed)
+    rows = metrics(cut)
+    assert [r["round"] for r in rows] == list(range(5)) and all(r["skipped"] == 0 for r in rows[1:]), rows
+    assert flower_pids() - before == set()
 
 
 @pytest.mark.integration
