@@ -479,6 +479,28 @@ def test_an_interrupted_local_run_resumes_to_the_uninterrupted_model(tmp_path, s
 
 
 @pytest.mark.integration
+def test_a_real_node_that_never_answers_its_handshake_costs_one_wait_and_is_recorded(tmp_path):
+    """3 SuperNodes; SuperNode 2's ClientApp never answers its partition handshake. Round 1
+    waits node-wait-timeout for it once and records it with its node id; later rounds do not
+    ask it again; the run is that of the 2 other clients."""
+    config = {**DEPLOYED, "algorithm": "fedavg", "num-server-rounds": 3,
+              "node-wait-timeout": round(max(10.0, 5 * startup_seconds()), 1)}
+    _, run_dir = deployed(tmp_path, "mute", config, 3, node_configs={2: {"inject-fault": "mute"}})
+    rows = metrics(run_dir)
+    refusals = _handshake_refusals(rows)
+    assert len(refusals) == 1 and refusals[0][0] == 1, refusals
+    node = refusals[0][1]["node"]
+    assert "no answer to the partition handshake" in refusals[0][1]["reason"]
+    assert f"(node {node}) refused: no answer" in (run_dir / "logs" / "run.log").read_text()
+    assert all(r["sampled_partitions"] == [0, 1] and r["skipped"] == 0 for r in rows[1:]), rows
+    alone = RunConfig.from_mapping({**config, "num-partitions": 3, "run-dir": str(tmp_path / "inp")})
+    grid = InProcessGrid(client_app, 3, alone.to_dict())
+    grid.offline = {1002}  # the in-process federation without partition 2's node
+    run_server(grid, alone)
+    assert same(torch.load(run_dir / "model_final.pt"), torch.load(tmp_path / "inp" / "model_final.pt"))
+
+
+@pytest.mark.integration
 def test_a_killed_superlink_is_one_error_line_and_the_checkpoint_resumes(tmp_path):
     """SIGKILL of the SuperLink mid-run: `flatflower local` stops everything it started, exits 1
     with one `error:` line (no traceback), and the run resumes from its last checkpoint."""
