@@ -32,6 +32,7 @@ from client.state import StateMirror
 from common import protocol as P
 from common.config import RunConfig
 from tools.cli import main as cli
+from tools.federation import _cmdline
 from tools.inprocess import InProcessGrid
 from server.rundir import RunDirError, load_checkpoint
 from server.run import RunFailed, run_server
@@ -314,15 +315,16 @@ SIM = ["--algorithm", "fedtoga", "--clients", "6", "--rounds", "12", "--fraction
 
 
 def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SIGKILL,
-               within: float = 300) -> None:
+               within: float = 300, before=lambda: None) -> None:
     """Send ``sig`` to ``proc`` as soon as metrics.jsonl has round ``round_``'s row (fails if
-    that takes over ``within`` seconds) and wait for it to end."""
+    that takes over ``within`` seconds; ``before()`` runs just before) and wait for it to end."""
     deadline = time.monotonic() + within
     path = run_dir / "metrics.jsonl"
     while f'"round": {round_}' not in (path.read_text() if path.exists() else ""):
         assert proc.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    before()
     proc.send_signal(sig)
     proc.wait(120)
 
@@ -417,6 +419,45 @@ def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_p
     full, resumed = (torch.load(d / "model_final.pt") for d in (tmp_path / "full", cut))
     assert same(full, resumed)
     assert flower_pids() - before == set()
+
+
+def _descendants_alive(tag: str) -> set[int]:
+    """Live processes (not zombies) other than this one whose environment holds ``tag``."""
+    found = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if (int(entry.name) != os.getpid() and tag.encode() in (entry / "environ").read_bytes().split(b"\0")
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
+                found.add(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.integration
+@pytest.mark.ray
+def test_a_killed_ray_simulation_takes_its_processes_with_it(tmp_path):
+    """`kill -9` of `flatflower simulate` (Ray) mid-run: the SuperLink, the ServerApp and every
+    Ray process (GCS, raylet, agents, actors) end with it, not a minute later or never."""
+    tag = f"FLATFLOWER_KILL_TEST={os.getpid()}-{time.monotonic_ns()}"
+    run = tmp_path / "r"
+    env = {**os.environ, tag.split("=")[0]: tag.split("=")[1]}
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "simulate", "--algorithm", "fedavg",
+                             "--clients", "4", "--rounds", "20", "--dataset", "digits", "--set",
+                             "local-epochs=3", "--run-dir", str(run)], cwd=ROOT, env=env,
+                            stdout=(tmp_path / "out.log").open("w"), stderr=subprocess.STDOUT)
+    seen: list[bytes] = []
+    try:
+        _kill_when(proc, run, 1, signal.SIGKILL, within=20 * round_deadline(),
+                   before=lambda: seen.extend(_cmdline(p) for p in _descendants_alive(tag)))
+        assert any(b"raylet" in cmd for cmd in seen) and any(b"flwr-simulation" in cmd for cmd in seen)
+        deadline = time.monotonic() + 10 * startup_seconds()  # a bound: they go within about a second
+        while (left := _descendants_alive(tag)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, [_cmdline(p)[:80] for p in left]
+    finally:
+        for pid in _descendants_alive(tag):
+            os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- real processes on loopback
