@@ -255,6 +255,9 @@ def evaluate(msg: Message, context: Context) -> Message:
 def query(msg: Message, context: Context) -> Message:
     """Handshake: which partition this node holds (and that its data loads)."""
     cfg, node, device = _setup(context)
+    fault = Fault.parse(node.inject_fault)
+    if fault:
+        fault.before_query()
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
     metrics = MetricRecord({"partition-id": node.partition_id, "num-partitions": node.num_partitions,
                             "num-examples": len(data), "nonce": _nonce(msg)})

@@ -8,6 +8,8 @@ real run). ``KIND``, ``KIND@R`` (from round R on) or ``KIND@R-S`` (rounds R to S
     scale:F    the reply's update w_i - w is multiplied by F (an outlier), e.g. scale:100
     late:S     the reply leaves S seconds after the call finished (its state staged): a
                straggler, e.g. late:30@2-2
+    mute       the ClientApp never answers the partition handshake (query); ``mute:S``: it
+               answers after S seconds (a node that joins late)
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-KINDS = ("raise", "exit", "hang", "nan", "scale", "late")
-WITH_ARGUMENT = ("scale", "late")
+KINDS = ("raise", "exit", "hang", "nan", "scale", "late", "mute")
+FOREVER = 24 * 3600.0  # seconds: far past any deadline
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
     from_round: int = 1
-    factor: float = 1.0  # scale's F, late's S
+    factor: float = 1.0  # scale's F, late's and mute's seconds
     to_round: int = 0  # the last round it acts in (0: every round from from_round on)
 
     @classmethod
@@ -36,16 +38,18 @@ class Fault:
         spec, _, rounds = text.partition("@")
         kind, _, arg = spec.partition(":")
         first, _, last = rounds.partition("-")
+        takes_arg = {"scale": (True,), "late": (True,), "mute": (False, True)}.get(kind, (False,))
         try:
-            fault = cls(kind, int(first) if first else 1, float(arg) if arg else 1.0,
-                        int(last) if last else 0)
+            fault = cls(kind, int(first) if first else 1,
+                        float(arg) if arg else FOREVER if kind == "mute" else 1.0, int(last) if last else 0)
         except ValueError:
             fault = None
-        if (fault is None or kind not in KINDS or (kind in WITH_ARGUMENT) != bool(arg)
-                or fault.from_round < 1 or (last and fault.to_round < fault.from_round)
-                or (kind == "late" and not 0 <= fault.factor <= 24 * 3600)):
+        if (fault is None or kind not in KINDS or bool(arg) not in takes_arg or fault.from_round < 1
+                or (last and fault.to_round < fault.from_round)
+                or (kind in ("late", "mute") and not 0 <= fault.factor <= FOREVER)):
             raise ValueError(f"inject-fault={text!r} is not one of: raise, exit, hang, nan, "
-                             "scale:F, late:SECONDS, each optionally @ROUND or @FIRST-LAST")
+                             "scale:F, late:SECONDS, each optionally @ROUND or @FIRST-LAST; "
+                             "mute, mute:SECONDS")
         return fault
 
     def active(self, server_round: int) -> bool:
@@ -63,7 +67,12 @@ class Fault:
         if self.kind == "exit":
             os._exit(17)
         if self.kind == "hang":
-            time.sleep(24 * 3600)
+            time.sleep(FOREVER)
+
+    def before_query(self) -> None:
+        """``mute``: the handshake's answer comes after ``factor`` seconds (never, by default)."""
+        if self.kind == "mute":
+            time.sleep(self.factor)
 
     def corrupt(self, server_round: int, start: OrderedDict, local: OrderedDict) -> OrderedDict:
         """The model the client reports instead of ``local``."""

@@ -95,6 +95,11 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
     for rnd in range(first, cfg.num_server_rounds + 1):
         t_round = time.monotonic()
         stats = strategy.train_round(rnd, grid)
+        while federation_left(stats, grid):  # not a round of the run: redo it once nodes are back
+            log.warning("round %d: no sampled client replied and no node is connected any more; "
+                        "the round is not recorded: it runs again when nodes return", rnd)
+            strategy.participation.wait_for_nodes(grid)  # NoNodesError after node-wait-timeout
+            stats = strategy.train_round(rnd, grid)
         skipped += stats.skipped
         if not (run_dir.path / "partition.json").exists():
             run_dir.write_partition(cfg, partitions_for(cfg, strategy.num_partitions))
@@ -132,6 +137,14 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
                            "records_up": list(strategy.spec.up)})
     log.info("flatflower: finished, final test accuracy %.4f, run directory %s", acc, run_dir.path)
     return run_dir.path
+
+
+def federation_left(stats: RoundStats, grid: Grid) -> bool:
+    """Whether every node left the federation during the round: none of the sampled clients
+    replied and none is connected now (a federation being shut down, or a lost network). Such
+    a round is no outcome of the run, unlike one in which connected clients failed (skipped)."""
+    return (stats.clients_sampled > 0 and stats.clients_replied == 0 and stats.clients_failed > 0
+            and not list(grid.get_node_ids()))
 
 
 def round_fields(stats: RoundStats) -> dict:

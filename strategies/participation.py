@@ -90,6 +90,13 @@ def node_of(reply: Message, sent: Mapping[str, int]) -> int:
     return reply.metadata.src_node_id if node is None else node
 
 
+def _asked(sent: Iterable[Message]) -> dict[str, tuple[int, int]]:
+    """Message id -> (destination node, nonce) of handshake queries (once pushed: the grid
+    gives each message its id)."""
+    return {m.metadata.message_id: (m.metadata.dst_node_id, int(m.content[P.CONFIG]["nonce"]))
+            for m in sent}
+
+
 def error_text(reply: Message) -> str:
     """An error reply's code and reason, bounded and without control characters (it is shown
     to the operator)."""
@@ -113,6 +120,9 @@ class Participation:
         # partition id -> the last round whose reply entered a server update (absent: none);
         # each train message carries it as ``state-round`` (client/state.py)
         self.accepted: dict[int, int] = {}
+        # handshake queries no longer waited for: message id -> (node id, nonce)
+        self.unanswered: dict[str, tuple[int, int]] = {}
+        self.silent: set[int] = set()  # nodes that once gave no answer within node-wait-timeout
 
     # ------------------------------------------------------------------ checkpointable state
     def state_dict(self) -> dict:
@@ -192,45 +202,79 @@ class Participation:
     def handshake(self, grid: Grid, node_ids: list[int], algorithm: str, on_refused: OnRefused) -> None:
         """Ask the nodes not seen before which partition they hold (one ``query`` each) and
         accept the valid claims. Nodes no longer connected are forgotten first, so a restarted
-        SuperNode (new node id, same partition) takes its partition back."""
+        SuperNode (new node id, same partition) takes its partition back.
+
+        A node that does not answer within ``node-wait-timeout`` is reported (a handshake
+        refusal) and never waited for again: its query stays out, and an answer that comes
+        later is taken at a later call, without a wait (a slow node joins late)."""
         self.partition_of = {n: p for n, p in self.partition_of.items() if n in node_ids}
-        new = [n for n in node_ids if n not in self.partition_of]
-        if not new:
-            return
-        n_total = self.fix_size(len(node_ids))
-        nonce = new_nonce()
-        config = ConfigRecord({"run-algorithm": algorithm, "nonce": nonce})
-        msgs = [Message(RecordDict({P.CONFIG: config}), dst_node_id=n, message_type=MessageType.QUERY)
-                for n in new]
+        self.unanswered = {m: q for m, q in self.unanswered.items() if q[0] in node_ids}
         refusals = []
 
         def refuse(node: int, pid: int, why: str) -> None:
             refusals.append(f"node {node}: {why}")
             on_refused("handshake", pid, node, why)
 
-        sent = destinations(msgs)
-        for reply in exchange(grid, msgs, self.cfg.node_wait_timeout):
-            node = node_of(reply, sent)
-            if node not in new or node in self.partition_of:
-                continue  # not ours to answer, or a second reply
-            if reply.has_error():
-                refuse(node, -1, error_text(reply))
-                continue
-            try:
-                pid, declared = parse_handshake_reply(reply, nonce, n_total)
-            except RejectedReply as why:
-                refuse(node, -1, str(why))
-                continue
-            holder = next((n for n, p in self.partition_of.items() if p == pid), None)
-            if holder is not None:
-                refuse(node, pid, f"claims partition {pid}, which node {holder} holds")
-            elif self.sizes.setdefault(pid, declared) != declared:
-                refuse(node, pid, f"declares {declared} examples, partition {pid} has {self.sizes[pid]}")
-            else:
-                self.partition_of[node] = pid
+        if self.unanswered:  # answers that came after their wait
+            late = dict(self.unanswered)
+            for reply in grid.pull_messages(list(late)):
+                self.unanswered.pop(reply.metadata.reply_to_message_id, None)
+                self._claim(reply, late, refuse)
+        asked = {node for node, _ in self.unanswered.values()}
+        new = [n for n in node_ids if n not in self.partition_of and n not in asked]
+        if new:
+            self.fix_size(len(node_ids))
+            again = [n for n in new if n in self.silent]  # given up on once: asked, not waited for
+            if again:
+                msgs = self._queries(again, algorithm)
+                grid.push_messages(msgs)
+                self.unanswered.update(_asked(msgs))
+            first = [n for n in new if n not in self.silent]
+            if first:
+                msgs = self._queries(first, algorithm)
+                replies = exchange(grid, msgs, self.cfg.node_wait_timeout)
+                queries = _asked(msgs)
+                for reply in replies:
+                    self._claim(reply, queries, refuse)
+                    queries.pop(reply.metadata.reply_to_message_id, None)
+                for message_id, (node, nonce) in queries.items():
+                    self.unanswered[message_id] = (node, nonce)
+                    self.silent.add(node)
+                    refuse(node, -1, f"no answer to the partition handshake within node-wait-timeout="
+                                     f"{self.cfg.node_wait_timeout:g}s; not waited for again (it "
+                                     "joins if it answers later)")
         if not self.partition_of:
             raise NoNodesError("no node passed the partition handshake: "
                                + ("; ".join(refusals[:4]) or "no node answered"))
+
+    def _queries(self, node_ids: list[int], algorithm: str) -> list[Message]:
+        """One handshake ``query`` for each node, all with one fresh nonce."""
+        config = ConfigRecord({"run-algorithm": algorithm, "nonce": new_nonce()})
+        return [Message(RecordDict({P.CONFIG: config}), dst_node_id=n, message_type=MessageType.QUERY)
+                for n in node_ids]
+
+    def _claim(self, reply: Message, asked: Mapping[str, tuple[int, int]],
+               refuse: Callable[[int, int, str], None]) -> None:
+        """Accept or refuse the claim of a reply to one of the ``asked`` queries (see
+        :func:`_asked`); a reply to none of them, or from a node already placed, is ignored."""
+        node, nonce = asked.get(reply.metadata.reply_to_message_id, (None, 0))
+        if node is None or node in self.partition_of:
+            return  # not ours to answer, or a second reply
+        if reply.has_error():
+            refuse(node, -1, error_text(reply))
+            return
+        try:
+            pid, declared = parse_handshake_reply(reply, nonce, self.num_partitions)
+        except RejectedReply as why:
+            refuse(node, -1, str(why))
+            return
+        holder = next((n for n, p in self.partition_of.items() if p == pid), None)
+        if holder is not None:
+            refuse(node, pid, f"claims partition {pid}, which node {holder} holds")
+        elif self.sizes.setdefault(pid, declared) != declared:
+            refuse(node, pid, f"declares {declared} examples, partition {pid} has {self.sizes[pid]}")
+        else:
+            self.partition_of[node] = pid
 
     def available(self, grid: Grid, algorithm: str, on_refused: OnRefused) -> dict[int, int]:
         """partition id -> node id of every connected node that passed the handshake."""

@@ -13,22 +13,33 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from flwr.app import Error, Message, MessageType
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from client.app import app as client_app
+from client.app import query as client_query
+from client.app import train as client_train
 from client.faults import Fault
 from client.state import MissingState, StateMirror
+from common import protocol as P
 from common.config import RunConfig
 from tools.cli import main as cli
+from tools.federation import _cmdline
 from tools.inprocess import InProcessGrid
 from server.rundir import RunDirError, load_checkpoint
 from server.run import RunFailed, run_server
+from strategies.participation import NoNodesError
 from tests.helpers import (DEPLOYED, RAY_RETRY, ROOT, deployed, fast_config, flower_pids, metrics,
-                           run_with_faults, same, set_flags)
+                           round_deadline, run_with_faults, same, set_flags,
+                           startup_seconds)
 
 
 # ---------------------------------------------------------------- client failures
@@ -124,6 +135,100 @@ def test_fault_specs_are_validated():
     for bad in ("explode", "scale", "nan:2", "raise@0", "scale:x"):
         with pytest.raises(ValueError, match="inject-fault"):
             Fault.parse(bad)
+
+
+def test_fault_specs_mute_the_handshake_for_ever_or_for_seconds():
+    assert Fault.parse("mute") == Fault("mute", 1, 24 * 3600.0)
+    assert Fault.parse("mute:2.5") == Fault("mute", 1, 2.5)
+    for bad in ("mute:-1", "mute:nan", "mute:x"):
+        with pytest.raises(ValueError, match="inject-fault"):
+            Fault.parse(bad)
+
+
+# ---------------------------------------------------------------- a node that never answers its handshake
+class CountingGrid(InProcessGrid):
+    """The in-process grid, counting the handshake queries each node is sent."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.queries: dict[int, list[str]] = {}  # node id -> message ids of its queries
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        for msg, message_id in zip(messages, ids):
+            if msg.metadata.message_type == MessageType.QUERY:
+                self.queries.setdefault(msg.metadata.dst_node_id, []).append(message_id)
+        return ids
+
+
+def _handshake_run(tmp_path, name, grid_class=CountingGrid, client=None, faults=None,
+                   offline=(), **overrides):
+    """4 rounds of 3 in-process clients, all sampled; a node's handshake is waited for at most
+    the measured start-up of a Python process with torch (far longer than an in-process
+    answer takes)."""
+    cfg = RunConfig.from_mapping(fast_config(
+        run_dir=str(tmp_path / name), algorithm="fedavg", num_partitions=3, num_server_rounds=4,
+        node_wait_timeout=round(startup_seconds(), 1), **overrides))
+    grid = grid_class(client or client_app, 3, cfg.to_dict())
+    grid.offline = {1000 + p for p in offline}
+    for pid, fault in (faults or {}).items():
+        grid.contexts[1000 + pid].node_config["inject-fault"] = fault
+    run_server(grid, cfg)
+    return metrics(Path(cfg.run_dir)), torch.load(Path(cfg.run_dir) / "model_final.pt"), grid
+
+
+def _handshake_refusals(rows: list[dict]) -> list[tuple[int, dict]]:
+    return [(r["round"], e) for r in rows[1:] for e in r["rejections"] if e["stage"] == "handshake"]
+
+
+def test_a_node_that_never_answers_its_handshake_is_reported_once_and_waited_for_once(tmp_path, caplog):
+    """Node 2 never answers its query: round 1 waits node-wait-timeout for it once, records it
+    (with its node id) under `rejections` and the log, and no later round (train or evaluate)
+    asks it again and waits; the run is that of a federation without it."""
+    caplog.set_level(logging.WARNING)
+    rows, final, grid = _handshake_run(tmp_path, "mute", faults={2: "mute"}, fraction_evaluate=1.0)
+    refusals = _handshake_refusals(rows)
+    assert len(refusals) == 1 and refusals[0][0] == 1, refusals
+    assert refusals[0][1]["node"] == 1002 and "no answer to the partition handshake" in refusals[0][1]["reason"]
+    assert "node 1002" in caplog.text and "no answer to the partition handshake" in caplog.text
+    assert len(grid.queries[1002]) == 1  # one query, one wait: not one per round
+    assert all(r["sampled_partitions"] == [0, 1] and r["skipped"] == 0 for r in rows[1:]), rows
+    _, without, _ = _handshake_run(tmp_path, "offline", offline=[2], fraction_evaluate=1.0)
+    assert same(final, without)
+
+
+class ReleaseAtRound(CountingGrid):
+    """Holds node 2's handshake answer until round 2's train messages go out, then lets it
+    land (the server takes it at its next look, round 3)."""
+
+    release = threading.Event()
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        if any(m.metadata.message_type == MessageType.TRAIN for m in messages) \
+                and int(messages[0].content[P.CONFIG]["server-round"]) == 2:
+            self.release.set()
+            with self._arrived:
+                assert self._arrived.wait_for(lambda: self.queries[1002][0] in self._pending, 60)
+        return super().push_messages(messages)
+
+
+def test_a_node_that_answers_its_handshake_late_joins_without_holding_up_a_round(tmp_path):
+    late = ClientApp()
+    late.train()(client_train)
+
+    @late.query()
+    def query(msg, context):
+        if context.node_config["partition-id"] == 2:
+            ReleaseAtRound.release.wait()
+        return client_query(msg, context)
+
+    ReleaseAtRound.release.clear()
+    rows, _, grid = _handshake_run(tmp_path, "late", ReleaseAtRound, client=late)
+    assert [r["sampled_partitions"] for r in rows[1:]] == [[0, 1], [0, 1], [0, 1, 2], [0, 1, 2]]
+    assert len(_handshake_refusals(rows)) == 1 and len(grid.queries[1002]) == 1
+    assert all(r["skipped"] == 0 for r in rows[1:])
 
 
 # ---------------------------------------------------------------- checkpoints and resume
@@ -235,13 +340,17 @@ SIM = ["--algorithm", "fedtoga", "--clients", "6", "--rounds", "12", "--fraction
        "--dataset", "digits", "--set", "local-epochs=3"]
 
 
-def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SIGKILL) -> None:
-    deadline = time.monotonic() + 300
+def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SIGKILL,
+               within: float = 300, before=lambda: None) -> None:
+    """Send ``sig`` to ``proc`` as soon as metrics.jsonl has round ``round_``'s row (fails if
+    that takes over ``within`` seconds; ``before()`` runs just before) and wait for it to end."""
+    deadline = time.monotonic() + within
     path = run_dir / "metrics.jsonl"
     while f'"round": {round_}' not in (path.read_text() if path.exists() else ""):
         assert proc.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    before()
     proc.send_signal(sig)
     proc.wait(120)
 
@@ -249,6 +358,58 @@ def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SI
 def _cli_process(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], cwd=ROOT,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
+
+
+class LeavingGrid(InProcessGrid):
+    """Every node leaves as round 3's train messages go out: each gets the error reply the
+    SuperLink gives for a node that is gone, and ``get_node_ids`` finds none ``looks`` times."""
+
+    def __init__(self, *args, looks: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.looks, self.gone = looks, False
+
+    def get_node_ids(self):
+        if self.gone and self.looks > 0:
+            self.looks -= 1
+            return []
+        return super().get_node_ids()
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        if self.gone or not any(m.metadata.message_type == MessageType.TRAIN
+                                and int(m.content[P.CONFIG]["server-round"]) == 3 for m in messages):
+            return super().push_messages(messages)
+        self.gone = True
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self._land({msg.metadata.message_id: self._answer(msg, msg, lambda: Message(
+                Error(ErrorCode.NODE_UNAVAILABLE, "node unavailable"), reply_to=msg))})
+        return [m.metadata.message_id for m in messages]
+
+
+@pytest.mark.parametrize("back", [False, True], ids=["for-good", "and-back"])
+def test_a_round_that_every_node_left_is_never_recorded(tmp_path, back):
+    """All nodes leave during round 3 (a federation shut down under its ServerApp). That round
+    is not recorded as skipped: when they come back it runs again, else the run fails after
+    node-wait-timeout with round 2's checkpoint; either way the model is the uninterrupted one."""
+    config = fast_config(algorithm="fedsam", num_partitions=2, num_server_rounds=4,
+                         node_wait_timeout=round(startup_seconds(), 1))
+    full = RunConfig.from_mapping({**config, "run-dir": str(tmp_path / "full")})
+    run_server(InProcessGrid(client_app, 2, full.to_dict()), full)
+    cfg = RunConfig.from_mapping({**config, "run-dir": str(tmp_path / "cut")})
+    grid = LeavingGrid(client_app, 2, cfg.to_dict(), looks=1 if back else math.inf)
+    if back:
+        run_server(grid, cfg)
+    else:
+        with pytest.raises(NoNodesError, match="node-wait-timeout"):
+            run_server(grid, cfg)
+        assert load_checkpoint(Path(cfg.run_dir))["round"] == 2
+        assert [r["round"] for r in metrics(Path(cfg.run_dir))] == [0, 1, 2]
+        cfg = cfg.replace(resume=True)
+        run_server(InProcessGrid(client_app, 2, cfg.to_dict()), cfg)
+    assert all(r["skipped"] == 0 for r in metrics(Path(cfg.run_dir))[1:])
+    assert same(torch.load(Path(cfg.run_dir) / "model_final.pt"),
+                torch.load(Path(full.run_dir) / "model_final.pt"))
 
 
 def test_killed_inprocess_run_resumes_to_the_uninterrupted_model(tmp_path):
@@ -286,6 +447,45 @@ def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_p
     assert flower_pids() - before == set()
 
 
+def _descendants_alive(tag: str) -> set[int]:
+    """Live processes (not zombies) other than this one whose environment holds ``tag``."""
+    found = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if (int(entry.name) != os.getpid() and tag.encode() in (entry / "environ").read_bytes().split(b"\0")
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
+                found.add(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.integration
+@pytest.mark.ray
+def test_a_killed_ray_simulation_takes_its_processes_with_it(tmp_path):
+    """`kill -9` of `flatflower simulate` (Ray) mid-run: the SuperLink, the ServerApp and every
+    Ray process (GCS, raylet, agents, actors) end with it, not a minute later or never."""
+    tag = f"FLATFLOWER_KILL_TEST={os.getpid()}-{time.monotonic_ns()}"
+    run = tmp_path / "r"
+    env = {**os.environ, tag.split("=")[0]: tag.split("=")[1]}
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "simulate", "--algorithm", "fedavg",
+                             "--clients", "4", "--rounds", "20", "--dataset", "digits", "--set",
+                             "local-epochs=3", "--run-dir", str(run)], cwd=ROOT, env=env,
+                            stdout=(tmp_path / "out.log").open("w"), stderr=subprocess.STDOUT)
+    seen: list[bytes] = []
+    try:
+        _kill_when(proc, run, 1, signal.SIGKILL, within=20 * round_deadline(),
+                   before=lambda: seen.extend(_cmdline(p) for p in _descendants_alive(tag)))
+        assert any(b"raylet" in cmd for cmd in seen) and any(b"flwr-simulation" in cmd for cmd in seen)
+        deadline = time.monotonic() + 10 * startup_seconds()  # a bound: they go within about a second
+        while (left := _descendants_alive(tag)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, [_cmdline(p)[:80] for p in left]
+    finally:
+        for pid in _descendants_alive(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
 # ---------------------------------------------------------------- real processes on loopback
 
 
@@ -316,6 +516,55 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
                                 **{k.replace("-", "_"): v for k, v in config.items()})
     assert same(torch.load(run_dir / "model_final.pt"), inproc)  # as if the NaN client were absent
     assert all(r["test_accuracy"] > rows[0]["test_accuracy"] + 0.1 for r in rows[1:])  # it learns
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig, after", [(signal.SIGINT, 1), (signal.SIGTERM, 2)], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_local_run_resumes_to_the_uninterrupted_model(tmp_path, sig, after):
+    """Ctrl-C or `kill` of `flatflower local` as round `after`'s row lands (its checkpoint being
+    written, the next round starting): the ServerApp is stopped before the SuperNodes, so no
+    round runs against none of them; `--resume` trains every round and ends with the model
+    of an uninterrupted run."""
+    args = ["--algorithm", "fedsam", "--clients", "2", "--rounds", "4", "--dataset", "digits",
+            "--set", "local-epochs=1"]
+    before = flower_pids()
+    cut = tmp_path / "cut"
+    proc = _cli_process(["local", *args, "--run-dir", str(cut)], tmp_path / "cut.log")
+    _kill_when(proc, cut, after, sig, within=(after + 1) * round_deadline())
+    out = (tmp_path / "cut.log").read_text()
+    assert proc.returncode == 130 and "interrupted; all Flower processes were stopped" in out, out
+    assert flower_pids() - before == set(), "Flower processes left behind"
+    assert not (cut / "model_final.pt").exists()
+    assert load_checkpoint(cut)["round"] <= after
+    assert cli(["local", "--resume", str(cut)]) == 0
+    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "full")]) == 0
+    full, resumed = (torch.load(d / "model_final.pt") for d in (tmp_path / "full", cut))
+    assert same(full, resumed)
+    rows = metrics(cut)
+    assert [r["round"] for r in rows] == list(range(5)) and all(r["skipped"] == 0 for r in rows[1:]), rows
+    assert flower_pids() - before == set()
+
+
+@pytest.mark.integration
+def test_a_real_node_that_never_answers_its_handshake_costs_one_wait_and_is_recorded(tmp_path):
+    """3 SuperNodes; SuperNode 2's ClientApp never answers its partition handshake. Round 1
+    waits node-wait-timeout for it once and records it with its node id; later rounds do not
+    ask it again; the run is that of the 2 other clients."""
+    config = {**DEPLOYED, "algorithm": "fedavg", "num-server-rounds": 3,
+              "node-wait-timeout": round(max(10.0, 5 * startup_seconds()), 1)}
+    _, run_dir = deployed(tmp_path, "mute", config, 3, node_configs={2: {"inject-fault": "mute"}})
+    rows = metrics(run_dir)
+    refusals = _handshake_refusals(rows)
+    assert len(refusals) == 1 and refusals[0][0] == 1, refusals
+    node = refusals[0][1]["node"]
+    assert "no answer to the partition handshake" in refusals[0][1]["reason"]
+    assert f"(node {node}) refused: no answer" in (run_dir / "logs" / "run.log").read_text()
+    assert all(r["sampled_partitions"] == [0, 1] and r["skipped"] == 0 for r in rows[1:]), rows
+    alone = RunConfig.from_mapping({**config, "num-partitions": 3, "run-dir": str(tmp_path / "inp")})
+    grid = InProcessGrid(client_app, 3, alone.to_dict())
+    grid.offline = {1002}  # the in-process federation without partition 2's node
+    run_server(grid, alone)
+    assert same(torch.load(run_dir / "model_final.pt"), torch.load(tmp_path / "inp" / "model_final.pt"))
 
 
 @pytest.mark.integration

@@ -23,6 +23,7 @@ import ipaddress
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -144,6 +145,45 @@ def _family(proc: subprocess.Popen, table: dict[int, tuple[int, bytes]] | None =
     return family + _detached_children(proc.pid, table)
 
 
+MARK = "FLATFLOWER_FEDERATION"  # environment variable every process of a federation inherits
+REAP_POLL = 0.2  # seconds between the reaper's looks at whether its federation's owner lives
+REAP_PASSES, REAP_QUIET = 100, 10  # its kill passes (0.1 s apart): at most, and empty ones to end
+
+
+def _marked(mark: str) -> list[int]:
+    """Every process (but this one) whose environment holds ``MARK=mark``: whatever a
+    federation's processes started, also a process born after its parent was looked at
+    (a Ray worker the raylet starts while being stopped), or one whose parent is gone."""
+    tag, out = f"{MARK}={mark}".encode(), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            pid = int(entry.name)
+            if pid != os.getpid() and tag in (entry / "environ").read_bytes().split(b"\0") and _alive(pid):
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def reap(mark: str, owner: int) -> None:
+    """The reaper a federation starts (``python -m tools.federation MARK OWNER``): once the
+    process ``owner`` that started the federation is gone without stopping it (``kill -9``,
+    the OOM killer), SIGKILL every process of it, the runs' ServerApps first (never a round
+    against no SuperNodes). A federation its owner stops ends its reaper with the rest."""
+    while os.getppid() == owner:
+        time.sleep(REAP_POLL)
+    apps = [p for p in _marked(mark) if b"flwr-serverapp" in _cmdline(p) or b"flwr-simulation" in _cmdline(p)]
+    _signal(apps, signal.SIGKILL)
+    quiet = 0
+    for _ in range(REAP_PASSES):  # until none is seen for REAP_QUIET passes: some may be being born
+        found = _marked(mark)
+        quiet = 0 if found else quiet + 1
+        if quiet >= REAP_QUIET:
+            break
+        _signal(found, signal.SIGKILL)
+        time.sleep(0.1)
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -168,6 +208,18 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def _terminate(pids: list[int], grace: float, proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM ``pids``, then SIGKILL those still alive after ``grace`` seconds (``proc``: our
+    child among them, reaped while waiting)."""
+    _signal(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        if proc is not None:
+            proc.poll()
+        time.sleep(0.1)
+    _signal([p for p in pids if _alive(p)], signal.SIGKILL)
 
 
 def is_loopback(host: str) -> bool:
@@ -243,6 +295,7 @@ class LocalFederation:
         self.connection = "flatflower"
         if fast_poll:
             self.env[FAST_POLL_ENV] = "1"  # the ServerApp patches itself (common/fastpoll.py)
+        self.mark = self.env[MARK] = f"{os.getpid()}-{secrets.token_hex(8)}"  # see _marked
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
@@ -283,6 +336,7 @@ class LocalFederation:
     def start(self, timeout: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.flwr_home.mkdir(parents=True, exist_ok=True)
+        self._spawn("reaper", [sys.executable, "-m", "tools.federation", self.mark, str(os.getpid())])
         cmd = [flower_command("flower-superlink"), *self._superlink_security(),
                "--isolation", "subprocess", "--disable-runtime-dependency-installation",
                # Flower's in-memory state, not an SQLite file: a federation lives as long as
@@ -411,17 +465,17 @@ class LocalFederation:
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop every process started here and all their children (SIGTERM, then SIGKILL),
-        and any process seen in their families before that is still running."""
+        and any process seen in their families before that is still running.
+
+        The runs' ServerApp (or simulation) processes go first, while the SuperLink and the
+        SuperNodes are still up: a ServerApp that outlived its SuperNodes would run a round
+        against none, record it as skipped and checkpoint it (a resume would then skip it)."""
+        _terminate(sorted(self._app_processes(self.remember())), grace)
         for name, proc in reversed(self.procs):
-            family = _family(proc)
-            _signal(family, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(_alive(p) for p in family):
-                proc.poll()
-                time.sleep(0.1)
-            _signal([p for p in family if _alive(p)], signal.SIGKILL)
+            _terminate(_family(proc), grace, proc)
             proc.wait(timeout=grace)
         self.procs.clear()
+        _terminate(_marked(self.mark), grace)  # born late or orphaned (Ray's workers)
         orphans = [pid for pid, cmd in self.seen.items() if _alive(pid) and _cmdline(pid) == cmd]
         _signal(orphans, signal.SIGKILL)
         self.seen.clear()
@@ -542,3 +596,7 @@ class LocalFederation:
             text = f"could not fetch the run log: {err}\n"
         with open_file(path, "w") as f:
             f.write(text)
+
+
+if __name__ == "__main__":
+    reap(sys.argv[1], int(sys.argv[2]))
