@@ -87,8 +87,8 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
             board: Board, t_start: float) -> Path:
     loss, acc = central_eval()
     if not cfg.resume:
-        run_dir.append_metrics({"round": 0, "test_accuracy": acc, "test_loss": loss})
-        board.add_round({"round": 0, "test_accuracy": acc, "test_loss": loss})
+        run_dir.append_metrics({"round": 0, "test_accuracy": acc, "test_loss": finite(loss)})
+        board.add_round({"round": 0, "test_accuracy": acc, "test_loss": finite(loss)})
         log.info("round 0: test accuracy %.4f, loss %.4f", acc, loss)
     RoundProgress(grid, run_dir.path, cfg.num_server_rounds)  # progress.json inside each round
     skipped = 0
@@ -110,7 +110,7 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
                 rnd, exchange(grid, eval_messages, cfg.round_timeout))
             row.update({k.replace("-", "_"): v for k, v in (client_eval or {}).items()})
         loss, acc = central_eval()
-        row.update({"test_accuracy": acc, "test_loss": loss, **round_fields(stats),
+        row.update({"test_accuracy": acc, "test_loss": finite(loss), **round_fields(stats),
                     "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})
         clients = client_rows(strategy, rnd)
         run_dir.append_rows("clients.jsonl", clients)
@@ -128,7 +128,7 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
     if not all_finite(strategy.model):
         raise RunFailed("the final model holds NaN or Inf values")
     run_dir.save_model("model_final.pt", strategy.model)
-    run_dir.write_summary({"status": "completed", "final_test_accuracy": acc, "final_test_loss": loss,
+    run_dir.write_summary({"status": "completed", "final_test_accuracy": acc, "final_test_loss": finite(loss),
                            "rounds": cfg.num_server_rounds,
                            "seconds": round(time.monotonic() - t_start, 2),
                            "num_partitions": strategy.num_partitions,
@@ -145,6 +145,11 @@ def federation_left(stats: RoundStats, grid: Grid) -> bool:
     a round is no outcome of the run, unlike one in which connected clients failed (skipped)."""
     return (stats.clients_sampled > 0 and stats.clients_replied == 0 and stats.clients_failed > 0
             and not list(grid.get_node_ids()))
+
+
+def finite(x: float) -> float | None:
+    """``x``, or None (JSON null) when it is NaN or infinite: metrics.jsonl stays valid JSON."""
+    return x if math.isfinite(x) else None
 
 
 def round_fields(stats: RoundStats) -> dict:
