@@ -112,13 +112,18 @@ class StateMirror:
         missing or unreadable."""
         if accepted == 0:
             return {}
-        path = self.path(accepted)
+        state = self.read(accepted)
+        log.info("client state of round %d restored from %s", accepted, self.path(accepted))
+        return state
+
+    def read(self, server_round: int) -> dict:
+        """The file of round ``server_round``'s records; MissingState if it is missing or
+        unreadable."""
+        path = self.path(server_round)
         if not path.is_file():
             raise MissingState(f"client state file {path} is missing (the server accepted round "
-                               f"{accepted} of this client; its duals/control variates were in it)")
-        state = read_state_file(path)
-        log.info("client state of round %d restored from %s", accepted, path)
-        return state
+                               f"{server_round} of this client; its duals/control variates were in it)")
+        return read_state_file(path)
 
     def stage(self, server_round: int, accepted: int, state: dict) -> None:
         """Write the state after ``server_round`` atomically, then drop the files no longer

@@ -62,8 +62,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
     if cfg.resume:
         ckpt = load_checkpoint(run_dir.path)
         check_resumable(cfg, ckpt)
-        check_client_state(cfg, ckpt)
         strategy.load_state_dict(ckpt["strategy"])
+        check_client_state(cfg, ckpt)  # after the checkpoint's accepted rounds were checked
         first = ckpt["round"] + 1
         run_dir.truncate_metrics(ckpt["round"])
         run_dir.truncate_metrics(ckpt["round"], "clients.jsonl")

@@ -198,14 +198,13 @@ def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
     last accepted round (client/state.py), and a run that went on without it would be another
     run. A relative ``client-state-dir`` is inside the run directory, where the server sees it;
     an absolute one (e.g. node-local) is checked by each client when it trains."""
-    from client.state import MissingState, StateMirror, read_state_file
+    from client.state import MissingState, StateMirror
     from common.registry import get as get_spec
 
     needed = set(get_spec(cfg.algorithm).state)
-    accepted = ckpt["strategy"]["participation"].get("accepted", {})
-    path = Path(cfg.client_state_dir).expanduser()
     if not needed or not cfg.client_state_dir:
         return
+    path = Path(cfg.client_state_dir).expanduser()
     if path.is_absolute():
         saved = Path(str(ckpt["config"].get("run-dir", ""))).expanduser()
         if saved.is_absolute() and path.is_relative_to(saved) and saved != Path(cfg.run_dir):
@@ -213,12 +212,11 @@ def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
                               f"directory it was started in ({saved}), not in {cfg.run_dir}: a "
                               "moved or copied run directory of an older flatflower cannot resume")
         return
+    accepted = ckpt["strategy"]["participation"]["accepted"]  # checked by load_state_dict
     for pid, rnd in sorted((int(p), int(r)) for p, r in accepted.items()):
         mirror = StateMirror(cfg.client_state_path(), pid, cfg.checkpoint_every)
         try:
-            if not mirror.path(rnd).is_file():
-                raise MissingState(f"{mirror.path(rnd)} is missing")
-            names = set(read_state_file(mirror.path(rnd)))
+            names = set(mirror.read(rnd))
         except MissingState as err:
             raise RunDirError(f"cannot resume: client {pid}'s state after round {rnd} is not usable "
                               f"({err}); the run needs every client's state of its checkpoint") from None

@@ -231,12 +231,12 @@ class FlatStrategy(FlowerFedAvg):
         accepted) in the config, which tells the client what state to start from."""
         msgs = []
         for pid, node in nodes.items():
-            content = RecordDict(dict(self._content.items()))
+            content = RecordDict(dict(self._content.items()))  # the same arrays, its own config
             content[P.CONFIG] = ConfigRecord({**dict(self._content[P.CONFIG]),
                                               "state-round": self.participation.state_round(pid)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
                                 group_id=str(server_round)))
-            self.stats.bytes_down += P.payload_bytes(content)
+        self.stats.bytes_down += P.payload_bytes(self._content) * len(msgs)
         return msgs
 
     def expected(self, pid: int, nonce: int) -> Expected:

@@ -272,8 +272,10 @@ class VectorizedGrid(InProcessGrid):
             for call in calls.values():
                 call.close()
         late = {messages[i].metadata.message_id: c.fault.late_by(c.server_round)
-                for i, c in calls.items() if c.fault and c.fault.late_by(c.server_round)}
+                for i, c in calls.items() if c.fault}
         for message_id, delay in late.items():  # a straggler (inject-fault late:S) lands alone
+            if not delay:
+                continue
             timer = threading.Timer(delay, self._land, args=({message_id: replies.pop(message_id)},))
             timer.daemon = True
             timer.start()

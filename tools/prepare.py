@@ -157,7 +157,7 @@ def _check_writable(run_dir: Path) -> None:
 def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> RunConfig:
     """The config of the run in ``--resume RUN_DIR``, checked against its checkpoint. The
     directory stays claimed by this command (a second resume of it is refused at once)."""
-    from server.rundir import check_client_state, check_resumable, claim, load_checkpoint, refuse_links
+    from server.rundir import check_resumable, claim, load_checkpoint, refuse_links
 
     run_dir = user_path(args.resume, "--resume").resolve()
     given = [flag for flag, value in (
@@ -186,7 +186,6 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
         raise UsageError(f"{run_dir / 'config.json'}: {err}") from None
     ckpt = load_checkpoint(run_dir)
     check_resumable(cfg, ckpt)
-    check_client_state(cfg, ckpt)
     if args.clients != ckpt["num_partitions"]:
         raise UsageError(f"the run in {run_dir} has {ckpt['num_partitions']} clients, "
                          f"not --clients {args.clients}")
@@ -289,17 +288,20 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
 
 def _check_strategy_state(cfg: RunConfig, model_state: dict) -> None:
     """UsageError unless the checkpoint's strategy state is what this run's strategy allocates
-    (as the ServerApp will load it): a damaged checkpoint is refused before anything starts."""
+    (as the ServerApp will load it), and RunDirError unless the client state it needs is there:
+    a damaged checkpoint or client state is refused before anything starts."""
     from common.data import partitions_for
     from common.registry import get as get_spec
-    from server.rundir import CHECKPOINT, load_checkpoint
+    from server.rundir import CHECKPOINT, check_client_state, load_checkpoint
 
     strategy = get_spec(cfg.algorithm).strategy_class()(
         cfg, model_state, partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)])
+    ckpt = load_checkpoint(cfg.run_dir)
     try:
-        strategy.load_state_dict(load_checkpoint(cfg.run_dir)["strategy"])
+        strategy.load_state_dict(ckpt["strategy"])
     except ValueError as err:
         raise UsageError(f"checkpoint {Path(cfg.run_dir) / CHECKPOINT} is damaged: {err}") from None
+    check_client_state(cfg, ckpt)
 
 
 def app_dir(given: str | None) -> Path:
