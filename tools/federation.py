@@ -147,7 +147,9 @@ def _family(proc: subprocess.Popen, table: dict[int, tuple[int, bytes]] | None =
 
 MARK = "FLATFLOWER_FEDERATION"  # environment variable every process of a federation inherits
 REAP_POLL = 0.2  # seconds between the reaper's looks at whether its federation's owner lives
-REAP_PASSES, REAP_QUIET = 100, 10  # its kill passes (0.1 s apart): at most, and empty ones to end
+# its kill passes (0.1 s apart): at most, and empty ones to end (5 s: under load a Ray agent
+# was seen to appear after a shorter quiet spell, and outlive the run)
+REAP_PASSES, REAP_QUIET = 300, 50
 
 
 def _marked(mark: str) -> list[int]:
