@@ -1,0 +1,122 @@
+"""A finished (or checkpointed) run, read back from its directory: its run config, a saved
+model and the data splits it was measured on. ``flatflower flatness`` and ``flatflower
+landscape`` start here.
+
+Models: ``final`` (model_final.pt), ``init`` (model_init.pt, before round 1) or
+``checkpoint`` (the global model of checkpoint.pt). Splits: ``test`` (the server's evaluation
+split, behind ``test_accuracy``) or ``train`` (the union of every client's training data, as
+partition.json records it: the papers' "global training loss").
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from torch import nn
+
+from common.config import ConfigError, RunConfig
+from common.datasets import DatasetUnavailableError, FederatedDataset, Split
+from common.models import build_model
+from server.rundir import RunDirError, load_checkpoint, load_tensors, open_file
+
+MODELS = {"final": "model_final.pt", "init": "model_init.pt", "checkpoint": "checkpoint.pt"}
+SPLITS = ("test", "train")
+
+
+class SavedRunError(ValueError):
+    """A run directory cannot give what was asked (missing, damaged, another architecture)."""
+
+
+@dataclass
+class SavedRun:
+    path: Path
+    cfg: RunConfig
+    model_name: str
+
+    @classmethod
+    def open(cls, run_dir: str | Path) -> SavedRun:
+        path = Path(run_dir).expanduser()
+        if not path.is_dir():
+            raise SavedRunError(f"{run_dir}: no such run directory")
+        try:
+            with open_file(path / "config.json") as f:
+                saved = json.load(f)
+            cfg = RunConfig.from_mapping({**saved["config"], "resume": False})
+        except FileNotFoundError:
+            raise SavedRunError(f"{path}: no config.json, not a flatflower run directory") from None
+        except (OSError, ValueError, KeyError, TypeError, ConfigError) as err:
+            raise SavedRunError(f"{path / 'config.json'} is unreadable or damaged: {str(err)[:200]}") from None
+        return cls(path, cfg, str(saved.get("model") or cfg.resolved_model()))
+
+    @property
+    def label(self) -> str:
+        return f"{self.cfg.algorithm} (seed {self.cfg.seed}, {self.path.name})"
+
+    def dataset(self) -> FederatedDataset:
+        from common.data import dataset_for
+
+        try:
+            return dataset_for(self.cfg)
+        except (DatasetUnavailableError, OSError, ValueError) as err:
+            raise SavedRunError(f"{self.path}: its dataset {self.cfg.dataset!r} is not available "
+                                f"here: {str(err).splitlines()[0][:300]}") from None
+
+    def state_dict(self, which: str = "final") -> OrderedDict:
+        """The saved model ``which`` (final | init | checkpoint) as a state dict."""
+        if which not in MODELS:
+            raise SavedRunError(f"--model {which!r} is not one of {', '.join(MODELS)}")
+        file = self.path / MODELS[which]
+        if not file.is_file():
+            hint = {"final": "the run has not finished (use --model checkpoint)",
+                    "checkpoint": "checkpoint-every=0, or no round was checkpointed",
+                    "init": "not a flatflower run directory"}[which]
+            raise SavedRunError(f"{self.path}: no {MODELS[which]} ({hint})")
+        try:
+            state = (load_checkpoint(self.path)["strategy"]["model"] if which == "checkpoint"
+                     else load_tensors(file, "model"))
+        except RunDirError as err:
+            raise SavedRunError(str(err)) from None
+        if not isinstance(state, dict):
+            raise SavedRunError(f"{file} holds no model state dict")
+        return OrderedDict(state)
+
+    def model(self, which: str = "final", data: FederatedDataset | None = None) -> nn.Module:
+        """The run's architecture with the weights of ``which`` loaded."""
+        data = data or self.dataset()
+        model = build_model(self.model_name, data.input_shape, data.num_classes, seed=self.cfg.seed)
+        state = self.state_dict(which)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as err:
+            raise SavedRunError(f"{self.path}: {MODELS[which]} does not fit the run's model "
+                                f"{self.model_name!r}: {str(err).splitlines()[0][:200]}") from None
+        return model
+
+    def split(self, name: str, data: FederatedDataset | None = None) -> Split:
+        """The evaluation split (``test``) or the union of the clients' training data (``train``)."""
+        if name not in SPLITS:
+            raise SavedRunError(f"--split {name!r} is not one of {', '.join(SPLITS)}")
+        data = data or self.dataset()
+        if name == "test":
+            return data.test
+        return data.train.subset(self.training_indices(len(data.train)))
+
+    def training_indices(self, size: int) -> np.ndarray:
+        """The sorted indices every client trained on, from partition.json."""
+        file = self.path / "partition.json"
+        try:
+            with open_file(file) as f:
+                parts = json.load(f)["partitions"]
+            indices = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts.values()]))
+        except FileNotFoundError:
+            raise SavedRunError(f"{self.path}: no partition.json (written after round 1), so the "
+                                "clients' training data is unknown: use --split test") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise SavedRunError(f"{file} is unreadable or damaged: {str(err)[:200]}") from None
+        if indices.size == 0 or indices[0] < 0 or indices[-1] >= size:
+            raise SavedRunError(f"{file} holds indices outside the training split (size {size})")
+        return indices
