@@ -86,6 +86,11 @@ class RunConfig:
     # output
     run_dir: str = ""
     tensorboard: bool = True  # TensorBoard event files in the run directory (when installed)
+    # flatness of the global model on the evaluation split (common/flatness.py), every K rounds
+    flatness_every: int = 0  # K; 0 = off (flatness_distance is written every round regardless)
+    flatness_rho: float = 0.05  # the radius of ``sharpness``
+    flatness_iters: int = 20  # power-iteration steps at most (``hessian_max_eig``)
+    flatness_probes: int = 10  # Hutchinson probes (``hessian_trace``)
     # the algorithm's own hyperparameters (``<namespace>.<key>``), parsed by its spec
     params: Any = dataclasses.field(default=None, metadata={"internal": True})
 
@@ -229,6 +234,11 @@ class RunConfig:
         check(_nonneg(self.weight_decay), "weight-decay must be a finite number >= 0")
         check(0.0 <= self.momentum < 1.0, "momentum must be in [0, 1)")
         check(_nonneg(self.clip_norm), "clip-norm must be a finite number >= 0 (0 = no clipping)")
+        check(self.flatness_every >= 0, "flatness-every must be >= 0 (0 = no flatness measures; "
+              "K = every K rounds and the last)")
+        check(_pos(self.flatness_rho), f"flatness-rho must be a finite number > 0 (got {self.flatness_rho})")
+        check(1 <= self.flatness_iters <= 100_000, "flatness-iters must be in [1, 100000]")
+        check(1 <= self.flatness_probes <= 100_000, "flatness-probes must be in [1, 100000]")
         if self.params is not None:
             problems += self.params.problems(self)
         problems += others or []
@@ -236,6 +246,12 @@ class RunConfig:
             raise ConfigError("invalid run config: " + "; ".join(problems))
 
     # ----------------------------------------------------------------- derived
+    def measures_flatness(self, server_round: int) -> bool:
+        """Whether round ``server_round`` measures the global model's sharpness and Hessian:
+        every ``flatness-every`` rounds, and the last round (never with ``flatness-every`` 0)."""
+        return self.flatness_every > 0 and (server_round % self.flatness_every == 0
+                                            or server_round == self.num_server_rounds)
+
     def round_lr(self, server_round: int) -> float:
         """Local learning rate of round ``server_round`` (1-based): lr * lr_decay^(r-1)."""
         return self.lr * self.lr_decay ** (server_round - 1)

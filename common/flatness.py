@@ -238,3 +238,8 @@ def flatness_distance(client_models: Sequence[Mapping[str, torch.Tensor]],
         return None
     return sum(sum(float((m[n].double() - global_model[n].double()).square().sum()) for n in names)
                for m in client_models) / len(client_models)
+
+
+# metrics.jsonl fields of a round (server/run.py); TensorBoard draws them as flatness/<field>
+ROUND_FIELDS = ("flatness_distance", "sharpness", "sharpness_rho", "hessian_max_eig", "hessian_trace",
+                "flatness_seconds")

@@ -21,6 +21,7 @@ from common import protocol as P
 from common.config import RunConfig
 from common.data import dataset_for, partitions_for
 from common.evaluate import evaluate
+from common.flatness import flatness_distance, measure, seed_of
 from common.models import build_model
 from common.registry import get as get_spec
 from server.clients import client_rows
@@ -76,15 +77,34 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         model.load_state_dict(strategy.model)
         return evaluate(model, data.test, cfg.eval_batch_size)
 
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def flatness(rnd: int, stats: RoundStats) -> dict:
+        """The round's flatness fields: FedNSAM's eq. 4 distance (None when the round was
+        skipped: no new global model), and every ``flatness-every`` rounds the new global
+        model's sharpness and Hessian numbers on the evaluation split, with their cost."""
+        _, updates = strategy.accepted
+        row = {"flatness_distance": None if stats.skipped else
+               flatness_distance([u.model for u in updates], strategy.model, trainable)}
+        if cfg.measures_flatness(rnd):
+            t0 = time.monotonic()
+            model.load_state_dict(strategy.model)
+            found = measure(model, data.test, batch_size=cfg.eval_batch_size, rho=cfg.flatness_rho,
+                            iters=cfg.flatness_iters, probes=cfg.flatness_probes, seed=seed_of(cfg.seed, rnd))
+            row.update(sharpness=found["sharpness"], sharpness_rho=cfg.flatness_rho,
+                       hessian_max_eig=found["hessian_max_eig"], hessian_trace=found["hessian_trace"],
+                       flatness_seconds=round(time.monotonic() - t0, 4))
+        return {k: v if v is None or isinstance(v, str) else finite(v) for k, v in row.items()}
+
     board = Board(run_dir.path, cfg.tensorboard)
     try:
-        return _rounds(grid, cfg, run_dir, strategy, central_eval, first, board, t_start)
+        return _rounds(grid, cfg, run_dir, strategy, central_eval, flatness, first, board, t_start)
     finally:
         board.close()
 
 
-def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval, first: int,
-            board: Board, t_start: float) -> Path:
+def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval, flatness,
+            first: int, board: Board, t_start: float) -> Path:
     loss, acc = central_eval()
     if not cfg.resume:
         run_dir.append_metrics({"round": 0, "test_accuracy": acc, "test_loss": finite(loss)})
@@ -112,6 +132,7 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
         loss, acc = central_eval()
         row.update({"test_accuracy": acc, "test_loss": finite(loss), **round_fields(stats),
                     "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})
+        row.update(flatness(rnd, stats))  # after "seconds": its cost is flatness_seconds
         clients = client_rows(strategy, rnd)
         run_dir.append_rows("clients.jsonl", clients)
         run_dir.append_metrics(row)  # before the checkpoint: a resume redoes rows past it

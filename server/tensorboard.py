@@ -1,6 +1,7 @@
 """TensorBoard event files in the run directory (``tensorboard --logdir runs/``).
 
-Every number of a metrics.jsonl line as a scalar (``metrics/<field>``), the round's clients
+Every number of a metrics.jsonl line as a scalar (``metrics/<field>``; the flatness fields of
+common/flatness.py as ``flatness/<field>``), the round's clients
 as histograms (``clients/<field>``: update norm, cosine to the mean update, losses and
 accuracies before/after) and their drift summary as scalars (``drift/...``). On when the
 run config's ``tensorboard`` is true and the package is installed; otherwise a no-op.
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from common.flatness import ROUND_FIELDS
 
 log = logging.getLogger("flwr.flatflower.server")
 
@@ -101,7 +104,7 @@ class Board:
         step = int(row["round"])
         for key, value in row.items():
             if key != "round":
-                self.scalar(f"metrics/{key}", value, step)
+                self.scalar(f"{'flatness' if key in ROUND_FIELDS else 'metrics'}/{key}", value, step)
         for key in HISTOGRAMS:
             values = np.asarray(numbers(r.get(key) for r in clients), dtype=np.float64)
             if values.size:

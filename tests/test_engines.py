@@ -52,7 +52,16 @@ def test_inprocess_real_apps_learn_and_fill_run_dir(tmp_path):
 
 # ---------------------------------------------------------------- the same model in-process, in Ray and over a real deployment
 SIM = {"num-server-rounds": 3, "fraction-train": 0.5, "dataset": "digits", "local-epochs": 1,
-       "partition": "dirichlet", "num-partitions": 4, **RAY_RETRY}
+       "partition": "dirichlet", "num-partitions": 4, "flatness-every": 3, **RAY_RETRY}
+FLATNESS = ("flatness_distance", "sharpness", "hessian_max_eig", "hessian_trace")
+
+
+def same_flatness(a: list[dict], b: list[dict]) -> None:
+    """Both runs' metric rows carry the same flatness numbers: the distance every round, the
+    Hessian measures at the last round (flatness-every = the number of rounds)."""
+    assert all(r["flatness_distance"] > 0 for r in a[1:]) and a[-1]["hessian_max_eig"] > 0
+    assert "sharpness" not in a[1]
+    assert [[r.get(k) for k in FLATNESS] for r in a] == [[r.get(k) for k in FLATNESS] for r in b]
 
 
 @pytest.mark.integration
@@ -97,6 +106,7 @@ def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path)
         a, b = (torch.load(d / "model_final.pt") for d in (ray, inp))
         assert all(torch.equal(a[k], b[k]) for k in a), f"{algorithm}: same seed, different final model"
         assert [r["test_loss"] for r in rows] == [r["test_loss"] for r in metrics(inp)]
+        same_flatness(rows, metrics(inp))
 
 
 def test_inprocess_clients_parse_array_headers_one_at_a_time():
@@ -121,7 +131,7 @@ def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, ep
     and the model's size in bytes."""
     before = flower_pids()
     args = ["--algorithm", algorithm, "--clients", "2", "--rounds", str(rounds), "--dataset", "digits",
-            "--set", f"local-epochs={epochs}"]
+            "--set", f"local-epochs={epochs}", "--flatness-every", str(rounds)]
     code = cli(["local", *flags, *args, "--run-dir", str(tmp_path / "dep"), "--timeout", "400"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -132,6 +142,7 @@ def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, ep
     assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
     a, b = (torch.load(tmp_path / d / "model_final.pt") for d in ("dep", "inp"))
     assert all(torch.equal(a[k], b[k]) for k in a), "deployment and in-process models differ"
+    same_flatness(rows, metrics(tmp_path / "inp"))
     return rows, json.loads((tmp_path / "dep" / "summary.json").read_text())["model_bytes"]
 
 

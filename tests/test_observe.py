@@ -92,7 +92,9 @@ def test_tensorboard_event_files_hold_every_metric_and_the_clients(tmp_path):
     rows = metrics(run_dir)
     numeric = {k for row in rows[1:] for k, v in row.items()
                if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    assert {f"metrics/{k}" for k in numeric} <= set(tags["scalars"])
+    from common.flatness import ROUND_FIELDS
+
+    assert {f"{'flatness' if k in ROUND_FIELDS else 'metrics'}/{k}" for k in numeric} <= set(tags["scalars"])
     accuracy = board.Scalars("metrics/test_accuracy")
     assert [e.step for e in accuracy] == [0, 1, 2]
     assert [e.value for e in accuracy] == pytest.approx([r["test_accuracy"] for r in rows])

@@ -592,7 +592,7 @@ def test_cli_simulate_vectorized_equals_inprocess(tmp_path, capsys):
     client-state mirror in both engines."""
     args = ["--algorithm", "scaffold", "--clients", "6", "--rounds", "2", "--dataset", "digits",
             "--model", "mlp", "--partition", "iid", "--fraction", "0.5", "--set", "local-epochs=1",
-            "--no-tensorboard"]
+            "--no-tensorboard", "--flatness-every", "2"]
     assert cli(["simulate", "--engine", "vectorized", *args, "--run-dir", str(tmp_path / "vec")]) == 0
     out = capsys.readouterr().out
     assert "vectorised in-process simulation" in out and "final test accuracy" in out
@@ -603,6 +603,11 @@ def test_cli_simulate_vectorized_equals_inprocess(tmp_path, capsys):
     assert (tmp_path / "vec" / "client-state").is_dir()
     assert rel_diff(final(tmp_path / "vec"), final(tmp_path / "inp")) <= REL
     assert_same_rows(tmp_path / "inp", tmp_path / "vec")
+    flat = metrics(tmp_path / "inp")
+    assert [r.get("flatness_distance") for r in rows] == pytest.approx(
+        [r.get("flatness_distance") for r in flat], rel=1e-3)
+    assert rows[2]["sharpness"] == pytest.approx(flat[2]["sharpness"], rel=1e-2, abs=1e-6)
+    assert rows[2]["hessian_max_eig"] == pytest.approx(flat[2]["hessian_max_eig"], rel=1e-3)
 
 
 def test_cli_sweep_vectorized(tmp_path, capsys):

@@ -65,6 +65,9 @@ def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
         p.add_argument("--resume", metavar="RUN_DIR",
                        help="continue the run in RUN_DIR from its last checkpoint (same config; "
                             "--rounds may extend it)")
+    p.add_argument("--flatness-every", type=cli_int, metavar="K",
+                   help="measure the global model's sharpness, top Hessian eigenvalue and Hessian "
+                        "trace every K rounds and at the last (flatness-every; default 0 = off)")
     p.add_argument("--timeout", type=cli_float, default=3600.0,
                    help=f"give up after this many seconds (at most {MAX_SECONDS:.0f})")
 
@@ -109,7 +112,8 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     values.update(parse_assignments(args.sets))
     flags = {"algorithm": args.algorithm, "num-server-rounds": args.rounds, "dataset": args.dataset,
              "model": args.model, "partition": args.partition, "seed": args.seed,
-             "fraction-train": args.fraction, "tensorboard": getattr(args, "tensorboard", None)}
+             "fraction-train": args.fraction, "tensorboard": getattr(args, "tensorboard", None),
+             "flatness-every": getattr(args, "flatness_every", None)}
     values.update({k: v for k, v in flags.items() if v is not None})
     if values.get("dataset") == "synthetic-fedprox":
         values.setdefault("partition", "natural")  # its clients are generated, not split
@@ -177,8 +181,9 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
     values = {**saved, "resume": True, "run-dir": str(run_dir)}
     if args.rounds is not None:
         values["num-server-rounds"] = args.rounds
-    if getattr(args, "tensorboard", None) is not None:
-        values["tensorboard"] = args.tensorboard
+    for key in ("tensorboard", "flatness_every"):  # what a resumed run may change
+        if getattr(args, key, None) is not None:
+            values[key.replace("_", "-")] = getattr(args, key)
     values.update(extra or {})
     try:
         cfg = RunConfig.from_mapping(values)

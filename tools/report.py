@@ -4,7 +4,8 @@ Reads what a run directory holds (``config.json``, ``metrics.jsonl``: one JSON o
 round, ``clients.jsonl``: one per client per round) and backs ``flatflower report RUN_DIR
 [RUN_DIR ...]``: accuracy per run and per algorithm (mean ± std over seeds, with std bands in
 the plots), client drift per algorithm (cosine of the clients' updates to their mean, spread of
-their norms), and a warning (``--strict``: a refusal) when the runs compared differ in their
+their norms), flatness (FedNSAM's flatness distance, sharpness and the Hessian's top eigenvalue,
+where the runs measured them), and a warning (``--strict``: a refusal) when the runs compared differ in their
 setting (clients, rounds, dataset, partition).
 """
 
@@ -191,8 +192,36 @@ def rounds_to_target(run: RunSummary, target: float | None) -> int | None:
     return next((r for r, acc in zip(run.rounds, run.accuracy) if acc >= target), None)
 
 
-def summarize(run: RunSummary, last_k: int = 5, target: float | None = None) -> dict[str, Any]:
-    """Headline numbers of one run; last-k statistics ignore round 0."""
+FLATNESS_SUMMARY = ("flatness_distance", "sharpness", "hessian_max_eig")
+
+
+def curve(run: RunSummary, key: str) -> tuple[list[int], list[float]]:
+    """(rounds, values) of a metrics.jsonl field over the rounds that hold a number for it."""
+    pairs = [(int(row["round"]), float(row[key])) for row in run.rows
+             if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)]
+    return [r for r, _ in pairs], [v for _, v in pairs]
+
+
+def has_flatness(run: RunSummary) -> bool:
+    return any(curve(run, key)[0] for key in FLATNESS_SUMMARY)
+
+
+def flatness_summary(run: RunSummary, last_k: int) -> dict[str, float | None]:
+    """The mean flatness distance over the last ``last_k`` rounds, and the last measured
+    sharpness and top Hessian eigenvalue (the final model's, with flatness-every)."""
+    _, distance = curve(run, "flatness_distance")
+    tail = distance[-last_k:] if last_k > 0 else []
+    out: dict[str, float | None] = {"flatness_distance": float(np.mean(tail)) if tail else None}
+    for key in ("sharpness", "hessian_max_eig"):
+        _, values = curve(run, key)
+        out[key] = values[-1] if values else None
+    return out
+
+
+def summarize(run: RunSummary, last_k: int = 5, target: float | None = None,
+              flatness: bool = False) -> dict[str, Any]:
+    """Headline numbers of one run; last-k statistics ignore round 0. ``flatness``: with
+    :func:`flatness_summary`'s columns."""
     trained = [acc for r, acc in zip(run.rounds, run.accuracy) if r >= 1]
     tail = np.asarray(trained[-last_k:] if last_k > 0 else [], dtype=float)
     return {
@@ -206,6 +235,7 @@ def summarize(run: RunSummary, last_k: int = 5, target: float | None = None) -> 
         "best_accuracy": max(run.accuracy),
         "rounds_to_target": rounds_to_target(run, target),
         "bytes_total": run.bytes_total,
+        **(flatness_summary(run, last_k) if flatness else {}),
     }
 
 
@@ -277,6 +307,11 @@ def group_by_algorithm(summaries: Sequence[dict[str, Any]]) -> list[dict[str, An
                 "bytes_total_mean": float(np.mean([run["bytes_total"] for run in runs])),
             }
         )
+        for key in FLATNESS_SUMMARY:
+            if key in runs[0]:
+                values = [run[key] for run in runs if run.get(key) is not None]
+                rows[-1][f"{key}_mean"] = float(np.mean(values)) if values else None
+                rows[-1][f"{key}_std"] = float(np.std(values)) if values else None
     return rows
 
 
@@ -377,6 +412,40 @@ def plot_drift(runs: Sequence[RunSummary], out_png: str | Path) -> Path | None:
     return out_png
 
 
+def plot_flatness(runs: Sequence[RunSummary], out_png: str | Path) -> Path | None:
+    """Flatness per round, as FedNSAM's Fig. 2: the flatness distance (every round), the
+    sharpness and the top Hessian eigenvalue (the rounds that measured them), one curve per
+    run or per algorithm (mean ± std over seeds). None when no run has them."""
+    runs = [run for run in runs if has_flatness(run)]
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("flatness_distance", "flatness distance (1/M) sum ||theta_i - theta||^2"),
+              ("sharpness", "sharpness L(w + rho g/||g||) - L(w)"),
+              ("hessian_max_eig", "top Hessian eigenvalue"))
+    try:
+        for ax, (key, title) in zip(axes, panels):
+            _plot(ax, _curves(runs, lambda run, key=key: curve(run, key)[0],
+                              lambda run, key=key: curve(run, key)[1]))
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("round")
+            ax.grid(True, alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle("Flatness of the global model per round")
+        fig.tight_layout()
+        fig.savefig(out_png, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    return out_png
+
+
 def human_bytes(n: float) -> str:
     """``3898000`` -> ``3.90 MB`` (decimal units, as network traffic is counted)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
@@ -394,6 +463,8 @@ def _format_cell(key: str, value: Any) -> str:
         return f"{100 * value:.2f}%"
     if "bytes" in key and isinstance(value, (int, float)):
         return human_bytes(value)
+    if key.startswith(FLATNESS_SUMMARY) and isinstance(value, float):
+        return f"{value:.4g}"  # sharpness is often ~1e-3
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
@@ -501,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: the runs have different settings, not comparable: {what}", file=sys.stderr)
             return 2
         print(f"warning: the runs have different settings, compare with care: {what}", file=sys.stderr)
-    summaries = [summarize(run, last_k=args.last_k, target=args.target) for run in runs]
+    flatness = any(has_flatness(run) for run in runs)
+    summaries = [summarize(run, last_k=args.last_k, target=args.target, flatness=flatness) for run in runs]
     print(render_table(summaries, title=f"Runs (last {args.last_k} rounds)"))
     grouped = group_by_algorithm(summaries)
     show_groups = args.by_algorithm or any(row["num_seeds"] > 1 for row in grouped)
@@ -536,6 +608,9 @@ def write_outputs(args: argparse.Namespace, runs: Sequence[RunSummary], payload:
     drift_png = plot_drift(runs, out.with_name(f"{out.stem}-drift{out.suffix or '.png'}"))
     if drift_png is not None:
         print(f"plot: {drift_png}")
+    flatness_png = plot_flatness(runs, out.with_name(f"{out.stem}-flatness{out.suffix or '.png'}"))
+    if flatness_png is not None:
+        print(f"plot: {flatness_png}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

@@ -1,0 +1,148 @@
+"""The per-round flatness fields of metrics.jsonl (server/run.py, common/flatness.py):
+FedNSAM's eq. (4) flatness distance every round, from the models the clients actually sent;
+the global model's sharpness and Hessian numbers every ``flatness-every`` rounds and at the
+last; their TensorBoard curves; a resume may change when they are measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from flwr.app import MessageType
+
+from client.app import app as client_app
+from common import protocol as P
+from common.config import ConfigError, RunConfig
+from common.data import dataset_for
+from common.flatness import ROUND_FIELDS, measure, seed_of
+from common.models import build_model
+from server.run import run_server
+from tests.helpers import fast_config, metrics, run_with_faults
+from tools.cli import main as cli
+from tools.inprocess import InProcessGrid
+
+MEASURED = ("sharpness", "sharpness_rho", "hessian_max_eig", "hessian_trace", "flatness_seconds")
+
+
+class ModelGrid(InProcessGrid):
+    """Keeps every train message's global model and every train reply's model, per round."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent: list[dict] = []  # per round: the model the clients started from
+        self.returned: list[list[dict]] = []  # per round: the models they sent back
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        if messages and messages[0].metadata.message_type == MessageType.TRAIN:
+            self.sent.append(P.from_record(messages[0].content[P.MODEL]))
+            self.returned.append([])
+        return super().push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        replies = list(super().pull_messages(message_ids))
+        for r in replies:
+            if r.metadata.message_type == MessageType.TRAIN and r.has_content():
+                self.returned[-1].append(P.from_record(r.content[P.MODEL]))
+        return replies
+
+
+@pytest.fixture(scope="module")
+def fedsam_run(tmp_path_factory):
+    """FedSAM, 4 clients at half participation, 3 rounds, flatness measured every 2 rounds
+    (so at rounds 2 and 3, the last)."""
+    run_dir = tmp_path_factory.mktemp("flat") / "run"
+    cfg = RunConfig.from_mapping(fast_config(algorithm="fedsam", fraction_train=0.5, num_server_rounds=3,
+                                             flatness_every=2, run_dir=str(run_dir), dataset="digits",
+                                             model="cnn", local_steps=5))
+    grid = ModelGrid(client_app, 4, cfg.to_dict())
+    run_server(grid, cfg)
+    return cfg, grid, metrics(run_dir)
+
+
+def sq_distance(a: dict, b: dict) -> float:
+    return sum(float((a[k].double() - b[k].double()).square().sum()) for k in a)
+
+
+def test_flatness_distance_is_fednsam_eq4_over_the_clients_sent_models(fedsam_run):
+    """(1/M) sum_i ||theta_i - theta^{t+1}||^2, theta_i the models the clients sent and
+    theta^{t+1} the next round's broadcast (the final model after the last round)."""
+    cfg, grid, rows = fedsam_run
+    final = torch.load(f"{cfg.run_dir}/model_final.pt")
+    after = [*grid.sent[1:], final]
+    for rnd, (returned, new) in enumerate(zip(grid.returned, after), start=1):
+        assert len(returned) == 2  # half of the 4 clients
+        expected = sum(sq_distance(m, new) for m in returned) / len(returned)
+        assert rows[rnd]["flatness_distance"] == pytest.approx(expected, rel=1e-9)
+    assert "flatness_distance" not in rows[0]
+
+
+def test_sharpness_and_hessian_every_k_rounds_and_at_the_last(fedsam_run):
+    """Rounds 2 and 3 hold the measures, round 1 none; the last round's numbers are
+    measure() of the final model on the evaluation split, seeded from (seed, round)."""
+    cfg, _, rows = fedsam_run
+    assert [r for r in range(1, 4) if "sharpness" in rows[r]] == [2, 3]
+    assert all(set(MEASURED) <= set(rows[r]) for r in (2, 3))
+    assert rows[2]["sharpness_rho"] == cfg.flatness_rho == 0.05
+    assert rows[2]["flatness_seconds"] > 0
+    data = dataset_for(cfg)
+    model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes)
+    model.load_state_dict(torch.load(f"{cfg.run_dir}/model_final.pt"))
+    found = measure(model, data.test, batch_size=cfg.eval_batch_size, rho=cfg.flatness_rho,
+                    iters=cfg.flatness_iters, probes=cfg.flatness_probes, seed=seed_of(cfg.seed, 3))
+    for key in ("sharpness", "hessian_max_eig", "hessian_trace"):
+        assert rows[3][key] == pytest.approx(found[key], rel=1e-5), key
+    assert rows[3]["hessian_max_eig"] > 0 and rows[3]["sharpness"] > 0
+
+
+def test_tensorboard_draws_the_flatness_fields_under_flatness(fedsam_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, _, rows = fedsam_run
+    board = EventAccumulator(cfg.run_dir, size_guidance={"scalars": 0})
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {f"flatness/{k}" for k in ROUND_FIELDS} <= tags
+    assert not {f"metrics/{k}" for k in ROUND_FIELDS} & tags
+    assert [e.step for e in board.Scalars("flatness/sharpness")] == [2, 3]
+    assert [e.value for e in board.Scalars("flatness/flatness_distance")] == pytest.approx(
+        [r["flatness_distance"] for r in rows[1:]], rel=1e-6)
+
+
+def test_report_summarises_flatness_and_draws_its_curves(fedsam_run, tmp_path, capsys):
+    cfg, _, rows = fedsam_run
+    out = tmp_path / "report.png"
+    assert cli(["report", cfg.run_dir, "--out", str(out), "--json", str(tmp_path / "r.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "flatness" in printed and "sharpness" in printed
+    assert (tmp_path / "report-flatness.png").is_file()
+    summary = json.loads((tmp_path / "r.json").read_text())["runs"][0]
+    assert summary["sharpness"] == rows[3]["sharpness"]
+    assert summary["hessian_max_eig"] == rows[3]["hessian_max_eig"]
+    assert summary["flatness_distance"] == pytest.approx(
+        sum(r["flatness_distance"] for r in rows[1:]) / 3)
+
+
+def test_a_skipped_round_has_no_flatness_distance(tmp_path):
+    """Every client fails round 2: no new global model, so no distance to it (null)."""
+    rows, _ = run_with_faults(tmp_path, "run", {0: "raise@2-2", 1: "raise@2-2"}, clients=2,
+                              num_server_rounds=3)
+    assert rows[2]["skipped"] == 1 and rows[2]["flatness_distance"] is None
+    assert rows[1]["flatness_distance"] > 0 and rows[3]["flatness_distance"] > 0
+
+
+def test_flatness_every_is_checked_and_a_resume_may_change_it(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="flatness-every must be >= 0"):
+        RunConfig.from_mapping({"flatness-every": -1})
+    for key in ("flatness-rho", "flatness-iters", "flatness-probes"):
+        with pytest.raises(ConfigError, match=key):
+            RunConfig.from_mapping({key: 0})
+    args = ["--clients", "2", "--dataset", "digits", "--no-tensorboard", "--set", "local-epochs=1"]
+    run_dir = tmp_path / "r"
+    assert cli(["simulate", "--engine", "inprocess", *args, "--rounds", "1", "--run-dir", str(run_dir)]) == 0
+    assert cli(["simulate", "--engine", "inprocess", "--clients", "2", "--rounds", "2",
+                "--flatness-every", "1", "--resume", str(run_dir)]) == 0
+    rows = metrics(run_dir)
+    assert "sharpness" not in rows[1] and rows[2]["sharpness"] is not None
+    capsys.readouterr()
