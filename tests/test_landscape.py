@@ -155,6 +155,7 @@ BAD = {
     "--steps 2": (None, ["--steps", "2"], "--steps must be >= 3"),
     "--span 0": (None, ["--span", "0"], "--span must be > 0"),
     "--span -1": (None, ["--span=-1"], "--span must be > 0"),
+    "--batch-size 0": (None, ["--batch-size", "0"], "--batch-size must be >= 1"),
     "an unknown split": (None, ["--split", "valid"], "invalid choice: 'valid'"),
     "an unknown model": (None, ["--model", "best"], "invalid choice: 'best'"),
     "--dims 3": (None, ["--dims", "3"], "invalid choice: 3"),
@@ -215,3 +216,20 @@ def test_progress_is_shown_every_5_percent_of_a_long_surface_and_at_the_end(caps
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[1] for line in lines] == [f"{2 * k}/40" for k in range(1, 21)]
     assert lines[-1].startswith("landscape: 40/40 grid points (100%)") and "ETA" not in lines[-1]
+
+
+@pytest.mark.parametrize("split, model", [("train", "final"), ("test", "init")])
+def test_split_and_model_choose_what_is_measured(runs, tmp_path, split, model):
+    assert landscape(runs["avg"], "--dims", 1, "--steps", 3, "--split", split, "--model", model,
+                     "--out", tmp_path / "l.png", "--data", tmp_path / "l.npz") == 0
+    run = SavedRun.open(runs["avg"])
+    measure = SplitLoss(run.model(model), run.split(split), run.cfg.eval_batch_size)
+    assert len(measure) == len(run.dataset().train if split == "train" else run.dataset().test)
+    assert np.load(tmp_path / "l.npz")["loss"][0, 1] == measure.value()[0]
+
+
+def test_contour_levels_are_geometric_over_a_wide_range():
+    from tools.landscape import contour_levels
+
+    np.testing.assert_allclose(contour_levels(np.array([1.0, 2.0]), 3), [1.0, 1.5, 2.0])
+    np.testing.assert_allclose(contour_levels(np.array([0.5, np.inf, 50.0]), 3), [0.5, 5.0, 50.0])
