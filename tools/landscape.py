@@ -283,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=cli_int, default=0, help="seed of the random directions (default 0)")
     parser.add_argument("--batch-size", type=cli_int, default=None,
                         help="examples per forward pass (default: each run's eval-batch-size)")
+    parser.add_argument("--threads", type=cli_int, default=1,
+                        help="torch CPU threads (default 1: several fight over a busy machine's cores; "
+                             "0 = torch's default)")
     parser.add_argument("--out", type=Path, default=None,
                         help="the figure (default: landscape.png in the run directory, or in the "
                              "directory that holds all the RUN_DIRs)")
@@ -308,6 +311,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--steps must be >= 3, got {args.steps}")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.threads < 0:
+        parser.error(f"--threads must be >= 0, got {args.threads}")
     args.out = args.out or default_out(args.run_dirs)
     for path in (args.out, args.data):
         if path is not None and path.exists() and not args.force:
@@ -343,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_arguments(parser, args)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     try:
         runs = open_runs(args)
         coords = grid(-args.span, 1 + args.span, args.steps) if args.interpolate else \
