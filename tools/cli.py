@@ -3,6 +3,7 @@
     flatflower local    --algorithm A --clients N --rounds R [...]   real SuperLink + N SuperNodes
     flatflower simulate --algorithm A --clients N --rounds R [...]   Flower's Ray simulation engine
     flatflower report   RUN_DIR [RUN_DIR ...]                        table + accuracy plot
+    flatflower landscape RUN_DIR [RUN_DIR ...]                       loss surfaces (PNG + NPZ)
     flatflower sweep    --algorithms A,B --seeds 0,1,2 --out DIR     algorithms x seeds, then a report
     flatflower bench    [--quick | --full]                           cost, overhead, bytes, memory, throughput
     flatflower presets                                               list the presets
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(sim)
     add_simulate_arguments(sim)
     sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)
+    sub.add_parser("landscape", help="loss surfaces around saved models, or the interpolation "
+                   "from the initial to the final model (PNG + NPZ)", add_help=False)
     sub.add_parser("bench", help="cost per local step, framework overhead, bytes, memory, simulation "
                    "throughput (JSON + tables)",
                    add_help=False)
@@ -109,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         from tools.report import main as report_main
 
         return report_main(argv[1:])
+    if argv and argv[0] == "landscape":
+        from tools.landscape import main as landscape_main
+
+        return landscape_main(argv[1:])
     if argv and argv[0] == "bench":
         from tools.bench import main as bench_main
 
