@@ -5,7 +5,7 @@ or checkpoint) on the run's evaluation split (``test``) or on the union of its c
 training data (``train``): the loss and accuracy, the sharpness at radius rho, the Hessian's
 top eigenvalue (power iteration) and its trace (Hutchinson). The defaults spend more
 Hessian-vector products than the per-round metrics (100 power steps at most, 100 probes), as
-this command is for precise numbers; a table on stdout, ``--json`` for a file.
+this command is for precise numbers (``--tol`` sets power iteration's stopping rule); a table on stdout, ``--json`` for a file.
 
 Bad input (a missing run directory or model, a damaged file, an out-of-range option, an
 existing --json file without --force) is one ``error:`` line and exit code 2.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import cli_float, cli_int
-from common.flatness import DEFAULT_RHO, HVP_METHODS, measure
+from common.flatness import DEFAULT_RHO, HVP_METHODS, TOLERANCE, measure
 from tools.prepare import Parser
 from tools.saved import MODELS, SPLITS, SavedRun
 
@@ -42,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rho", type=cli_float, default=DEFAULT_RHO,
                    help=f"radius of the sharpness perturbation (default {DEFAULT_RHO})")
     p.add_argument("--iters", type=cli_int, default=ITERS,
-                   help=f"power-iteration steps at most, stopping at a relative change < 1e-4 "
-                        f"(default {ITERS})")
+                   help=f"power-iteration steps at most (default {ITERS})")
+    p.add_argument("--tol", type=cli_float, default=TOLERANCE,
+                   help=f"power iteration stops once the eigenvalue changes by less than this, "
+                        f"relative (default {TOLERANCE:g}; a small eigengap needs a smaller one)")
     p.add_argument("--probes", type=cli_int, default=PROBES,
                    help=f"Rademacher probes of the Hutchinson trace (default {PROBES})")
     p.add_argument("--seed", type=cli_int, default=0, help="seed of the random vectors (default 0)")
@@ -62,6 +64,8 @@ def check(args: argparse.Namespace) -> None:
     """ValueError for an option out of range, or a --json file that would be overwritten."""
     if args.rho <= 0:
         raise ValueError(f"--rho must be a finite number > 0, not {args.rho}")
+    if not 0 <= args.tol < 1:
+        raise ValueError(f"--tol must be in [0, 1), not {args.tol}")
     for name in ("iters", "probes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, not {getattr(args, name)}")
@@ -95,7 +99,7 @@ def flatness(args: argparse.Namespace) -> dict[str, Any]:
     split = run.split(args.split, data)
     numbers = measure(model, split, batch_size=args.batch_size or run.cfg.eval_batch_size,
                       rho=args.rho, iters=args.iters, probes=args.probes, seed=args.seed,
-                      hvp=args.hvp)
+                      hvp=args.hvp, tol=args.tol)
     return {**numbers, "split": args.split, "model": args.model, "run_dir": str(run.path)}
 
 
@@ -113,7 +117,7 @@ def render(numbers: dict[str, Any], args: argparse.Namespace) -> str:
             ("accuracy", f"{numbers['accuracy']:.2%}", ""),
             ("sharpness", f"{numbers['sharpness']:.6g}", f"L(w + rho g/|g|) - L(w), rho = {numbers['rho']:g}"),
             ("hessian max eig", f"{numbers['hessian_max_eig']:.6g}",
-             f"power iteration, at most {args.iters} steps"),
+             f"power iteration, at most {args.iters} steps, tol {args.tol:g}"),
             ("hessian trace", f"{numbers['hessian_trace']:.6g}", f"Hutchinson, {args.probes} probes"))
     for row in rows:
         table.add_row(*row)
