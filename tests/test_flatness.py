@@ -286,6 +286,7 @@ def test_a_missing_or_damaged_model_is_one_error_line(damaged, what, message, ca
     (["--tol", "1"], "--tol must be in [0, 1)"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--threads", "-1"], "--threads must be >= 0"),
     (["--split", "validation"], "argument --split: invalid choice"),
     (["--model", "best"], "argument --model: invalid choice"),
     (["--hvp", "finite"], "argument --hvp: invalid choice"),
@@ -318,3 +319,12 @@ def test_an_existing_json_file_is_kept_without_force(run_dir, tmp_path, capsys):
     assert cli(["flatness", str(run_dir), "--iters", "2", "--probes", "1", "--json", str(out),
                 "--force"]) == 0
     assert json.loads(out.read_text())["split"] == "test"
+
+
+def test_the_documented_defaults(run_dir):
+    from tools.flatness_cmd import build_parser
+
+    args = build_parser().parse_args([str(run_dir)])
+    assert (args.model, args.split, args.rho, args.iters, args.probes, args.tol, args.seed,
+            args.hvp, args.threads, args.batch_size) == (
+        "final", "test", 0.05, 100, 100, 1e-4, 0, "double-backward", 1, None)

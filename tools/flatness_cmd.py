@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hessian-vector products by double backward (default) or torch.func "
                         "(forward-over-reverse); the same numbers")
     p.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:i")
+    p.add_argument("--threads", type=cli_int, default=1,
+                   help="torch CPU threads (default 1, as a run's server: several threads on a busy "
+                        "machine can be far slower; 0 = torch's default)")
     p.add_argument("--json", type=Path, default=None, help="also write the numbers as JSON here")
     p.add_argument("--force", action="store_true", help="write over an existing --json file")
     return p
@@ -71,6 +74,8 @@ def check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be >= 1, not {getattr(args, name)}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, not {args.seed}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, not {args.threads}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {args.batch_size}")
     if args.device != "cpu":
@@ -93,7 +98,11 @@ def check(args: argparse.Namespace) -> None:
 def flatness(args: argparse.Namespace) -> dict[str, Any]:
     """The numbers of ``args.model`` of ``args.run_dir`` on ``args.split`` (SavedRunError for a
     run directory that cannot give them)."""
+    import torch
+
     run = SavedRun.open(args.run_dir)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     data = run.dataset()
     model = run.model(args.model, data).to(args.device)
     split = run.split(args.split, data)
