@@ -216,16 +216,17 @@ class perturbed:
 
 def measure(model: nn.Module, data: Split, *, batch_size: int = 512, rho: float = DEFAULT_RHO,
             iters: int = DEFAULT_ITERS, probes: int = DEFAULT_PROBES, seed: int = 0,
-            hvp: str = "double-backward") -> dict[str, float]:
+            hvp: str = "double-backward", tol: float = TOLERANCE) -> dict[str, float]:
     """Every flatness number of ``model`` on ``data``: ``loss``, ``accuracy``, ``sharpness``
-    (with its ``rho``), ``hessian_max_eig`` (``iters`` power steps at most) and
+    (with its ``rho``), ``hessian_max_eig`` (``iters`` power steps at most, fewer once the
+    relative change is below ``tol``) and
     ``hessian_trace`` (``probes`` probes), ``examples``. Random vectors are seeded from
     ``seed`` (power iteration and Hutchinson each from their own stream)."""
     split_loss = SplitLoss(model, data, batch_size, hvp)
     loss, accuracy, sharp = sharpness(split_loss, rho)
     like = split_loss.params
     return {"loss": loss, "accuracy": accuracy, "sharpness": sharp, "rho": rho,
-            "hessian_max_eig": top_eigenvalue(split_loss.hvp, like, iters, seed_of(seed, 1)),
+            "hessian_max_eig": top_eigenvalue(split_loss.hvp, like, iters, seed_of(seed, 1), tol),
             "hessian_trace": hessian_trace(split_loss.hvp, like, probes, seed_of(seed, 2)),
             "examples": len(data)}
 

@@ -5,6 +5,7 @@
     flatflower report   RUN_DIR [RUN_DIR ...]                        table + accuracy plot
     flatflower landscape RUN_DIR [RUN_DIR ...]                       loss surfaces (PNG + NPZ)
     flatflower sweep    --algorithms A,B --seeds 0,1,2 --out DIR     algorithms x seeds, then a report
+    flatflower flatness RUN_DIR                                      sharpness, Hessian of a saved model
     flatflower bench    [--quick | --full]                           cost, overhead, bytes, memory, throughput
     flatflower presets                                               list the presets
     flatflower data check                                            datasets usable offline here
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("sweep", help="several algorithms x seeds on one partition, then one report",
                    add_help=False)
+    sub.add_parser("flatness", help="sharpness, Hessian top eigenvalue and trace of a saved model",
+                   add_help=False)
     sub.add_parser("presets", help="list the presets (paper settings)")
     data = sub.add_parser("data", help="datasets: `flatflower data check` says which are usable offline")
     data.add_argument("action", choices=("check",), help="check: one line per dataset")
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         from tools.sweep import main as sweep_main
 
         return sweep_main(argv[1:])
+    if argv and argv[0] == "flatness":
+        from tools.flatness_cmd import main as flatness_main
+
+        return flatness_main(argv[1:])
     args = build_parser().parse_args(argv)
     _stop_on_signals()
     code = commands.run(args.command, args)
