@@ -287,6 +287,8 @@ def test_a_missing_or_damaged_model_is_one_error_line(damaged, what, message, ca
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--threads", "-1"], "--threads must be >= 0"),
+    (["--device", "cuda:9"], "no such CUDA device"),
+    (["--device", "gpu"], "is not cpu, cuda or cuda:i"),
     (["--split", "validation"], "argument --split: invalid choice"),
     (["--model", "best"], "argument --model: invalid choice"),
     (["--hvp", "finite"], "argument --hvp: invalid choice"),

@@ -157,6 +157,8 @@ BAD = {
     "--span -1": (None, ["--span=-1"], "--span must be > 0"),
     "--batch-size 0": (None, ["--batch-size", "0"], "--batch-size must be >= 1"),
     "--threads -1": (None, ["--threads=-1"], "--threads must be >= 0"),
+    "--device cuda:9": (None, ["--device", "cuda:9"], "no such CUDA device"),
+    "--device gpu": (None, ["--device", "gpu"], "is not cpu, cuda or cuda:i"),
     "an unknown split": (None, ["--split", "valid"], "invalid choice: 'valid'"),
     "an unknown model": (None, ["--model", "best"], "invalid choice: 'best'"),
     "--dims 3": (None, ["--dims", "3"], "invalid choice: 3"),

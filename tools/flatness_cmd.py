@@ -23,7 +23,7 @@ from typing import Any
 from common.config import cli_float, cli_int
 from common.flatness import DEFAULT_RHO, HVP_METHODS, TOLERANCE, measure
 from tools.prepare import Parser
-from tools.saved import MODELS, SPLITS, SavedRun
+from tools.saved import MODELS, SPLITS, SavedRun, check_device
 
 EXIT_USAGE = 2
 ITERS, PROBES = 100, 100  # this command's defaults: more precise than the per-round 20 and 10
@@ -78,16 +78,7 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 0, not {args.threads}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, not {args.batch_size}")
-    if args.device != "cpu":
-        import torch
-
-        try:
-            device = torch.device(args.device)
-        except RuntimeError:
-            raise ValueError(f"--device {args.device!r} is not cpu, cuda or cuda:i") from None
-        if device.type != "cuda" or not torch.cuda.is_available() \
-                or (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"--device {args.device}: no such CUDA device on this machine")
+    check_device(args.device)
     if args.json is not None:
         if args.json.is_dir():
             raise ValueError(f"--json {args.json} is a directory")

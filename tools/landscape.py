@@ -41,7 +41,7 @@ import torch
 
 from common.config import cli_float, cli_int
 from common.flatness import SplitLoss, perturbed
-from tools.saved import MODELS, SPLITS, SavedRun, SavedRunError
+from tools.saved import MODELS, SPLITS, SavedRun, SavedRunError, check_device
 
 DEFAULT_SPAN, INTERPOLATE_SPAN, DEFAULT_STEPS = 1.0, 0.5, 21
 
@@ -133,7 +133,7 @@ def surface(run: SavedRun, args: argparse.Namespace, coords: np.ndarray, progres
     """The run's loss surface (``--dims`` 1 or 2) around w, or its interpolation curve:
     w_final + (a - 1)(w_final - w_init)."""
     data = run.dataset()
-    model = run.model("final" if args.interpolate else args.model, data)
+    model = run.model("final" if args.interpolate else args.model, data).to(args.device)
     split_loss = SplitLoss(model, run.split(args.split, data), args.batch_size or run.cfg.eval_batch_size)
     params = trainable(model)
     if args.interpolate:
@@ -283,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=cli_int, default=0, help="seed of the random directions (default 0)")
     parser.add_argument("--batch-size", type=cli_int, default=None,
                         help="examples per forward pass (default: each run's eval-batch-size)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:i")
     parser.add_argument("--threads", type=cli_int, default=1,
                         help="torch CPU threads (default 1: several fight over a busy machine's cores; "
                              "0 = torch's default)")
@@ -313,6 +314,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.threads < 0:
         parser.error(f"--threads must be >= 0, got {args.threads}")
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        parser.error(str(err))
     args.out = args.out or default_out(args.run_dirs)
     for path in (args.out, args.data):
         if path is not None and path.exists() and not args.force:

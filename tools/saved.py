@@ -27,6 +27,22 @@ MODELS = {"final": "model_final.pt", "init": "model_init.pt", "checkpoint": "che
 SPLITS = ("test", "train")
 
 
+def check_device(text: str) -> str:
+    """``text`` if this machine has that device (cpu, cuda, cuda:i); ValueError saying why not."""
+    if text == "cpu":
+        return text
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device {text!r} is not cpu, cuda or cuda:i") from None
+    if device.type != "cuda" or not torch.cuda.is_available() \
+            or (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {text}: no such CUDA device on this machine")
+    return text
+
+
 class SavedRunError(ValueError):
     """A run directory cannot give what was asked (missing, damaged, another architecture)."""
 
