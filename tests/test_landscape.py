@@ -3,6 +3,7 @@ real (in-process) runs, their NPZ, and the refusals of bad input."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -157,6 +158,7 @@ BAD = {
     "--span -1": (None, ["--span=-1"], "--span must be > 0"),
     "--batch-size 0": (None, ["--batch-size", "0"], "--batch-size must be >= 1"),
     "--threads -1": (None, ["--threads=-1"], "--threads must be >= 0"),
+    "config.json naming an unknown model": (lambda runs, tmp: _unknown_model(runs, tmp), [], "unknown model 'nosuch'"),
     "--device cuda:9": (None, ["--device", "cuda:9"], "no such CUDA device"),
     "--device gpu": (None, ["--device", "gpu"], "is not cpu, cuda or cuda:i"),
     "an unknown split": (None, ["--split", "valid"], "invalid choice: 'valid'"),
@@ -166,6 +168,13 @@ BAD = {
     "--interpolate without model_init.pt": (
         lambda runs, tmp: _without(runs, tmp, "model_init.pt"), ["--interpolate"], "no model_init.pt"),
 }
+
+
+def _unknown_model(runs, tmp_path) -> Path:
+    run = Path(shutil.copytree(runs["avg"], tmp_path / "unknown"))
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "model": "nosuch"}))
+    return run
 
 
 def _without(runs, tmp_path, name) -> Path:

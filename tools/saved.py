@@ -103,7 +103,10 @@ class SavedRun:
     def model(self, which: str = "final", data: FederatedDataset | None = None) -> nn.Module:
         """The run's architecture with the weights of ``which`` loaded."""
         data = data or self.dataset()
-        model = build_model(self.model_name, data.input_shape, data.num_classes, seed=self.cfg.seed)
+        try:
+            model = build_model(self.model_name, data.input_shape, data.num_classes, seed=self.cfg.seed)
+        except ValueError as err:  # config.json names a model this flatflower lacks, or one unfit
+            raise SavedRunError(f"{self.path / 'config.json'}: {err}") from None
         state = self.state_dict(which)
         try:
             model.load_state_dict(state)
