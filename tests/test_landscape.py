@@ -245,3 +245,15 @@ def test_contour_levels_are_geometric_over_a_wide_range():
 
     np.testing.assert_allclose(contour_levels(np.array([1.0, 2.0]), 3), [1.0, 1.5, 2.0])
     np.testing.assert_allclose(contour_levels(np.array([0.5, np.inf, 50.0]), 3), [0.5, 5.0, 50.0])
+
+
+def test_the_grid_holds_0_and_1_exactly_and_never_moves_a_point_onto_them():
+    """0 and 1 are exact grid values where the grid passes them; with a huge span the point
+    at 0 stays at 0 (a rounding tolerance of the span's size once moved it to 1)."""
+    from tools.landscape import grid
+
+    assert grid(-1e30, 1e30, 3).tolist() == [-1e30, 0.0, 1e30]
+    coords = grid(-0.5, 1.5, 21)
+    assert 0.0 in coords.tolist() and 1.0 in coords.tolist()
+    assert np.allclose(coords, np.linspace(-0.5, 1.5, 21))
+    assert grid(-1.0, 1.0, 4).tolist() == np.linspace(-1.0, 1.0, 4).tolist()  # no point near 0 or 1

@@ -61,8 +61,12 @@ def grid(lo: float, hi: float, steps: int) -> np.ndarray:
     that, so the grid's centre is w itself and interpolation's a = 0, 1 are the saved models
     (a = 0 up to the rounding of w_final - (w_final - w_init))."""
     coords = np.linspace(lo, hi, steps)
-    for exact in (0.0, 1.0):
-        coords[np.abs(coords - exact) < 1e-9 * (hi - lo)] = exact
+    snapped: set[int] = set()
+    for exact in (0.0, 1.0):  # the point nearest each, if within rounding and not taken already
+        i = int(np.argmin(np.abs(coords - exact)))
+        if i not in snapped and abs(coords[i] - exact) < 1e-9 * (hi - lo):
+            coords[i] = exact
+            snapped.add(i)
     return coords
 
 
