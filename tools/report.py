@@ -373,13 +373,10 @@ def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "rou
     return out_png
 
 
-def plot_drift(runs: Sequence[RunSummary], out_png: str | Path) -> Path | None:
-    """Client drift per round (clients.jsonl), one curve per run or per algorithm (mean ± std
-    over seeds): mean and min cosine of the clients' updates to their mean, and the spread of
-    the update norms. None when no run has clients.jsonl."""
-    runs = [run for run in runs if run.drift]
-    if not runs:
-        return None
+def plot_panels(runs: Sequence[RunSummary], out_png: str | Path, title: str,
+                panels: Sequence[tuple[str, Any, Any]]) -> Path:
+    """One row of per-round panels: each (title, x_of(run), y_of(run)), one curve per run or
+    per algorithm (mean ± std over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -387,63 +384,54 @@ def plot_drift(runs: Sequence[RunSummary], out_png: str | Path) -> Path | None:
 
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (("cosine_mean", "mean cosine to the mean update"),
-              ("cosine_min", "min cosine to the mean update"),
-              ("norm_spread", "update norm spread (std / mean)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     try:
-        for ax, (key, title) in zip(axes, panels):
-            def x_of(run, key=key):
-                return [r for r, d in run.drift.items() if key in d]
-
-            def y_of(run, key=key):
-                return [d[key] for d in run.drift.values() if key in d]
-
+        for ax, (name, x_of, y_of) in zip(axes, panels):
             _plot(ax, _curves(runs, x_of, y_of))
-            ax.set_title(title)
+            ax.set_title(name, fontsize=10)
             ax.set_xlabel("round")
             ax.grid(True, alpha=0.3)
         axes[0].legend(fontsize=8)
-        fig.suptitle("Client drift: how far the clients' updates disagree")
+        fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(out_png, format="png", dpi=110)
     finally:
         plt.close(fig)
     return out_png
+
+
+def plot_drift(runs: Sequence[RunSummary], out_png: str | Path) -> Path | None:
+    """Client drift per round (clients.jsonl): mean and min cosine of the clients' updates to
+    their mean, and the spread of the update norms. None when no run has clients.jsonl."""
+    runs = [run for run in runs if run.drift]
+    if not runs:
+        return None
+
+    def panel(key: str, name: str):
+        return (name, lambda run: [r for r, d in run.drift.items() if key in d],
+                lambda run: [d[key] for d in run.drift.values() if key in d])
+
+    return plot_panels(runs, out_png, "Client drift: how far the clients' updates disagree",
+                       [panel("cosine_mean", "mean cosine to the mean update"),
+                        panel("cosine_min", "min cosine to the mean update"),
+                        panel("norm_spread", "update norm spread (std / mean)")])
 
 
 def plot_flatness(runs: Sequence[RunSummary], out_png: str | Path) -> Path | None:
     """Flatness per round, as FedNSAM's Fig. 2: the flatness distance (every round), the
-    sharpness and the top Hessian eigenvalue (the rounds that measured them), one curve per
-    run or per algorithm (mean ± std over seeds). None when no run has them."""
+    sharpness and the top Hessian eigenvalue (the rounds that measured them). None when no
+    run has them."""
     runs = [run for run in runs if has_flatness(run)]
     if not runs:
         return None
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def panel(key: str, name: str):
+        return name, lambda run: curve(run, key)[0], lambda run: curve(run, key)[1]
 
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (("flatness_distance", "flatness distance (1/M) sum ||theta_i - theta||^2"),
-              ("sharpness", "sharpness L(w + rho g/||g||) - L(w)"),
-              ("hessian_max_eig", "top Hessian eigenvalue"))
-    try:
-        for ax, (key, title) in zip(axes, panels):
-            _plot(ax, _curves(runs, lambda run, key=key: curve(run, key)[0],
-                              lambda run, key=key: curve(run, key)[1]))
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel("round")
-            ax.grid(True, alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.suptitle("Flatness of the global model per round")
-        fig.tight_layout()
-        fig.savefig(out_png, format="png", dpi=110)
-    finally:
-        plt.close(fig)
-    return out_png
+    return plot_panels(runs, out_png, "Flatness of the global model per round",
+                       [panel("flatness_distance", "flatness distance (1/M) sum ||theta_i - theta||^2"),
+                        panel("sharpness", "sharpness L(w + rho g/||g||) - L(w)"),
+                        panel("hessian_max_eig", "top Hessian eigenvalue")])
 
 
 def human_bytes(n: float) -> str:
