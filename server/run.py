@@ -94,6 +94,10 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
             row.update(sharpness=found["sharpness"], sharpness_rho=cfg.flatness_rho,
                        hessian_max_eig=found["hessian_max_eig"], hessian_trace=found["hessian_trace"],
                        flatness_seconds=round(time.monotonic() - t0, 4))
+            log.info("round %d: flatness of the global model: sharpness %.4g (rho %g), top Hessian "
+                     "eigenvalue %.4g, Hessian trace %.4g (%.1fs)", rnd, found["sharpness"],
+                     cfg.flatness_rho, found["hessian_max_eig"], found["hessian_trace"],
+                     row["flatness_seconds"])
         return {k: v if v is None or isinstance(v, str) else finite(v) for k, v in row.items()}
 
     board = Board(run_dir.path, cfg.tensorboard)
