@@ -12,8 +12,10 @@ import torch
 
 from common.config import RunConfig
 from common.data import partitions_for
+from common.flatness import HVP_METHODS
 from common.registry import ALGORITHMS
 from tools.bench import main as bench
+from tools.bench import print_tables
 from tools.cli import main as cli
 from tools.throughput import render as render_throughput
 
@@ -27,7 +29,7 @@ def report(tmp_path_factory):
 
 def test_report_has_every_section_and_the_machine(report):
     assert {"machine", "settings", "compute", "overhead", "communication", "memory", "throughput",
-            "seconds"} <= set(report)
+            "flatness", "seconds"} <= set(report)
     assert report["machine"]["cpus"] >= 1 and report["machine"]["torch"]
     assert report["settings"]["quick"] is True
 
@@ -108,6 +110,29 @@ def test_throughput_table_says_what_ran_and_warns_on_a_loaded_machine(report):
     assert "wall-clock figures" in render_throughput({**t, "loaded": True})
 
 
+def test_flatness_times_each_hvp_method_a_landscape_and_flatness_every_in_a_run(report):
+    f = report["flatness"]
+    assert (f["iters"], f["probes"], f["landscape_steps"]) == (3, 2, 5)  # --quick
+    assert f["run_hvp"] in HVP_METHODS and f["device"] == "cpu"
+    assert [r["model"] for r in f["models"]] == ["mlp", "cnn"]
+    for r in f["models"]:
+        assert (r["dataset"], r["split"], r["examples"]) == ("digits", "test", 360)
+        assert r["parameters"] > 0 and r["round_seconds"] > 0 and r["landscape_seconds"] > 0
+        assert r["landscape_points"] == 25 and isinstance(r["landscape_estimate"], bool)
+        assert set(r["hvp"]) == set(HVP_METHODS) and r["faster_hvp"] in HVP_METHODS
+        for h in r["hvp"].values():
+            assert h["flatness_seconds"] > 0 and h["seconds_per_hvp"] > 0
+            # power iteration (twice for a negative dominant eigenvalue) and one HVP per probe
+            assert f["probes"] + 1 <= h["hvps"] <= 2 * f["iters"] + f["probes"], h
+        # flatness-every 2 in a 3-round run: rounds 2 and 3 (the last) were measured
+        e = r["every"]
+        assert (e["flatness_every"], e["rounds"], e["measurements"]) == (2, 3, 2)
+        assert e["overhead"] == pytest.approx(e["flatness_seconds"] / e["round_seconds"]) and e["overhead"] > 0
+        assert isinstance(e["within_target"], bool)
+    table = print_tables({"flatness": f})
+    assert "double-backward (runs)" in table and "5x5 landscape" in table and "flatness-every 2" in table
+
+
 @pytest.mark.parametrize("args,message", [
     pytest.param(["--device", "cuda:0"], "CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
@@ -118,6 +143,7 @@ def test_throughput_table_says_what_ran_and_warns_on_a_loaded_machine(report):
     (["--throughput-engines", "dask"], "throughput engines: unknown dask"),
     (["--throughput-clients", "10,x"], "--throughput-clients"),
     (["--throughput-rounds", "2"], "round 1 is not timed"),
+    (["--flatness-models", "cnn,vgg"], "--flatness-models: unknown vgg"),
 ])
 def test_bad_bench_arguments_give_a_clear_error(tmp_path, capsys, args, message):
     out = tmp_path / "b.json"

@@ -17,6 +17,14 @@
 * **throughput** — client·steps per CPU-second and per wall-second, and seconds per round, of
   short runs on the in-process, vectorised and (``--full``) Ray engines as the number of
   clients grows (tools/throughput.py): CPU time and the fastest of interleaved runs.
+* **flatness** — what measuring flatness costs (common/flatness.py): one ``flatness-every``
+  evaluation (``measure()``: sharpness, power iteration, Hutchinson) of a trained global model
+  on its evaluation split with each Hessian-vector product (``torch.func`` forward-over-reverse,
+  double backward), the seconds of one HVP of each, one 21x21 loss landscape (an estimate:
+  441 full-split losses and the two directions), all against a training round of the run that
+  trained the model (in-process engine: the MLP and the CNN on digits, LeNet on
+  ``synthetic-cifar10``); and what ``flatness-every 10`` adds to that digits run, measured in
+  it: sum(flatness_seconds) / sum(seconds) over its rows.
 
 Targets (docs/benchmarks.md) are reported, never asserted: timings belong here, not in tests.
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import itertools
 import json
 import os
@@ -45,6 +54,8 @@ import torch.nn.functional as F
 from client.batch import ModelBatch
 from common.config import RunConfig, cli_int
 from common.datasets import Split
+from common.flatness import DEFAULT_ITERS, DEFAULT_PROBES, HVP_METHODS, SplitLoss, measure, perturbed
+from common.flatness import random_vector
 from common.models import build_model
 from common.registry import ALGORITHMS
 from common.registry import get as get_spec
@@ -58,10 +69,26 @@ VARIANTS = [(name, name, {}) for name in ALGORITHMS] + [
 ]
 EXPECTED_OVERRIDES = {"fedtoga (N)": 1.0}  # passes of a variant whose config changes them
 MEMORY_CLIENTS_QUICK, MEMORY_CLIENTS_FULL = (2, 4), (4, 8, 16)
-SECTIONS = ("compute", "overhead", "communication", "memory", "throughput")
+SECTIONS = ("compute", "overhead", "communication", "memory", "throughput", "flatness")
 # the throughput section's defaults: --quick keeps `make test` fast; --full adds Ray
 THROUGHPUT_QUICK = {"models": ("mlp",), "clients": (10, 20), "rounds": 3, "repeats": 2}
 THROUGHPUT_FULL = {"models": ("mlp", "cnn", "lenet"), "clients": (10, 100, 500), "rounds": 4, "repeats": 2}
+# the flatness section: which models, measure()'s iterations/probes, the landscape's grid, and
+# fastest-of-N timings of each HVP method (interleaved); --quick keeps `make test` fast
+FLATNESS_QUICK = {"models": ("mlp", "cnn"), "iters": 3, "probes": 2, "steps": 5, "repeats": 1,
+                  "run": {"clients": 4, "local-epochs": 1, "rounds": 3, "flatness-every": 2}}
+FLATNESS_FULL = {"models": ("mlp", "cnn", "lenet"), "iters": DEFAULT_ITERS, "probes": DEFAULT_PROBES,
+                 "steps": 21, "repeats": 3, "run": {}}
+FLATNESS_RUNS = {  # model -> the in-process FedAvg run (iid) whose rounds are timed (without --quick)
+    "mlp": {"dataset": "digits", "clients": 10, "local-epochs": 5, "rounds": 10, "flatness-every": 10},
+    "cnn": {"dataset": "digits", "clients": 10, "local-epochs": 5, "rounds": 10, "flatness-every": 10},
+    # a LeNet round of 5000 images is long here: 1 epoch, 2 rounds, measured apart (no flatness-every)
+    "lenet": {"dataset": "synthetic-cifar10", "clients": 10, "local-epochs": 1, "rounds": 2,
+              "flatness-every": 0, "repeats": 1},
+}
+RUN_HVP = inspect.signature(measure).parameters["hvp"].default  # what a run's flatness-every uses
+FLATNESS_TARGET = 0.10  # issue 24: flatness-every 10 adds <= 10% to a digits-CNN run
+LANDSCAPE_IS_ESTIMATE = True  # until _landscape_seconds times tools/landscape.py itself
 _RUN_IDS = itertools.count()
 
 
@@ -79,6 +106,7 @@ class Settings:
     threads: int = 1
     sections: tuple[str, ...] = SECTIONS
     throughput: ThroughputSettings | None = None
+    flatness_models: tuple[str, ...] = ()  # () = FLATNESS_QUICK's or FLATNESS_FULL's
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -104,10 +132,15 @@ class Settings:
             repeats=args.throughput_repeats or defaults["repeats"],
             ray_max_clients=args.throughput_ray_max_clients)
         throughput.validate()
+        flatness_models = _names(args.flatness_models)
+        unknown = [m for m in flatness_models if m not in FLATNESS_FULL["models"]]
+        if unknown:
+            raise ValueError(f"--flatness-models: unknown {', '.join(unknown)} "
+                             f"(valid: {', '.join(FLATNESS_FULL['models'])})")
         return cls(quick=args.quick, model=args.model, input_shape=shape, num_classes=args.classes,
                    batch_size=args.batch_size, steps=args.steps, repeats=args.repeats,
                    device=args.device, full_overhead=args.full, threads=args.threads,
-                   sections=sections, throughput=throughput)
+                   sections=sections, throughput=throughput, flatness_models=flatness_models)
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -498,6 +531,154 @@ def bench_memory(settings: Settings, workdir: Path, say=_silent) -> list[dict[st
     return rows
 
 
+# ---------------------------------------------------------------------------- flatness
+def _filter_normalised(params, generator: torch.Generator) -> list[torch.Tensor]:
+    """A Gaussian direction whose every filter (output row) has the norm of the same row of
+    the weight; 1-D parameters (biases) get zero, as in Li et al. (2018)."""
+    out = []
+    for p, d in zip(params, random_vector(params, generator)):
+        if p.dim() <= 1:
+            out.append(torch.zeros_like(p))
+            continue
+        rows, w = d.flatten(1), p.detach().flatten(1)
+        scale = w.norm(dim=1, keepdim=True) / rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        out.append((rows * scale).view_as(p))
+    return out
+
+
+def _landscape_seconds(model: torch.nn.Module, split: Split, steps: int, batch_size: int = 512) -> float:
+    """Seconds of one ``steps`` x ``steps`` loss landscape of ``model`` on ``split``. An
+    ESTIMATE of ``flatflower landscape`` (LANDSCAPE_IS_ESTIMATE) until it times tools/landscape.py:
+    two filter-normalised directions, then steps² full-split losses (SplitLoss.value) at
+    w + a d0 + b d1 over [-1, 1]²; no plotting or file writing."""
+    device = next(model.parameters()).device
+    _sync(device)
+    t0 = time.perf_counter()
+    split_loss = SplitLoss(model, split, batch_size)
+    gen = torch.Generator().manual_seed(0)
+    first, second = (_filter_normalised(split_loss.params, gen) for _ in range(2))
+    coords = torch.linspace(-1.0, 1.0, steps).tolist()
+    for a in coords:
+        for b in coords:
+            with perturbed(split_loss.params, [a * u + b * v for u, v in zip(first, second)]):
+                split_loss.value()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _counting_hvps():
+    """Counts SplitLoss.hvp calls (each one HVP over the whole split) while it is open."""
+    original, count = SplitLoss.hvp, [0]
+
+    def hvp(self, v):
+        count[0] += 1
+        return original(self, v)
+
+    SplitLoss.hvp = hvp
+    try:
+        yield count
+    finally:
+        SplitLoss.hvp = original
+
+
+def _measure_seconds(model, split: Split, hvp: str, knobs: dict, batch_size: int) -> tuple[float, int]:
+    """Seconds of one measure() with ``hvp`` and the HVPs it took."""
+    device = next(model.parameters()).device
+    with _counting_hvps() as count:
+        _sync(device)
+        t0 = time.perf_counter()
+        measure(model, split, batch_size=batch_size, iters=knobs["iters"], probes=knobs["probes"], hvp=hvp)
+        _sync(device)
+    return time.perf_counter() - t0, count[0]
+
+
+def _hvp_seconds(model, split: Split, hvp: str, repeats: int, batch_size: int) -> float:
+    """The fastest of ``repeats`` HVPs over the whole split, after one warm-up."""
+    split_loss = SplitLoss(model, split, batch_size, hvp)
+    v = random_vector(split_loss.params, torch.Generator().manual_seed(0))
+    split_loss.hvp(v)
+    times = []
+    for _ in range(repeats):
+        _sync(split_loss.device)
+        t0 = time.perf_counter()
+        split_loss.hvp(v)
+        _sync(split_loss.device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _flatness_run(model_name: str, workdir: Path, knobs: dict) -> tuple[Path, dict]:
+    """The in-process FedAvg run whose rounds are timed and whose final model is measured."""
+    from tools.inprocess import run_inprocess
+
+    plan = {**FLATNESS_RUNS[model_name], **knobs["run"]}
+    cfg = {"algorithm": "fedavg", "dataset": plan["dataset"], "model": model_name, "partition": "iid",
+           "local-epochs": plan["local-epochs"], "num-server-rounds": plan["rounds"],
+           "flatness-every": plan["flatness-every"], "flatness-iters": knobs["iters"],
+           "flatness-probes": knobs["probes"],
+           # the work of a round alone: no client self-report passes, event files or checkpoints
+           "client-eval": False, "tensorboard": False, "checkpoint-every": 0,
+           "run-dir": str(workdir / f"flatness-{model_name}")}
+    with _quiet():
+        run_dir, _ = run_inprocess(cfg, plan["clients"])
+    return run_dir, plan
+
+
+def _flatness_row(model_name: str, settings: Settings, workdir: Path, knobs: dict, say) -> dict[str, Any]:
+    from tools.saved import SavedRun
+
+    say(f"flatness: {model_name} run")
+    run_dir, plan = _flatness_run(model_name, workdir, knobs)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rounds = [r for r in rows if r["round"] >= 1]
+    saved = SavedRun.open(run_dir)
+    data = saved.dataset()
+    model, split = saved.model("final", data).to(settings.device), saved.split("test", data)
+    batch = saved.cfg.eval_batch_size
+    repeats = min(knobs["repeats"], plan.get("repeats", knobs["repeats"]))
+    say(f"flatness: {model_name} HVPs and measure()")
+    per_hvp = {m: _hvp_seconds(model, split, m, max(repeats, 2), batch) for m in HVP_METHODS}  # warms up
+    timed: dict[str, list[tuple[float, int]]] = {m: [] for m in HVP_METHODS}
+    for _ in range(repeats):  # the methods interleaved, the fastest of each kept
+        for method in HVP_METHODS:
+            timed[method].append(_measure_seconds(model, split, method, knobs, batch))
+    hvp = {m: {"flatness_seconds": min(timed[m])[0], "hvps": min(timed[m])[1], "seconds_per_hvp": per_hvp[m]}
+           for m in HVP_METHODS}
+    say(f"flatness: {model_name} landscape")
+    landscape = _landscape_seconds(model, split, knobs["steps"], batch)
+    round_seconds = statistics.median([r["seconds"] for r in rounds[1:] or rounds])
+    out = {"model": model_name, "dataset": plan["dataset"], "split": "test", "examples": len(split),
+           "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+           "eval_batch_size": batch, "clients": plan["clients"], "local_epochs": plan["local-epochs"],
+           "batch_size": saved.cfg.batch_size, "rounds": plan["rounds"],
+           "round_seconds": round_seconds, "hvp": hvp,
+           "faster_hvp": min(HVP_METHODS, key=lambda m: hvp[m]["seconds_per_hvp"]),
+           "landscape_points": knobs["steps"] ** 2, "landscape_seconds": landscape,
+           "landscape_estimate": LANDSCAPE_IS_ESTIMATE,
+           "flatness_vs_round": hvp[RUN_HVP]["flatness_seconds"] / round_seconds,
+           "landscape_vs_round": landscape / round_seconds}
+    measured = [r for r in rounds if r.get("flatness_seconds") is not None]
+    if measured:  # flatness-every in the run itself: what it added
+        added, spent = sum(r["flatness_seconds"] for r in measured), sum(r["seconds"] for r in rounds)
+        every = plan["flatness-every"]
+        out["every"] = {"flatness_every": every, "rounds": len(rounds),
+                        "measurements": len(measured), "flatness_seconds": added, "round_seconds": spent,
+                        "overhead": added / spent, "within_target": added / spent <= FLATNESS_TARGET,
+                        # one measurement against `every` median rounds: round 1's warm-up left out
+                        "overhead_steady": added / len(measured) / (every * round_seconds)}
+    return out
+
+
+def bench_flatness(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
+    knobs = FLATNESS_QUICK if settings.quick else FLATNESS_FULL
+    return {"iters": knobs["iters"], "probes": knobs["probes"], "landscape_steps": knobs["steps"],
+            "repeats": knobs["repeats"], "run_hvp": RUN_HVP, "device": settings.device,
+            "target_overhead": FLATNESS_TARGET,
+            "models": [_flatness_row(m, settings, workdir, knobs, say)
+                       for m in settings.flatness_models or knobs["models"]]}
+
+
 # ---------------------------------------------------------------------------- report
 @contextlib.contextmanager
 def _quiet():
@@ -545,6 +726,8 @@ def run_bench(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
         report["memory"] = bench_memory(settings, workdir, say)
     if "throughput" in settings.sections:
         report["throughput"] = bench_throughput(settings.throughput or ThroughputSettings(), workdir, say)
+    if "flatness" in settings.sections:
+        report["flatness"] = bench_flatness(settings, workdir, say)
     report["seconds"] = time.perf_counter() - t0
     return report
 
@@ -561,6 +744,8 @@ def print_tables(report: dict[str, Any]) -> str:
         out.append(_memory_table(report))
     if "throughput" in report:
         out.append(render_throughput(report["throughput"]))
+    if "flatness" in report:
+        out.append(_flatness_table(report))
     return "\n".join(out)
 
 
@@ -612,6 +797,35 @@ def _memory_table(report: dict[str, Any]) -> str:
     return render_table(mem, "memory: state bytes")
 
 
+def _flatness_table(report: dict[str, Any]) -> str:
+    from tools.report import render_table
+
+    f = report["flatness"]
+    rows, lines = [], []
+    for r in f["models"]:
+        for i, (method, h) in enumerate(r["hvp"].items()):
+            rows.append({"model": f"{r['model']} ({r['examples']} ex.)" if i == 0 else "",
+                         "round (s)": f"{r['round_seconds']:.2f}" if i == 0 else "",
+                         "HVP": method + (" (runs)" if method == f["run_hvp"] else ""),
+                         "measure (s)": f"{h['flatness_seconds']:.2f}", "HVPs": h["hvps"],
+                         "ms per HVP": f"{h['seconds_per_hvp'] * 1e3:.1f}",
+                         "measure / round": f"{h['flatness_seconds'] / r['round_seconds']:.2f}",
+                         "landscape (s)": f"{r['landscape_seconds']:.1f}" if i == 0 else "",
+                         "landscape / round": f"{r['landscape_vs_round']:.1f}" if i == 0 else ""})
+        if "every" in r:
+            e = r["every"]
+            lines.append(f"{r['model']}: flatness-every {e['flatness_every']} over {e['rounds']} rounds "
+                         f"({e['measurements']} measured) added {e['overhead']:.1%}, "
+                         f"{e['overhead_steady']:.1%} of {e['flatness_every']} median rounds "
+                         f"(target <= {f['target_overhead']:.0%}: {'yes' if e['within_target'] else 'no'})")
+    steps = f["landscape_steps"]
+    title = (f"flatness: one measure() ({f['iters']} power iterations at most, {f['probes']} probes) "
+             f"and one {steps}x{steps} landscape"
+             f"{' (estimate)' if any(r['landscape_estimate'] for r in f['models']) else ''} "
+             f"vs a round, {f['device']}")
+    return render_table(rows, title) + "\n".join(lines) + "\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flatflower bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few minutes on a 2-core CPU: small model, fewer repeats")
@@ -641,6 +855,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleaved runs per engine, the fastest round counts (default 2)")
     t.add_argument("--throughput-ray-max-clients", type=cli_int, default=500,
                    help="skip Ray runs of more clients (default 500)")
+    f = p.add_argument_group("flatness", "the flatness-cost section")
+    f.add_argument("--flatness-models", help="mlp,cnn (digits), lenet (synthetic-cifar10; 5-8 min here); "
+                                             "default mlp,cnn with --quick, else all three")
     return p
 
 
