@@ -118,7 +118,7 @@ def test_flatness_times_each_hvp_method_a_landscape_and_flatness_every_in_a_run(
     for r in f["models"]:
         assert (r["dataset"], r["split"], r["examples"]) == ("digits", "test", 360)
         assert r["parameters"] > 0 and r["round_seconds"] > 0 and r["landscape_seconds"] > 0
-        assert r["landscape_points"] == 25 and isinstance(r["landscape_estimate"], bool)
+        assert r["landscape_points"] == 25
         assert set(r["hvp"]) == set(HVP_METHODS) and r["faster_hvp"] in HVP_METHODS
         for h in r["hvp"].values():
             assert h["flatness_seconds"] > 0 and h["seconds_per_hvp"] > 0

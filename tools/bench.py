@@ -20,8 +20,8 @@
 * **flatness** — what measuring flatness costs (common/flatness.py): one ``flatness-every``
   evaluation (``measure()``: sharpness, power iteration, Hutchinson) of a trained global model
   on its evaluation split with each Hessian-vector product (``torch.func`` forward-over-reverse,
-  double backward), the seconds of one HVP of each, one 21x21 loss landscape (an estimate:
-  441 full-split losses and the two directions), all against a training round of the run that
+  double backward), the seconds of one HVP of each, one 21x21 loss landscape (as
+  ``flatflower landscape`` computes it, without the figure), all against a training round of the run that
   trained the model (in-process engine: the MLP and the CNN on digits, LeNet on
   ``synthetic-cifar10``); and what ``flatness-every 10`` adds to that digits run, measured in
   it: sum(flatness_seconds) / sum(seconds) over its rows.
@@ -54,8 +54,7 @@ import torch.nn.functional as F
 from client.batch import ModelBatch
 from common.config import RunConfig, cli_int
 from common.datasets import Split
-from common.flatness import DEFAULT_ITERS, DEFAULT_PROBES, HVP_METHODS, SplitLoss, measure, perturbed
-from common.flatness import random_vector
+from common.flatness import DEFAULT_ITERS, DEFAULT_PROBES, HVP_METHODS, SplitLoss, measure, random_vector
 from common.models import build_model
 from common.registry import ALGORITHMS
 from common.registry import get as get_spec
@@ -88,7 +87,6 @@ FLATNESS_RUNS = {  # model -> the in-process FedAvg run (iid) whose rounds are t
 }
 RUN_HVP = inspect.signature(measure).parameters["hvp"].default  # what a run's flatness-every uses
 FLATNESS_TARGET = 0.10  # issue 24: flatness-every 10 adds <= 10% to a digits-CNN run
-LANDSCAPE_IS_ESTIMATE = True  # until _landscape_seconds times tools/landscape.py itself
 _RUN_IDS = itertools.count()
 
 
@@ -532,36 +530,18 @@ def bench_memory(settings: Settings, workdir: Path, say=_silent) -> list[dict[st
 
 
 # ---------------------------------------------------------------------------- flatness
-def _filter_normalised(params, generator: torch.Generator) -> list[torch.Tensor]:
-    """A Gaussian direction whose every filter (output row) has the norm of the same row of
-    the weight; 1-D parameters (biases) get zero, as in Li et al. (2018)."""
-    out = []
-    for p, d in zip(params, random_vector(params, generator)):
-        if p.dim() <= 1:
-            out.append(torch.zeros_like(p))
-            continue
-        rows, w = d.flatten(1), p.detach().flatten(1)
-        scale = w.norm(dim=1, keepdim=True) / rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
-        out.append((rows * scale).view_as(p))
-    return out
-
-
 def _landscape_seconds(model: torch.nn.Module, split: Split, steps: int, batch_size: int = 512) -> float:
-    """Seconds of one ``steps`` x ``steps`` loss landscape of ``model`` on ``split``. An
-    ESTIMATE of ``flatflower landscape`` (LANDSCAPE_IS_ESTIMATE) until it times tools/landscape.py:
-    two filter-normalised directions, then steps² full-split losses (SplitLoss.value) at
-    w + a d0 + b d1 over [-1, 1]²; no plotting or file writing."""
+    """Seconds of one ``steps`` x ``steps`` loss landscape of ``model`` on ``split``, as
+    ``flatflower landscape`` computes it (tools/landscape.py: two filter-normalised directions,
+    then steps² full-split losses over [-1, 1]²); no plotting or file writing."""
+    from tools.landscape import Progress, grid, losses, random_directions, surface_points, trainable
+
     device = next(model.parameters()).device
     _sync(device)
     t0 = time.perf_counter()
-    split_loss = SplitLoss(model, split, batch_size)
-    gen = torch.Generator().manual_seed(0)
-    first, second = (_filter_normalised(split_loss.params, gen) for _ in range(2))
-    coords = torch.linspace(-1.0, 1.0, steps).tolist()
-    for a in coords:
-        for b in coords:
-            with perturbed(split_loss.params, [a * u + b * v for u, v in zip(first, second)]):
-                split_loss.value()
+    directions = random_directions(trainable(model), seed=0, dims=2)
+    losses(model, split, batch_size, directions, surface_points(grid(-1.0, 1.0, steps), 2),
+           Progress(steps ** 2, quiet=float("inf")))
     _sync(device)
     return time.perf_counter() - t0
 
@@ -655,7 +635,6 @@ def _flatness_row(model_name: str, settings: Settings, workdir: Path, knobs: dic
            "round_seconds": round_seconds, "hvp": hvp,
            "faster_hvp": min(HVP_METHODS, key=lambda m: hvp[m]["seconds_per_hvp"]),
            "landscape_points": knobs["steps"] ** 2, "landscape_seconds": landscape,
-           "landscape_estimate": LANDSCAPE_IS_ESTIMATE,
            "flatness_vs_round": hvp[RUN_HVP]["flatness_seconds"] / round_seconds,
            "landscape_vs_round": landscape / round_seconds}
     measured = [r for r in rounds if r.get("flatness_seconds") is not None]
@@ -820,9 +799,7 @@ def _flatness_table(report: dict[str, Any]) -> str:
                          f"(target <= {f['target_overhead']:.0%}: {'yes' if e['within_target'] else 'no'})")
     steps = f["landscape_steps"]
     title = (f"flatness: one measure() ({f['iters']} power iterations at most, {f['probes']} probes) "
-             f"and one {steps}x{steps} landscape"
-             f"{' (estimate)' if any(r['landscape_estimate'] for r in f['models']) else ''} "
-             f"vs a round, {f['device']}")
+             f"and one {steps}x{steps} landscape vs a round, {f['device']}")
     return render_table(rows, title) + "\n".join(lines) + "\n"
 
 

@@ -133,28 +133,45 @@ def evaluate(split_loss: SplitLoss, points: np.ndarray, delta_at: Callable[[np.n
     return loss, accuracy
 
 
-def surface(run: SavedRun, args: argparse.Namespace, coords: np.ndarray, progress: Progress) -> Surface:
-    """The run's loss surface (``--dims`` 1 or 2) around w, or its interpolation curve:
-    w_final + (a - 1)(w_final - w_init)."""
-    data = run.dataset()
-    model = run.model("final" if args.interpolate else args.model, data).to(args.device)
-    split_loss = SplitLoss(model, run.split(args.split, data), args.batch_size or run.cfg.eval_batch_size)
+def surface_points(coords: np.ndarray, dims: int) -> np.ndarray:
+    """The grid's points, shape (N,) * dims + (dims,): [i, j] is (coords[i], coords[j])."""
+    return np.stack(np.meshgrid(*[coords] * dims, indexing="ij"), axis=-1)
+
+
+def random_directions(params: OrderedDict, seed: int, dims: int) -> list[OrderedDict]:
+    """``dims`` filter-normalised directions for the weights ``params`` (float64, CPU)."""
+    return [filter_normalised(d, params) for d in raw_directions(params, seed, dims)]
+
+
+def losses(model: torch.nn.Module, split, batch_size: int, directions: Sequence[OrderedDict],
+           points: np.ndarray, progress: Progress, offset: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """(loss, accuracy) over the split at w + sum_k (point_k - offset) directions[k], for every
+    point (last axis: its coordinates), w the model's trainable parameters."""
+    split_loss = SplitLoss(model, split, batch_size)
     params = trainable(model)
-    if args.interpolate:
-        init = run.state_dict("init")
-        directions = [OrderedDict((n, p.detach().double() - init[n].double()) for n, p in params.items())]
-        offset = 1.0  # a = 1 is w (model_final.pt) itself
-        points = coords[:, None]
-    else:
-        directions = [filter_normalised(d, params) for d in raw_directions(params, args.seed, args.dims)]
-        offset = 0.0
-        points = np.stack(np.meshgrid(*[coords] * args.dims, indexing="ij"), axis=-1)
     cast = [{n: d[n].to(p.device, p.dtype) for n, p in params.items()} for d in directions]
 
     def delta_at(point: np.ndarray) -> dict:
         return {n: sum(float(x - offset) * d[n] for x, d in zip(point, cast)) for n in params}
 
-    loss, accuracy = evaluate(split_loss, points, delta_at, progress)
+    return evaluate(split_loss, points, delta_at, progress)
+
+
+def surface(run: SavedRun, args: argparse.Namespace, coords: np.ndarray, progress: Progress) -> Surface:
+    """The run's loss surface (``--dims`` 1 or 2) around w, or its interpolation curve:
+    w_final + (a - 1)(w_final - w_init)."""
+    data = run.dataset()
+    model = run.model("final" if args.interpolate else args.model, data).to(args.device)
+    params = trainable(model)
+    if args.interpolate:
+        init = run.state_dict("init")
+        directions = [OrderedDict((n, p.detach().double().cpu() - init[n].double()) for n, p in params.items())]
+        offset = 1.0  # a = 1 is w (model_final.pt) itself
+    else:
+        directions = random_directions(params, args.seed, args.dims)
+        offset = 0.0
+    loss, accuracy = losses(model, run.split(args.split, data), args.batch_size or run.cfg.eval_batch_size,
+                            directions, surface_points(coords, args.dims), progress, offset)
     return Surface(run, loss, accuracy, directions)
 
 
