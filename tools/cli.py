@@ -28,6 +28,10 @@ from common.config import cli_int
 from tools import commands
 from tools.prepare import Parser, add_run_arguments, add_simulate_arguments
 
+OWN_PARSERS = {"report": "tools.report", "landscape": "tools.landscape", "bench": "tools.bench",
+               "sweep": "tools.sweep", "flatness": "tools.flatness_cmd"}
+
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
@@ -111,26 +115,10 @@ def _stop_on_signals() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "report":
-        from tools.report import main as report_main
+    if argv and argv[0] in OWN_PARSERS:  # commands that parse their own arguments
+        from importlib import import_module
 
-        return report_main(argv[1:])
-    if argv and argv[0] == "landscape":
-        from tools.landscape import main as landscape_main
-
-        return landscape_main(argv[1:])
-    if argv and argv[0] == "bench":
-        from tools.bench import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv and argv[0] == "sweep":
-        from tools.sweep import main as sweep_main
-
-        return sweep_main(argv[1:])
-    if argv and argv[0] == "flatness":
-        from tools.flatness_cmd import main as flatness_main
-
-        return flatness_main(argv[1:])
+        return import_module(OWN_PARSERS[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
     _stop_on_signals()
     code = commands.run(args.command, args)

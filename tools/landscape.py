@@ -385,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     except SavedRunError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # nothing was written yet
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
     try:
         print(f"plot: {plot(args.out, surfaces, coords, args)}")
         if args.data is not None:
