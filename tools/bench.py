@@ -541,7 +541,7 @@ def _landscape_seconds(model: torch.nn.Module, split: Split, steps: int, batch_s
     t0 = time.perf_counter()
     directions = random_directions(trainable(model), seed=0, dims=2)
     losses(model, split, batch_size, directions, surface_points(grid(-1.0, 1.0, steps), 2),
-           Progress(steps ** 2, quiet=float("inf")))
+           Progress(steps ** 2, silent=True))
     _sync(device)
     return time.perf_counter() - t0
 

@@ -101,16 +101,19 @@ def filter_normalised(direction: OrderedDict, params: OrderedDict) -> OrderedDic
 
 class Progress:
     """``landscape: k/total grid points (p%), elapsed, ETA`` on stderr: every 5% of the points
-    once the surface has taken ``quiet`` seconds (a short one stays quiet), and at the end."""
+    once the surface has taken ``quiet`` seconds (a short one stays quiet), and at the end;
+    nothing with ``silent``."""
 
-    def __init__(self, total: int, quiet: float = 2.0):
-        self.total, self.done, self.shown, self.quiet = total, 0, 0, quiet
+    def __init__(self, total: int, quiet: float = 2.0, silent: bool = False):
+        self.total, self.done, self.shown, self.quiet, self.silent = total, 0, 0, quiet, silent
         self.start = time.monotonic()
 
     def step(self) -> None:
         from tools.progress import duration
 
         self.done += 1
+        if self.silent:
+            return
         elapsed = time.monotonic() - self.start
         step = self.done * 20 // self.total
         if (step > self.shown and elapsed >= self.quiet) or self.done == self.total:
