@@ -330,3 +330,22 @@ def test_the_documented_defaults(run_dir):
     assert (args.model, args.split, args.rho, args.iters, args.probes, args.tol, args.seed,
             args.hvp, args.threads, args.batch_size) == (
         "final", "test", 0.05, 100, 100, 1e-4, 0, "double-backward", 1, None)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no partition.json"),
+    ("{", "unreadable or damaged"),
+    ('{"partitions": {"0": [1, 99999]}}', "outside the training split"),
+    ('{"partitions": {"0": [-1, 2]}}', "outside the training split"),
+    ('{"partitions": []}', "unreadable or damaged"),
+])
+def test_split_train_needs_a_sound_partition_json(run_dir, tmp_path, capsys, content, message):
+    """--split train reads the clients' indices from partition.json: a missing or damaged one
+    is one error line, never a silently different split."""
+    damaged = shutil.copytree(run_dir, tmp_path / "damaged")
+    (damaged / "partition.json").unlink()
+    if content is not None:
+        (damaged / "partition.json").write_text(content)
+    assert cli(["flatness", str(damaged), "--split", "train", "--iters", "1", "--probes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
