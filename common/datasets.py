@@ -4,7 +4,9 @@ Offline, no files: ``digits`` (scikit-learn's bundled images), ``synthetic`` (Ga
 classes), ``synthetic-fedprox`` (Synthetic(alpha, beta) of Li et al. 2020, generated per
 client), ``mnist1d`` (generated from templates by the ``mnist1d`` package) and
 ``synthetic-cifar10`` (random CIFAR-10-shaped images, for timing). The torchvision datasets
-are read from ``data_dir`` (downloaded there when allowed).
+are read from ``data_dir`` (downloaded there when allowed); ``fashion-mnist`` is also read
+from the system package's idx files (Debian/Ubuntu ``dataset-fashion-mnist``) before any
+download: see :func:`sources`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ _TORCHVISION = {
     "cifar10": ("CIFAR10", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ("CIFAR100", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
+
+
+TORCHVISION_FOLDER = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "cifar-10-batches-py",
+                      "cifar100": "cifar-100-python"}  # under data-dir
+# Datasets a system package ships as the original idx files (gzipped): name -> (directory,
+# the package, the command that installs it). Read before any download.
+SYSTEM_PACKAGES = {
+    "fashion-mnist": ("/usr/share/datasets/fashion-mnist", "dataset-fashion-mnist",
+                      "sudo apt-get install dataset-fashion-mnist"),
+}
+IDX_FILES = {True: ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+             False: ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -110,11 +124,12 @@ def load_dataset(name: str, data_dir: str = "", download: bool = True,
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     root = os.path.abspath(os.path.expanduser(data_dir or default_data_dir()))
-    return _load_cached(name, root, bool(download), tuple(sorted(generator.items())))
+    return _load_cached(name, root, bool(download), tuple(sorted(generator.items())), system_dir(name))
 
 
 @functools.lru_cache(maxsize=8)
-def _load_cached(name: str, root: str, download: bool, generator: tuple) -> FederatedDataset:
+def _load_cached(name: str, root: str, download: bool, generator: tuple,
+                 system: str | None) -> FederatedDataset:
     if name == "digits":
         return _digits()
     if name == "synthetic":
@@ -126,6 +141,64 @@ def _load_cached(name: str, root: str, download: bool, generator: tuple) -> Fede
     if name == "synthetic-cifar10":
         return _synthetic_cifar10()
     return _torchvision(name, root, download)
+
+
+def system_dir(name: str) -> str | None:
+    """The system package's directory of ``name`` (``$FLATFLOWER_SYSTEM_DATA/<name>`` when that
+    variable is set), or None when no package ships it."""
+    if name not in SYSTEM_PACKAGES:
+        return None
+    base = os.environ.get("FLATFLOWER_SYSTEM_DATA")
+    return os.path.join(base, name) if base else SYSTEM_PACKAGES[name][0]
+
+
+def sources(name: str, root: str, download: bool) -> list[tuple[str, str, bool]]:
+    """Where a torchvision dataset is looked for, in order: (kind, place, present here).
+    ``data-dir`` in torchvision's layout; the system package's idx files (fashion-mnist);
+    torchvision's download, when ``download`` allows it (present = allowed)."""
+    folder = os.path.join(root, TORCHVISION_FOLDER[name])
+    out = [("data-dir", folder, _torchvision_files(name, root))]
+    if (directory := system_dir(name)) is not None:
+        out.append(("system package", directory, _idx_files_in(directory)))
+    out.append(("download", f"torchvision's mirrors, into {root}", download))
+    return out
+
+
+def _idx_files_in(directory: str) -> bool:
+    return all(os.path.isfile(os.path.join(directory, f)) for pair in IDX_FILES.values() for f in pair)
+
+
+def read_idx(path: str, dims: int) -> np.ndarray:
+    """An idx file (LeCun's MNIST format; gzipped when it ends in .gz) of unsigned bytes with
+    ``dims`` dimensions, checked: its magic number, its dimensions and its exact length.
+    DatasetUnavailableError naming the file when it is damaged."""
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as err:  # EOFError: a cut gzip stream
+        raise DatasetUnavailableError(f"cannot read {path}: {err}") from None
+    header = 4 + 4 * dims
+    if len(raw) < header or raw[:4] != bytes([0, 0, 0x08, dims]):
+        raise DatasetUnavailableError(f"{path} is not an idx file of unsigned bytes with {dims} "
+                                      "dimension(s) (wrong magic number): damaged or another file")
+    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims))
+    if len(raw) != header + int(np.prod(shape)):
+        raise DatasetUnavailableError(f"{path} holds {len(raw) - header} bytes of data, not the "
+                                      f"{int(np.prod(shape))} its header says {shape}: damaged or cut short")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def _idx_split(directory: str, train: bool, mean: tuple[float, ...], std: tuple[float, ...]) -> Split:
+    images, labels = (os.path.join(directory, f) for f in IDX_FILES[train])
+    x, y = read_idx(images, 3), read_idx(labels, 1)
+    if len(x) != len(y) or (y.size and y.max() > 9):
+        raise DatasetUnavailableError(f"{images} and {labels} do not match ({len(x)} images, "
+                                      f"{len(y)} labels, labels up to {y.max() if y.size else '-'})")
+    return Split(torch.from_numpy(x.copy()).unsqueeze(1), torch.from_numpy(y.astype(np.int64)),
+                 mean=mean, std=std, scale=255.0)
 
 
 def _digits() -> FederatedDataset:
@@ -254,10 +327,16 @@ def _split(x: np.ndarray, y: np.ndarray) -> Split:
 
 
 def _torchvision(name: str, root: str, download: bool) -> FederatedDataset:
-    """MNIST / Fashion-MNIST / CIFAR as uint8 NCHW, normalised on ``Split.get``."""
+    """MNIST / Fashion-MNIST / CIFAR as uint8 NCHW, normalised on ``Split.get`` with the
+    dataset's own training-set mean and std. From the first of :func:`sources` that holds it:
+    ``data-dir`` (torchvision's layout), the system package's idx files, torchvision's download."""
+    cls_name, num_classes, mean, std = _TORCHVISION[name]
+    directory = system_dir(name)
+    if directory is not None and _idx_files_in(directory) and not _torchvision_files(name, root):
+        splits = [_idx_split(directory, flag, mean, std) for flag in (True, False)]
+        return FederatedDataset(name, splits[0], splits[1], num_classes, tuple(splits[0].x.shape[1:]))
     import torchvision.datasets as tvd
 
-    cls_name, num_classes, mean, std = _TORCHVISION[name]
     cls = getattr(tvd, cls_name)
     before = _existing_dirs(root)
     try:
@@ -269,6 +348,18 @@ def _torchvision(name: str, root: str, download: bool) -> FederatedDataset:
         raise DatasetUnavailableError(_unavailable_message(name, root, download, exc)) from None
     shape = tuple(splits[0].x.shape[1:])
     return FederatedDataset(name, splits[0], splits[1], num_classes, shape)
+
+
+def _torchvision_files(name: str, root: str) -> bool:
+    """Whether ``root`` holds ``name`` in torchvision's layout (read without a download)."""
+    import torchvision.datasets as tvd
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            getattr(tvd, _TORCHVISION[name][0])(root, train=False, download=False)
+    except Exception:  # noqa: BLE001 - torchvision's "Dataset not found" is a RuntimeError, others OSError
+        return False
+    return True
 
 
 def _tv_split(ds, mean: tuple[float, ...], std: tuple[float, ...]) -> Split:
@@ -304,9 +395,15 @@ def _unavailable_message(name: str, root: str, download: bool, exc: Exception) -
     )
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     cause = f"{type(exc).__name__}: {lines[0][:160]}" if lines else type(exc).__name__
+    package = ""
+    if name in SYSTEM_PACKAGES:
+        package = (f" nor in {system_dir(name)} (the system package {SYSTEM_PACKAGES[name][1]}; "
+                   f"`{SYSTEM_PACKAGES[name][2]}` gives it, offline from Debian's or Ubuntu's mirror)")
     return (
-        f"dataset {name!r} is not available: it was not found in {root} and {how} "
-        f"({cause}). To fix: put the dataset files in {root} "
+        f"dataset {name!r} is not available: it was not found in {root}{package} and {how} "
+        f"({cause}). To fix: "
+        + (f"`{SYSTEM_PACKAGES[name][2]}`, or " if name in SYSTEM_PACKAGES else "")
+        + f"put the dataset files in {root} "
         f"(the layout torchvision expects), or set data-dir / $FLATFLOWER_DATA to a "
         f"directory that holds them, or allow download (download=true) on a machine "
         f"with network access."

@@ -276,3 +276,122 @@ def test_data_check_says_what_is_usable_offline(tmp_path, capsys) -> None:
     assert "6 train / 4 test" in lines["mnist"]
     assert lines["cifar10"].startswith("missing ") and "needs a download" in lines["cifar10"]
     assert str(tmp_path / "cifar-10-batches-py") in lines["cifar10"]
+
+
+# ---------------------------------------------------------------- Fashion-MNIST from the system package
+SYSTEM_FASHION = "/usr/share/datasets/fashion-mnist"
+
+
+def _write_idx_gz(path, magic: int, array: np.ndarray) -> None:
+    import gzip
+
+    header = np.array([magic, *array.shape], dtype=">i4").tobytes()
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def _fake_system_package(base, n_train: int = 6, n_test: int = 4, seed: int = 0):
+    """A tiny fashion-mnist in the system package's layout (gzipped idx) under ``base``."""
+    folder = base / "fashion-mnist"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        _write_idx_gz(folder / f"{prefix}-images-idx3-ubyte.gz", 0x803, rng.integers(0, 256, (n, 28, 28)))
+        _write_idx_gz(folder / f"{prefix}-labels-idx1-ubyte.gz", 0x801, np.arange(n) % 10)
+    return folder
+
+
+def test_fashion_mnist_comes_from_the_system_package_before_any_download(tmp_path, monkeypatch) -> None:
+    """data-dir holds nothing and download is off: the package's idx files are read, exactly,
+    and normalised with Fashion-MNIST's own mean and std."""
+    folder = _fake_system_package(tmp_path / "system")
+    monkeypatch.setenv("FLATFLOWER_SYSTEM_DATA", str(tmp_path / "system"))
+    ds = load_dataset("fashion-mnist", data_dir=str(tmp_path / "empty"), download=False)
+    assert (len(ds.train), len(ds.test)) == (6, 4) and ds.input_shape == (1, 28, 28)
+    assert ds.train.x.dtype == torch.uint8 and ds.test.y.tolist() == [0, 1, 2, 3]
+    assert torch.equal(ds.train.x[:, 0], torch.from_numpy(datasets.read_idx(
+        str(folder / "train-images-idx3-ubyte.gz"), 3).copy()))
+    x, _ = ds.train.get(slice(0, 2))
+    torch.testing.assert_close(x, (ds.train.x[:2].float() / 255 - 0.2860) / 0.3530)
+    assert not (tmp_path / "empty").exists()  # nothing was downloaded or created
+
+
+def test_a_data_dir_in_torchvisions_layout_wins_over_the_system_package(tmp_path, monkeypatch) -> None:
+    _fake_system_package(tmp_path / "system")
+    monkeypatch.setenv("FLATFLOWER_SYSTEM_DATA", str(tmp_path / "system"))
+    raw = tmp_path / "data" / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, n in (("train", 3), ("t10k", 2)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", 0x803, np.zeros((n, 28, 28)))
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", 0x801, np.arange(n))
+    ds = load_dataset("fashion-mnist", data_dir=str(tmp_path / "data"), download=False)
+    assert (len(ds.train), len(ds.test)) == (3, 2)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("magic", "wrong magic number"),
+    ("cut", "cut short"),
+    ("not gzip", "cannot read"),
+])
+def test_a_damaged_idx_file_is_named_in_one_error(tmp_path, monkeypatch, damage, message) -> None:
+    import gzip
+
+    folder = _fake_system_package(tmp_path / "system")
+    monkeypatch.setenv("FLATFLOWER_SYSTEM_DATA", str(tmp_path / "system"))
+    path = folder / "train-images-idx3-ubyte.gz"
+    data = gzip.decompress(path.read_bytes())
+    if damage == "magic":
+        path.write_bytes(gzip.compress(b"\x00\x00\x08\x01" + data[4:]))
+    elif damage == "cut":
+        path.write_bytes(gzip.compress(data[:-100]))
+    else:
+        path.write_bytes(b"this is no gzip stream")
+    with pytest.raises(DatasetUnavailableError, match=message) as info:
+        load_dataset("fashion-mnist", data_dir=str(tmp_path / "empty"), download=False)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_data_check_names_the_source_or_the_command_that_gives_one(tmp_path, monkeypatch, capsys) -> None:
+    from tools.cli import main as cli
+
+    _fake_system_package(tmp_path / "system")
+    monkeypatch.setenv("FLATFLOWER_SYSTEM_DATA", str(tmp_path / "system"))
+    assert cli(["data", "check", "--data-dir", str(tmp_path / "data")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[1] == "fashion-mnist")
+    assert line.startswith("ok ") and f"from the system package {tmp_path / 'system' / 'fashion-mnist'}" in line
+    monkeypatch.setenv("FLATFLOWER_SYSTEM_DATA", str(tmp_path / "nowhere"))
+    assert cli(["data", "check", "--data-dir", str(tmp_path / "data")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[1] == "fashion-mnist")
+    assert line.startswith("missing ") and "apt-get install dataset-fashion-mnist" in line
+    with pytest.raises(DatasetUnavailableError, match="apt-get install dataset-fashion-mnist"):
+        load_dataset("fashion-mnist", data_dir=str(tmp_path / "data"), download=False)
+
+
+def system_fashion_mnist() -> None:
+    """Skip unless the system package is installed; `.ci/run` installs it and sets
+    FLATFLOWER_REQUIRE_FASHION_MNIST=1, so there a missing package fails instead."""
+    import os
+
+    if not os.path.isfile(f"{SYSTEM_FASHION}/t10k-labels-idx1-ubyte.gz"):
+        if os.environ.get("FLATFLOWER_REQUIRE_FASHION_MNIST") == "1":
+            pytest.fail(f"{SYSTEM_FASHION} is missing: apt-get install dataset-fashion-mnist")
+        pytest.skip("the system package dataset-fashion-mnist is not installed")
+
+
+def test_the_system_packages_fashion_mnist_is_read_exactly(monkeypatch) -> None:
+    """Debian's dataset-fashion-mnist: 60,000 + 10,000 grey 28x28 images, 6,000 / 1,000 of
+    each class, byte for byte the idx files."""
+    import gzip
+
+    system_fashion_mnist()
+    monkeypatch.delenv("FLATFLOWER_SYSTEM_DATA", raising=False)
+    ds = load_dataset("fashion-mnist", data_dir="/nonexistent", download=False)
+    assert ds.train.x.shape == (60000, 1, 28, 28) and ds.test.x.shape == (10000, 1, 28, 28)
+    assert torch.bincount(ds.train.y).tolist() == [6000] * 10
+    assert torch.bincount(ds.test.y).tolist() == [1000] * 10
+    raw = gzip.decompress(open(f"{SYSTEM_FASHION}/t10k-images-idx3-ubyte.gz", "rb").read())
+    assert bytes(ds.test.x.numpy().tobytes()) == raw[16:]
+    labels = gzip.decompress(open(f"{SYSTEM_FASHION}/train-labels-idx1-ubyte.gz", "rb").read())
+    assert ds.train.y.numpy().astype(np.uint8).tobytes() == labels[8:]
+    x, _ = ds.train.get(slice(None))
+    assert abs(float(x.mean())) < 1e-3 and abs(float(x.std()) - 1) < 1e-3  # its own mean and std

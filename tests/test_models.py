@@ -16,6 +16,7 @@ INTENDED_SHAPE = {
     "cnn": DIGITS,
     "cifar-cnn": CIFAR,
     "lenet": CIFAR,
+    "lenet5": (1, 28, 28),
     "resnet18-gn": CIFAR,
 }
 
@@ -49,6 +50,10 @@ def test_other_input_shapes(name: str, shape: tuple[int, ...]) -> None:
 )
 def test_parameter_counts_match_the_papers(name: str, expected: int) -> None:
     assert count_parameters(build_model(name, CIFAR, 10, seed=0)) == expected
+
+
+def test_lenet5_is_lecuns_61706_parameters_on_28x28() -> None:
+    assert count_parameters(build_model("lenet5", (1, 28, 28), 10, seed=0)) == 61_706
 
 
 def test_count_parameters_ignores_frozen() -> None:

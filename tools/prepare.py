@@ -48,7 +48,7 @@ def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
     p.add_argument("--rounds", "-r", type=cli_int, help="server rounds (num-server-rounds)")
     p.add_argument("--dataset", help="digits | synthetic | synthetic-fedprox | mnist1d | synthetic-cifar10 (offline); "
                    "mnist | fashion-mnist | cifar10 | cifar100 (torchvision)")
-    p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | resnet18-gn")
+    p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | lenet5 | resnet18-gn")
     p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological | "
                    "natural (synthetic-fedprox's own clients)")
     if per_run:
