@@ -95,6 +95,75 @@ def test_precedence_preset_then_set_then_flags(tmp_path):
     assert (cfg.num_server_rounds, cfg.algorithm, cfg.params.rho) == (7, "mofedsam", 0.3)  # flags beat both
 
 
+STUDY = GOOD + """
+[algorithms.fedsam]
+sam.rho = 0.01
+lr = 0.07
+
+[algorithms.fedtoga]
+"sam.rho" = 0.2
+fedtoga.beta = 0.8
+"""
+
+
+def test_an_algorithms_table_applies_over_config_for_its_algorithm_only(tmp_path):
+    """[config] < [algorithms.<the run's algorithm>] < --set < flags; the run's algorithm is
+    the one the flags, --set or [config] name."""
+    path = write_preset(tmp_path, STUDY)
+    run_dir = ["--run-dir", str(tmp_path / "run")]
+    cfg, _ = resolved(["--preset", str(path), *run_dir])  # [config] says fedsam
+    assert (cfg.algorithm, cfg.params.rho, cfg.lr) == ("fedsam", 0.01, 0.07)
+    cfg, _ = resolved(["--preset", str(path), "--algorithm", "fedtoga", *run_dir])
+    assert (cfg.params.rho, cfg.params.beta, cfg.lr) == (0.2, 0.8, 0.05)
+    cfg, _ = resolved(["--preset", str(path), "--set", "algorithm=fedtoga", "--set", "sam.rho=0.4", *run_dir])
+    assert (cfg.algorithm, cfg.params.rho) == ("fedtoga", 0.4)  # --set beats the table
+    cfg, _ = resolved(["--preset", str(path), "--algorithm", "mofedsam", *run_dir])
+    assert cfg.params.rho == 0.3  # no table: [config]'s
+
+
+@pytest.mark.parametrize("table, message", [
+    ('[algorithms.fedsom]\nlr = 0.1', "unknown algorithm 'fedsom' (did you mean 'fedsam'?)"),
+    ('[algorithms.fedsam]\nalgorithm = "fedavg"', "cannot set algorithm"),
+    ('[algorithms.fedsam]\nsam.rho = -1', "[algorithms.fedsam]: invalid run config: sam.rho"),
+    ('[algorithms]\nfedsam = 3', "algorithms.fedsam must be a table"),
+    ('[preset.x]', ""),
+])
+def test_a_bad_algorithms_table_is_refused(tmp_path, table, message):
+    if table == "[preset.x]":  # a bad engine, through the same loader
+        path = write_preset(tmp_path, GOOD.replace("clients = 6", 'clients = 6\nengine = "gpu"'))
+        message = "engine must be ray, inprocess or vectorized"
+    else:
+        path = write_preset(tmp_path, GOOD + table)
+    with pytest.raises(PresetError) as info:
+        load_preset(str(path))
+    assert message in str(info.value)
+
+
+def test_the_presets_engine_is_simulates_default(tmp_path):
+    path = write_preset(tmp_path, GOOD.replace("clients = 6", 'clients = 6\nengine = "inprocess"'))
+    args = build_parser().parse_args(["simulate", "--preset", str(path), "--run-dir", str(tmp_path / "r")])
+    resolve_config(args)
+    assert args.engine == "inprocess"
+    args = build_parser().parse_args(["simulate", "--preset", str(path), "--engine", "vectorized",
+                                      "--run-dir", str(tmp_path / "r")])
+    resolve_config(args)
+    assert args.engine == "vectorized"  # the flag wins
+    args = build_parser().parse_args(["simulate", "--run-dir", str(tmp_path / "r")])
+    resolve_config(args)
+    assert args.engine == "ray"  # no preset: Ray, as always
+
+
+def test_the_fashion_mnist_study_preset_gives_each_method_its_papers_values():
+    preset = load_preset("fashion-mnist-bench")
+    assert preset.engine == "inprocess" and preset.clients == 100
+    assert preset.values("fedsam")["sam.rho"] == 0.01 and preset.values("fedtoga")["sam.rho"] == 0.1
+    assert preset.values("feddyn")["feddyn.alpha"] == 0.01 and preset.values("fedspeed")["feddyn.alpha"] == 0.1
+    cfg = RunConfig.from_mapping({"num-partitions": 100, **preset.values("fedgmt"), "algorithm": "fedgmt"})
+    assert (cfg.dataset, cfg.resolved_model(), cfg.dirichlet_alpha, cfg.fraction_train) == (
+        "fashion-mnist", "lenet5", 0.1, 0.1)
+    assert (cfg.local_epochs, cfg.batch_size, cfg.lr) == (5, 50, 0.1)
+
+
 def test_clients_default_from_preset(tmp_path):
     path = write_preset(tmp_path, GOOD)
     run_dir = ["--run-dir", str(tmp_path / "run")]

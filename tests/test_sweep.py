@@ -48,6 +48,34 @@ def test_resume_existing_skips_finished_runs(tmp_path, capsys):
     assert (out / "fedavg-s0" / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_resume_existing_continues_an_interrupted_run_from_its_checkpoint(tmp_path, capsys, jobs):
+    """A run stopped after round 2 of 4 (its checkpoint kept, no final model) goes on from round
+    3 to the uninterrupted run's model; one interrupted before any checkpoint is moved aside
+    (kept) and run afresh; finished runs are untouched."""
+    from tests.helpers import metrics
+
+    full = tmp_path / "full"
+    assert sweep(full, "--rounds", "4", algorithms="fedavg,fedsam", seeds="0") == 0
+    out = tmp_path / "sweep"
+    assert sweep(out, "--rounds", "2", algorithms="fedavg,fedsam", seeds="0") == 0
+    for name in ("fedavg-s0", "fedsam-s0"):  # as a kill after round 2 leaves them
+        (out / name / "summary.json").unlink()
+        (out / name / "model_final.pt").unlink()
+    (out / "fedsam-s0" / "checkpoint.pt").unlink()  # killed before its first checkpoint
+    assert sweep(out, "--rounds", "4", "--resume-existing", "--jobs", jobs, algorithms="fedavg,fedsam",
+                 seeds="0") == 0
+    text = capsys.readouterr().out
+    assert "fedavg-s0 was interrupted: resumed from its checkpoint" in text
+    assert "fedsam-s0 was interrupted before its first checkpoint: moved to fedsam-s0.incomplete-1" in text
+    assert (out / "fedsam-s0.incomplete-1" / "metrics.jsonl").is_file()  # nothing deleted
+    for name in ("fedavg-s0", "fedsam-s0"):
+        a, b = (torch.load(d / name / "model_final.pt") for d in (full, out))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+        assert [r["round"] for r in metrics(out / name)] == [0, 1, 2, 3, 4]
+    assert len(json.loads((out / "report.json").read_text())["runs"]) == 2
+
+
 def test_a_failed_run_does_not_stop_the_others(tmp_path, capsys):
     """fedadam refuses server-lr != 1 (exit 2) after fedavg ran: reported, the rest goes on."""
     out = tmp_path / "sweep"

@@ -77,8 +77,9 @@ ENGINES = ("ray", "inprocess", "vectorized")
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the simulation engines (simulate, sweep)."""
-    p.add_argument("--engine", choices=ENGINES, default="ray",
-                   help="ray = Flower simulation engine (default); inprocess = no Ray, one process; "
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="ray = Flower simulation engine (default, unless the preset names its "
+                        "engine); inprocess = no Ray, one process; "
                         "vectorized = in one process, each round's local training in batched passes "
                         "over all sampled clients (torch.func.vmap)")
     p.add_argument("--cpus-per-client", type=cli_int, default=1)
@@ -95,6 +96,9 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
 
         preset = load_preset(args.preset) if args.preset else None
         args.preset_values = dict(preset.config) if preset else {}
+        args.preset_algorithms = dict(preset.algorithms) if preset else {}
+        if getattr(args, "engine", "") is None:  # simulate / sweep without --engine
+            args.engine = preset.engine if preset and preset.engine else "ray"
         if args.clients is None and args.resume:
             args.clients = resume_clients(args.resume)
         if args.clients is None:
@@ -109,7 +113,10 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     if args.resume:
         return _resume_config(args, extra)
     values = dict(apply_preset(args))
-    values.update(parse_assignments(args.sets))
+    sets = parse_assignments(args.sets)
+    algorithm = args.algorithm or sets.get("algorithm") or values.get("algorithm") or RunConfig.algorithm
+    values.update(args.preset_algorithms.get(algorithm, {}))  # the preset's table for the algorithm
+    values.update(sets)
     flags = {"algorithm": args.algorithm, "num-server-rounds": args.rounds, "dataset": args.dataset,
              "model": args.model, "partition": args.partition, "seed": args.seed,
              "fraction-train": args.fraction, "tensorboard": getattr(args, "tensorboard", None),

@@ -4,10 +4,14 @@
     description = "FedTOGA, CIFAR-10, LeNet, Dirichlet u=0.1, 100 clients at 10%"
     source = "FedTOGA (Li et al.), Table 1 ...: FedTOGA 82.05±0.11"
     clients = 100                    # optional; the CLI's --clients default
+    engine = "inprocess"             # optional; simulate's --engine default (else ray)
 
     [config]                         # run-config keys, as in [tool.flwr.app.config]
     algorithm = "fedtoga"
     ...
+
+    [algorithms.fedsam]              # optional: applied over [config] when the run's
+    "sam.rho" = 0.01                 # algorithm is fedsam (a study setting for every method)
 
 ``flatflower local|simulate --preset NAME_OR_FILE`` accepts a file path or the name of a file
 in ``tools/presets/`` of this checkout (``--preset fedtoga-cifar10-lenet-dir0.1``).
@@ -27,7 +31,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data
-PRESET_KEYS = ("description", "source", "clients")
+PRESET_KEYS = ("description", "source", "clients", "engine")
 
 
 class PresetError(ValueError):
@@ -43,6 +47,14 @@ class Preset:
     clients: int | None = None
     config: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    algorithms: dict[str, dict[str, Any]] = field(default_factory=dict)  # [algorithms.<name>]
+    engine: str | None = None  # simulate's engine when --engine is not given
+
+    def values(self, algorithm: str | None = None) -> dict[str, Any]:
+        """The run-config values for ``algorithm`` (default: [config]'s): [config], then that
+        algorithm's own table over it."""
+        algorithm = algorithm or self.config.get("algorithm") or RunConfig.algorithm
+        return {**self.config, **self.algorithms.get(algorithm, {})}
 
     @property
     def name(self) -> str:
@@ -86,10 +98,10 @@ def load_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Prese
     except (ValueError, RecursionError) as err:  # an int of over 4300 digits; nesting too deep
         raise PresetError(f"{path}: invalid TOML: {str(err)[:200]}") from None
 
-    unknown = sorted(set(data) - {"preset", "config"})
+    unknown = sorted(set(data) - {"preset", "config", "algorithms"})
     if unknown:
         raise PresetError(f"{path}: unknown table(s) {', '.join(unknown)}; "
-                          "a preset has [preset] and [config]")
+                          "a preset has [preset], [config] and optionally [algorithms.<name>]")
     for table in ("preset", "config"):
         if table not in data:
             raise PresetError(f"{path}: missing [{table}] table")
@@ -114,8 +126,44 @@ def load_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Prese
     if clients is not None and (type(clients) is not int or clients < 1):  # bool is not int here
         raise PresetError(f"{path}: [preset] clients must be a positive integer, got {clients!r}")
 
+    engine = meta.get("engine")
+    if engine is not None and engine not in ("ray", "inprocess", "vectorized"):
+        raise PresetError(f"{path}: [preset] engine must be ray, inprocess or vectorized, got {engine!r}")
+    algorithms = _algorithm_tables(path, data.get("algorithms", {}))
+    base = {"num-partitions": clients} if clients else {}
     try:  # with its clients: a dataset generated per client needs their number
-        RunConfig.from_mapping({"num-partitions": clients, **config} if clients else config)
+        RunConfig.from_mapping({**base, **config})
     except ConfigError as err:
         raise PresetError(f"{path}: [config]: {err}") from None
-    return Preset(meta["description"], meta.get("source", ""), clients, dict(config), path)
+    for name, values in algorithms.items():
+        try:
+            RunConfig.from_mapping({**base, **config, **values, "algorithm": name})
+        except ConfigError as err:
+            raise PresetError(f"{path}: [algorithms.{name}]: {err}") from None
+    return Preset(meta["description"], meta.get("source", ""), clients, dict(config), path, algorithms,
+                  engine)
+
+
+def _algorithm_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
+    """[algorithms.<name>] tables: known algorithm names, each a table of run-config keys
+    (flattened: a nested ``sam.rho`` or a quoted ``"sam.rho"``); ``algorithm`` itself is not
+    one of them."""
+    from common.registry import ALGORITHMS
+
+    if not isinstance(tables, dict):
+        raise PresetError(f"{path}: algorithms must be tables ([algorithms.<name>])")
+    out = {}
+    for name, table in tables.items():
+        if name not in ALGORITHMS:
+            raise PresetError(f"{path}: [algorithms.{name}]: unknown algorithm "
+                              f"{name!r}{did_you_mean(name, ALGORITHMS)}")
+        if not isinstance(table, dict):
+            raise PresetError(f"{path}: algorithms.{name} must be a table ([algorithms.{name}])")
+        try:
+            values = flat_keys(table)
+        except RecursionError:
+            raise PresetError(f"{path}: [algorithms.{name}] is nested too deeply") from None
+        if "algorithm" in values:
+            raise PresetError(f"{path}: [algorithms.{name}] cannot set algorithm")
+        out[name] = values
+    return out

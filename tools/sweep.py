@@ -9,7 +9,10 @@ seeds) into OUT/report.json, OUT/report.png (accuracy vs rounds) and OUT/report-
 (accuracy vs cumulative bytes).
 
 A run that fails is reported and the sweep goes on; finished runs are kept, and
-``--resume-existing`` skips them when the sweep is run again. ``--jobs N`` runs N runs at a
+``--resume-existing`` skips them when the sweep is run again and continues an interrupted one
+from its checkpoint (``simulate --resume``: a sweep stopped at run k goes on at run k, from
+its last checkpointed round); an interrupted run without a checkpoint is moved aside (to
+``<run>.incomplete-<i>``, nothing is deleted) and run afresh. ``--jobs N`` runs N runs at a
 time, each ``flatflower simulate`` in its own process with its output in OUT/<run>.log, and
 shows which are running and how far they are.
 """
@@ -42,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last-k", type=cli_int, default=5, help="rounds averaged for the last-k mean (default 5)")
     p.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
     p.add_argument("--resume-existing", action="store_true",
-                   help="skip (algorithm, seed) runs that already finished in OUT")
+                   help="skip (algorithm, seed) runs that already finished in OUT, continue "
+                        "interrupted ones from their checkpoint")
     p.add_argument("--jobs", "-j", type=cli_int, default=1,
                    help="runs at a time, each in its own process (default 1: one after the other, "
                         "in this process); at most the number of CPU cores helps")
@@ -76,6 +80,33 @@ def finished(run_dir: Path) -> bool:
     return (run_dir / "summary.json").is_file() and (run_dir / "model_final.pt").is_file()
 
 
+def resumed(args: argparse.Namespace, run_dir: Path, engine: str) -> argparse.Namespace:
+    """``flatflower simulate --resume RUN_DIR`` for an interrupted run of the sweep (its own
+    config.json and checkpoint say the rest)."""
+    from tools.prepare import resume_clients
+
+    one = copy.copy(args)
+    for name in ("algorithm", "seed", "run_dir", "preset", "dataset", "model", "partition", "fraction"):
+        setattr(one, name, None)  # the sweep's --rounds stays: a resumed run goes on to it
+    one.sets, one.resume, one.engine = [], str(run_dir), engine
+    one.clients = resume_clients(str(run_dir))
+    return one
+
+
+def directory(one: argparse.Namespace) -> Path:
+    """The run directory of one planned run (a resumed one's is its --resume)."""
+    return Path(one.resume or one.run_dir)
+
+
+def set_aside(run_dir: Path) -> Path:
+    """Move an interrupted run without a checkpoint to ``<run>.incomplete-<i>`` (kept)."""
+    i = 1
+    while (aside := run_dir.with_name(f"{run_dir.name}.incomplete-{i}")).exists():
+        i += 1
+    run_dir.rename(aside)
+    return aside
+
+
 def main(argv: list[str] | None = None) -> int:
     from tools.report import main as report
 
@@ -87,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if not any(s.strip().startswith("partition-seed=") for s in args.sets):
         args.sets = [*args.sets, f"partition-seed={seeds[0]}"]
+    try:
+        from tools.presets import PresetError, load_preset
+
+        engine = args.engine or (load_preset(args.preset).engine if args.preset else None) or "ray"
+    except PresetError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     todo = []
     runs, failed = [], []
     for algorithm in algorithms:
@@ -96,19 +134,28 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sweep: {run_dir.name} already finished, skipped", flush=True)
                 runs.append(run_dir)
                 continue
+            if args.resume_existing and (run_dir / "checkpoint.pt").is_file():
+                print(f"sweep: {run_dir.name} was interrupted: resumed from its checkpoint", flush=True)
+                todo.append(resumed(args, run_dir, engine))
+                continue
+            if args.resume_existing and (run_dir / "metrics.jsonl").is_file():
+                print(f"sweep: {run_dir.name} was interrupted before its first checkpoint: moved to "
+                      f"{set_aside(run_dir).name}, run afresh", flush=True)
             one = copy.copy(args)
             one.algorithm, one.seed, one.run_dir, one.sets = algorithm, seed, str(run_dir), list(args.sets)
             one.resume = None
             todo.append(one)
+    fresh = [one for one in todo if not one.resume]  # a resumed run's check would claim its directory
     if args.jobs > 1 and todo:
-        if commands.run("check", copy.copy(todo[0])) == EXIT_USAGE:
+        if fresh and commands.run("check", copy.copy(fresh[0])) == EXIT_USAGE:
             print("sweep: stopped, the first run's options are invalid (nothing was run)", file=sys.stderr)
             return EXIT_USAGE
         done, failed = run_parallel(todo, args.jobs, args.out)
         runs += done
     for one in todo if args.jobs == 1 else []:
-        run_dir = Path(one.run_dir)
-        print(f"sweep: {one.algorithm}, seed {one.seed} -> {run_dir}", flush=True)
+        run_dir = directory(one)
+        print(f"sweep: {run_dir.name} -> {run_dir}" if one.resume else
+              f"sweep: {one.algorithm}, seed {one.seed} -> {run_dir}", flush=True)
         code = commands.run("simulate", one)
         if code == EXIT_USAGE and not runs and not failed:
             print("sweep: stopped, the first run's options are invalid (nothing else was run)",
@@ -134,14 +181,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _order(todo: list[argparse.Namespace], runs: list[Path]) -> list[Path]:
     """The report's order: skipped (finished) runs, then the sweep's (algorithm, seed) order."""
-    planned = [Path(one.run_dir) for one in todo]
+    planned = [directory(one) for one in todo]
     return [r for r in runs if r not in planned] + [p for p in planned if p in runs]
 
 
 def simulate_argv(one: argparse.Namespace) -> list[str]:
     """``flatflower simulate`` arguments for one (algorithm, seed) of the sweep."""
+    if one.resume:
+        return ["simulate", "--resume", one.resume, "--clients", str(one.clients), "--engine", one.engine,
+                *(["--rounds", str(one.rounds)] if one.rounds else []),
+                "--timeout", repr(one.timeout), "--cpus-per-client", str(one.cpus_per_client),
+                "--gpus-per-client", repr(one.gpus_per_client)]
     argv = ["simulate", "--algorithm", one.algorithm, "--seed", str(one.seed), "--run-dir", one.run_dir,
-            "--engine", one.engine, "--timeout", repr(one.timeout),
+            *(["--engine", one.engine] if one.engine else []), "--timeout", repr(one.timeout),
             "--cpus-per-client", str(one.cpus_per_client), "--gpus-per-client", repr(one.gpus_per_client)]
     for flag, value in (("--preset", one.preset), ("--clients", one.clients), ("--rounds", one.rounds),
                         ("--dataset", one.dataset), ("--model", one.model), ("--partition", one.partition),
@@ -177,7 +229,7 @@ def run_parallel(todo: list[argparse.Namespace], jobs: int, out: Path) -> tuple[
         while waiting or running:
             while waiting and len(running) < jobs:
                 one = waiting.pop(0)
-                run_dir = Path(one.run_dir)
+                run_dir = directory(one)
                 log = open(out / f"{run_dir.name}.log", "w")
                 proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *simulate_argv(one)],
                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
