@@ -71,7 +71,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         log.info("resuming from the checkpoint of round %d", ckpt["round"])
     else:
         run_dir.save_model("model_init.pt", model.state_dict())
-    run_dir.write_config(cfg, model=cfg.resolved_model())
+    run_dir.write_config(cfg, model=cfg.resolved_model(), engine=engine_of(grid))
 
     def central_eval() -> tuple[float, float]:
         model.load_state_dict(strategy.model)
@@ -162,6 +162,18 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
                            "records_up": list(strategy.spec.up)})
     log.info("flatflower: finished, final test accuracy %.4f, run directory %s", acc, run_dir.path)
     return run_dir.path
+
+
+ENGINES = {"InProcessGrid": "inprocess", "VectorizedGrid": "vectorized", "InMemoryGrid": "ray"}
+
+
+def engine_of(grid: Grid) -> str:
+    """Which engine carries the run, for config.json: inprocess, vectorized, ray (Flower's
+    simulation engine) or deployment (a SuperLink and SuperNodes)."""
+    for cls in type(grid).__mro__:
+        if cls.__name__ in ENGINES:
+            return ENGINES[cls.__name__]
+    return "deployment"
 
 
 def federation_left(stats: RoundStats, grid: Grid) -> bool:

@@ -100,6 +100,7 @@ def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path)
     for algorithm in algorithms:
         ray = tmp_path / algorithm
         rows = check_run_dir(ray, rounds=3, clients=4, num_train=1437)
+        assert json.loads((ray / "config.json").read_text())["engine"] == "ray"
         seen = [p for r in rows[1:] for p in r["sampled_partitions"]]
         assert len(seen) > len(set(seen)), "no client trained twice: state never carried over"
         inp, _ = run_inprocess({**SIM, "algorithm": algorithm, "run-dir": str(tmp_path / f"{algorithm}-inp")}, 4)
@@ -143,6 +144,8 @@ def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, ep
     a, b = (torch.load(tmp_path / d / "model_final.pt") for d in ("dep", "inp"))
     assert all(torch.equal(a[k], b[k]) for k in a), "deployment and in-process models differ"
     same_flatness(rows, metrics(tmp_path / "inp"))
+    assert [json.loads((tmp_path / d / "config.json").read_text())["engine"] for d in ("dep", "inp")] == [
+        "deployment", "inprocess"]  # config.json says which engine carried the run
     return rows, json.loads((tmp_path / "dep" / "summary.json").read_text())["model_bytes"]
 
 

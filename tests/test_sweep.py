@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,8 +49,7 @@ def test_resume_existing_skips_finished_runs(tmp_path, capsys):
     assert (out / "fedavg-s0" / "metrics.jsonl").read_text() == before
 
 
-@pytest.mark.parametrize("jobs", ["1", "2"])
-def test_resume_existing_continues_an_interrupted_run_from_its_checkpoint(tmp_path, capsys, jobs):
+def test_resume_existing_continues_an_interrupted_run_from_its_checkpoint(tmp_path, capsys, jobs="2"):
     """A run stopped after round 2 of 4 (its checkpoint kept, no final model) goes on from round
     3 to the uninterrupted run's model; one interrupted before any checkpoint is moved aside
     (kept) and run afresh; finished runs are untouched."""
@@ -146,3 +146,49 @@ def test_jobs_with_bad_options_start_nothing(tmp_path, capsys):
     assert not list(out.glob("*.log")) and not (out / "fedavg-s0").exists()
     assert sweep(out, "--jobs", "0", algorithms="fedavg", seeds="0") == 2
     assert "--jobs must be >= 1" in capsys.readouterr().err
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is ``pid``."""
+    from pathlib import Path
+
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.add(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_terminated_sweep_stops_its_runs_and_resumes_where_it_stopped(tmp_path, jobs):
+    """SIGTERM (as `kill` or a closed session sends) ends the sweep and every run it started
+    (--jobs 2: its simulate processes), exit 130; --resume-existing then finishes the sweep."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import round_deadline
+
+    out = tmp_path / "sweep"
+    argv = [sys.executable, "-m", "tools.cli", "sweep", "--algorithms", "fedavg,fedsam", "--seeds", "0",
+            "--out", str(out), "--jobs", jobs, *FAST[:-1], "local-steps=400", "--rounds", "6"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 3 * round_deadline()
+    while not (out / "fedavg-s0" / "checkpoint.pt").exists():  # a run is under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.2)
+    runs = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=round_deadline()) == 130
+    assert "interrupted" in proc.stderr.read()
+    for pid in runs:  # the runs it started are gone too
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert not (out / "fedavg-s0" / "summary.json").exists()
+    assert sweep(out, "--resume-existing", "--set", "local-steps=400", "--rounds", "6",
+                 algorithms="fedavg,fedsam", seeds="0") == 0
+    assert all((out / f"{a}-s0" / "summary.json").is_file() for a in ("fedavg", "fedsam"))

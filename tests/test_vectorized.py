@@ -601,6 +601,7 @@ def test_cli_simulate_vectorized_equals_inprocess(tmp_path, capsys):
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"]
     assert (tmp_path / "vec" / "client-state").is_dir()
+    assert json.loads((tmp_path / "vec" / "config.json").read_text())["engine"] == "vectorized"
     assert rel_diff(final(tmp_path / "vec"), final(tmp_path / "inp")) <= REL
     assert_same_rows(tmp_path / "inp", tmp_path / "vec")
     flat = metrics(tmp_path / "inp")

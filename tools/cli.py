@@ -118,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in OWN_PARSERS:  # commands that parse their own arguments
         from importlib import import_module
 
-        return import_module(OWN_PARSERS[argv[0]]).main(argv[1:])
+        _stop_on_signals()  # SIGTERM too ends a sweep's runs, a landscape, ...
+        try:
+            return import_module(OWN_PARSERS[argv[0]]).main(argv[1:])
+        except KeyboardInterrupt:  # what was started is stopped on the way out (finally blocks)
+            print(f"{argv[0]}: interrupted", file=sys.stderr)
+            return commands.EXIT_INTERRUPTED
     args = build_parser().parse_args(argv)
     _stop_on_signals()
     code = commands.run(args.command, args)

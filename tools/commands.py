@@ -18,6 +18,7 @@ from tools.progress import EXIT_FAILED, EXIT_OK, Progress, finish
 
 EXIT_USAGE = 2
 EXIT_PIPE = 141  # 128 + SIGPIPE: the reader of our output went away (`| head`), as a shell reports it
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def stdout_gone() -> bool:
@@ -64,7 +65,7 @@ def run(command: str, args: argparse.Namespace) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         print("interrupted; all Flower processes were stopped", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def local(args: argparse.Namespace) -> int:

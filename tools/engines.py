@@ -104,9 +104,18 @@ def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized:
 
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
-    while worker.is_alive():
-        on_poll()
-        worker.join(0.5)
+    try:
+        while worker.is_alive():
+            on_poll()
+            worker.join(0.5)
+    except KeyboardInterrupt:  # let the run's threads end before the interpreter does
+        from tools.inprocess import stop_runs
+
+        stop_runs(worker, STOP_WAIT)
+        raise
     if failure:
         raise failure[0]
     return Outcome(True)
+
+
+STOP_WAIT = 30.0  # seconds an interrupted in-process run gets to finish its clients' calls

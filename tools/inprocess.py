@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,8 @@ class InProcessGrid(Grid):
         self._workers: list[threading.Thread] = []
         self._arrived = threading.Condition()  # notified when a reply lands in _pending
         self._slots = Slots(max(2, os.cpu_count() or 1), STRAGGLER_WAIT)
+        self.stopping = False  # set by stop_runs: no further message is sent
+        LIVE.add(self)
 
     # -- Grid API
     def set_run(self, run) -> None:
@@ -149,6 +152,8 @@ class InProcessGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Deliver each message in its own thread, as nodes work in parallel (replies land
         in _pending)."""
+        if self.stopping:
+            raise RunStopped("the run was interrupted")
         ids = []
         self._workers = [w for w in self._workers if w.is_alive()]  # the finished ones
         for msg in messages:
@@ -280,6 +285,27 @@ class VectorizedGrid(InProcessGrid):
             timer.daemon = True
             timer.start()
         self._land(replies)
+
+
+LIVE: weakref.WeakSet = weakref.WeakSet()  # the in-process grids of this process
+
+
+class RunStopped(KeyboardInterrupt):
+    """Raised in the server's thread of an interrupted in-process run at its next message."""
+
+
+def stop_runs(server: threading.Thread, wait: float) -> None:
+    """Stop the in-process runs of this process: no new messages, and wait (at most ``wait``
+    seconds) for ``server`` and the clients' calls in flight to end, so no thread is inside
+    torch when the interpreter exits (a C++ abort, "terminate called without an active
+    exception"). The run's files stay as its last round left them (written atomically)."""
+    grids = list(LIVE)
+    for grid in grids:
+        grid.stopping = True
+    deadline = time.monotonic() + wait
+    server.join(max(0.0, deadline - time.monotonic()))
+    for worker in (w for grid in grids for w in grid._workers):
+        worker.join(max(0.0, deadline - time.monotonic()))
 
 
 def _run(outcome) -> Message:

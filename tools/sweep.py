@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep: {run_dir.name} -> {run_dir}" if one.resume else
               f"sweep: {one.algorithm}, seed {one.seed} -> {run_dir}", flush=True)
         code = commands.run("simulate", one)
+        if code == commands.EXIT_INTERRUPTED:  # Ctrl-C / SIGTERM stops the sweep, not only this run
+            print("sweep: interrupted; `--resume-existing` continues it", file=sys.stderr)
+            return code
         if code == EXIT_USAGE and not runs and not failed:
             print("sweep: stopped, the first run's options are invalid (nothing else was run)",
                   file=sys.stderr)
