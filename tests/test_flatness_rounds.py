@@ -146,3 +146,27 @@ def test_flatness_every_is_checked_and_a_resume_may_change_it(tmp_path, capsys):
     rows = metrics(run_dir)
     assert "sharpness" not in rows[1] and rows[2]["sharpness"] is not None
     capsys.readouterr()
+
+
+def test_runs_csv_holds_one_row_per_run_with_the_final_models_flatness(fedsam_run, tmp_path, capsys):
+    """report --runs-csv: a study's row per run; sharpness and the top eigenvalue come from
+    the run's flatness.json (`flatflower flatness RUN --split train --json RUN/flatness.json`)."""
+    import csv
+    import shutil
+
+    cfg, _, rows = fedsam_run
+    run = shutil.copytree(cfg.run_dir, tmp_path / "fedsam-s0")
+    assert cli(["flatness", str(run), "--split", "train", "--iters", "3", "--probes", "2",
+                "--json", str(run / "flatness.json")]) == 0
+    assert cli(["report", str(run), "--out", str(tmp_path / "r.png"), "--runs-csv", str(tmp_path / "runs.csv"),
+                "--last-k", "2", "--target", "0.3"]) == 0
+    capsys.readouterr()
+    (row,) = list(csv.DictReader((tmp_path / "runs.csv").open()))
+    saved = json.loads((run / "flatness.json").read_text())
+    assert (row["algorithm"], row["seed"], row["engine"], row["run"]) == ("fedsam", "0", "inprocess", "fedsam-s0")
+    assert float(row["final_accuracy"]) == rows[-1]["test_accuracy"]
+    assert int(row["best_round"]) == max(range(4), key=lambda r: rows[r]["test_accuracy"])
+    assert int(row["bytes_up"]) == sum(r["bytes_up"] for r in rows[1:])
+    assert float(row["flatness_distance"]) == pytest.approx((rows[2]["flatness_distance"] + rows[3]["flatness_distance"]) / 2)
+    assert float(row["sharpness"]) == saved["sharpness"] and row["flatness_split"] == "train"
+    assert float(row["hessian_max_eig"]) == saved["hessian_max_eig"]

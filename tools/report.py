@@ -508,6 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     parser.add_argument("--csv", type=Path, default=None,
                         help="also write every round of every run as CSV here (one row per run and round)")
+    parser.add_argument("--runs-csv", type=Path, default=None,
+                        help="also write one row per run here: algorithm, seed, engine, final / last-k / "
+                             "best accuracy, best round, rounds to --target, seconds, bytes up and down, "
+                             "flatness (the last-k flatness distance; sharpness and top Hessian eigenvalue "
+                             f"from each run's {FLATNESS_FILE})")
     parser.add_argument("--strict", action="store_true",
                         help="refuse runs whose settings differ (clients, rounds, dataset, partition) "
                              "instead of warning")
@@ -520,6 +525,59 @@ def _csv_cell(value: Any) -> Any:
     if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
         return " ".join(map(str, value))
     return json.dumps(value) if isinstance(value, (list, dict)) else value
+
+
+RUN_COLUMNS = ("algorithm", "seed", "engine", "rounds", "final_accuracy", "last_k_mean", "best_accuracy",
+               "best_round", "rounds_to_target", "seconds", "bytes_up", "bytes_down", "flatness_distance",
+               "sharpness", "hessian_max_eig", "flatness_split", "run")
+FLATNESS_FILE = "flatness.json"  # `flatflower flatness RUN --json RUN/flatness.json`: the final model's
+
+
+def run_row(run: RunSummary, last_k: int, target: float | None) -> dict[str, Any]:
+    """One run as a row of RUN_COLUMNS: accuracy (fractions), the best round, rounds to
+    ``target``, the rounds' seconds (training, plus any flatness measurement), bytes each way,
+    the mean flatness distance over the last ``last_k`` rounds, and the final model's sharpness
+    and top Hessian eigenvalue from the run's flatness.json when it has one."""
+    summary = summarize(run, last_k, target, flatness=True)
+    rows = [r for r in run.rows if int(r["round"]) >= 1]
+    best = max(range(len(run.accuracy)), key=lambda i: run.accuracy[i])
+    saved: dict[str, Any] = {}
+    try:
+        saved = json.loads((run.run_dir / FLATNESS_FILE).read_text())
+        saved = saved if isinstance(saved, dict) else {}
+    except (OSError, ValueError):
+        pass
+    engine = None
+    try:
+        engine = json.loads((run.run_dir / CONFIG_FILE).read_text()).get("engine")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {
+        "algorithm": run.algorithm, "seed": run.seed, "engine": engine, "rounds": run.rounds[-1],
+        "final_accuracy": summary["final_accuracy"], "last_k_mean": summary["last_k_mean"],
+        "best_accuracy": summary["best_accuracy"], "best_round": run.rounds[best],
+        "rounds_to_target": summary["rounds_to_target"],
+        "seconds": round(sum(float(r.get("seconds") or 0) + float(r.get("flatness_seconds") or 0)
+                             for r in rows), 2),
+        "bytes_up": sum(int(r.get("bytes_up", 0)) for r in rows),
+        "bytes_down": sum(int(r.get("bytes_down", 0)) for r in rows),
+        "flatness_distance": summary["flatness_distance"],
+        "sharpness": saved.get("sharpness"), "hessian_max_eig": saved.get("hessian_max_eig"),
+        "flatness_split": saved.get("split"), "run": run.run_dir.name,
+    }
+
+
+def write_runs_csv(runs: Sequence[RunSummary], path: Path, last_k: int, target: float | None) -> Path:
+    """One row per run (RUN_COLUMNS), e.g. a study's results table."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RUN_COLUMNS)
+        writer.writeheader()
+        for run in runs:
+            writer.writerow({k: ("" if v is None else v) for k, v in run_row(run, last_k, target).items()})
+    return path
 
 
 def write_csv(runs: Sequence[RunSummary], path: Path) -> Path:
@@ -605,6 +663,8 @@ def write_outputs(args: argparse.Namespace, runs: Sequence[RunSummary], payload:
         print(f"json: {args.json}")
     if args.csv is not None:
         print(f"csv: {write_csv(runs, args.csv)}")
+    if args.runs_csv is not None:
+        print(f"csv: {write_runs_csv(runs, args.runs_csv, args.last_k, args.target)}")
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ def run_parallel(todo: list[argparse.Namespace], jobs: int, out: Path) -> tuple[
             while waiting and len(running) < jobs:
                 one = waiting.pop(0)
                 run_dir = directory(one)
-                log = open(out / f"{run_dir.name}.log", "w")
+                log = open(out / f"{run_dir.name}.log", "a")  # a resumed run adds to its log
                 proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *simulate_argv(one)],
                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
                 running[proc] = (run_dir, log)
