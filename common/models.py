@@ -70,50 +70,40 @@ def _cifar_cnn(input_shape: Shape, num_classes: int) -> nn.Module:
     return _two_conv_net("cifar-cnn", input_shape, num_classes, (32, 64), kernel=5, hidden=512)
 
 
-def _lenet(input_shape: Shape, num_classes: int) -> nn.Module:
-    """The FedDyn / FL-Simulator / FedTOGA "LeNet" (unpadded 5x5 convs)."""
-    c, h, w = _image_dims(input_shape, "lenet")
-    fh, fw = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
+def _lenet_family(name: str, input_shape: Shape, num_classes: int, widths: tuple[int, int],
+                  first_padding: int, hidden: tuple[int, int]) -> nn.Module:
+    """Two 5x5 conv-ReLU-2x2-maxpool stages (the first padded by ``first_padding``), then two
+    hidden ReLU layers and the classifier."""
+    c, h, w = _image_dims(input_shape, name)
+    fh, fw = ((h + 2 * first_padding - 4) // 2 - 4) // 2, ((w + 2 * first_padding - 4) // 2 - 4) // 2
     if fh < 1 or fw < 1:
-        raise ValueError(f"model 'lenet' needs H, W >= 16, got {input_shape}")
+        raise ValueError(f"model {name!r} needs H, W >= {16 - 2 * first_padding}, got {input_shape}")
     return nn.Sequential(
-        nn.Conv2d(c, 64, 5),
+        nn.Conv2d(c, widths[0], 5, padding=first_padding),
         nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.Conv2d(64, 64, 5),
+        nn.Conv2d(widths[0], widths[1], 5),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(64 * fh * fw, 384),
+        nn.Linear(widths[1] * fh * fw, hidden[0]),
         nn.ReLU(),
-        nn.Linear(384, 192),
+        nn.Linear(hidden[0], hidden[1]),
         nn.ReLU(),
-        nn.Linear(192, num_classes),
+        nn.Linear(hidden[1], num_classes),
     )
+
+
+def _lenet(input_shape: Shape, num_classes: int) -> nn.Module:
+    """The FedDyn / FL-Simulator / FedTOGA "LeNet" (unpadded 5x5 convs)."""
+    return _lenet_family("lenet", input_shape, num_classes, (64, 64), 0, (384, 192))
 
 
 def _lenet5(input_shape: Shape, num_classes: int) -> nn.Module:
     """LeNet-5 (LeCun et al. 1998) with ReLU and max pooling: 6 and 16 5x5 filters (the first
     'same'-padded, as LeNet-5's 28x28 digits padded to 32x32), then 120, 84, classes; 61,706
     parameters on 1x28x28. The Fashion-MNIST benchmark's model (a twelfth of ``lenet``'s cost)."""
-    c, h, w = _image_dims(input_shape, "lenet5")
-    fh, fw = (h // 2 - 4) // 2, (w // 2 - 4) // 2
-    if fh < 1 or fw < 1:
-        raise ValueError(f"model 'lenet5' needs H, W >= 12, got {input_shape}")
-    return nn.Sequential(
-        nn.Conv2d(c, 6, 5, padding=2),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(16 * fh * fw, 120),
-        nn.ReLU(),
-        nn.Linear(120, 84),
-        nn.ReLU(),
-        nn.Linear(84, num_classes),
-    )
+    return _lenet_family("lenet5", input_shape, num_classes, (6, 16), 2, (120, 84))
 
 
 def _resnet18_gn(input_shape: Shape, num_classes: int) -> nn.Module:
