@@ -26,6 +26,7 @@ of batched kernels.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -370,26 +371,45 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     return results
 
 
-_PAYS: dict[tuple, bool] = {}
+_PAYS: dict[str, bool] = {}  # batching_key -> whether batching pays (this process; a resumed run's)
+
+
+def batching_key(call) -> str:
+    """What :func:`batching_pays` decides for: the model's parameter shapes, the batch shape
+    and the device, as text (JSON: a run directory records it)."""
+    x, _ = call.data.get(torch.arange(min(len(call.data), call.cfg.batch_size)))
+    return json.dumps([[list(p.shape) for p in call.layout.params], list(x.shape), str(call.layout.device)])
 
 
 def batching_pays(call) -> bool:
     """Whether a batched gradient of CALIBRATION_CLIENTS clients costs less than as many single
     ones for this call's model, batch size and device: measured once per process (about a
-    second for LeNet on a CPU, milliseconds for the MLP); always on a GPU. On a CPU,
-    convolutions batched under vmap become grouped convolutions, which lose to each client's
-    own (LeNet: 2-4x slower) while small models win."""
+    second for LeNet on a CPU, milliseconds for the MLP), unless a resumed run recorded it
+    (:func:`adopt_batching`); always on a GPU. On a CPU, convolutions batched under vmap
+    become grouped convolutions, which lose to each client's own (LeNet: 2-4x slower) while
+    small models win. A measurement can come out either way near the break-even point, so a
+    run records its choices (tools/inprocess.py: ``vectorized.json``) and its resume reuses them."""
     device = call.layout.device
     if device.type != "cpu":
         return True
-    x, y = call.data.get(torch.arange(min(len(call.data), call.cfg.batch_size)))
-    key = (tuple(tuple(p.shape) for p in call.layout.params), tuple(x.shape), str(device))
+    key = batching_key(call)
     if key not in _PAYS:
+        x, y = call.data.get(torch.arange(min(len(call.data), call.cfg.batch_size)))
         _PAYS[key] = _batched_is_faster(call.model, call.layout, x, y)
         log.info("vectorised engine: %s for this model on %s (batched %s)", "batches clients"
                  if _PAYS[key] else "trains clients one by one", device,
                  "faster" if _PAYS[key] else "slower")
     return _PAYS[key]
+
+
+def batching_choices() -> dict[str, bool]:
+    """The choices :func:`batching_pays` made (or adopted) in this process."""
+    return dict(_PAYS)
+
+
+def adopt_batching(choices: dict[str, bool]) -> None:
+    """Take choices a run recorded: its resume batches exactly as it did."""
+    _PAYS.update({str(k): bool(v) for k, v in choices.items() if isinstance(v, bool)})
 
 
 CALIBRATION_CLIENTS = 16

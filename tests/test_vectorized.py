@@ -639,3 +639,26 @@ def test_an_empty_partition_gets_local_trains_own_error_and_fails_alone():
                            train=lambda: local_train(model, empty, rule, cfg, 0.1, torch.Generator()))
     [result] = vec.train_together([call])
     assert isinstance(result, ValueError) and "partition is empty" in str(result)
+
+
+def test_a_resumed_vectorised_run_batches_as_it_did(tmp_path, monkeypatch, capsys):
+    """batching_pays measures once per process, and near the break-even point a measurement
+    can go either way: a run records its choices (vectorized.json) and its resume reuses them,
+    never measuring again, so the same run takes the same path."""
+    monkeypatch.setattr(vec, "_PAYS", {})
+    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: False)  # this process: one by one
+    args = ["--engine", "vectorized", "--clients", "4", "--dataset", "digits", "--model", "mlp",
+            "--set", "local-epochs=1", "--no-tensorboard"]
+    run_dir = tmp_path / "run"
+    assert cli(["simulate", *args, "--rounds", "1", "--run-dir", str(run_dir)]) == 0
+    recorded = json.loads((run_dir / "vectorized.json").read_text())
+    assert list(recorded.values()) == [False]
+    monkeypatch.setattr(vec, "_PAYS", {})  # as a new process would start
+    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: pytest.fail("measured again on resume"))
+    batched = []
+    train_group = vec.train_group
+    monkeypatch.setattr(vec, "train_group", lambda calls: batched.append(len(calls)) or train_group(calls))
+    assert cli(["simulate", "--engine", "vectorized", "--clients", "4", "--rounds", "2",
+                "--resume", str(run_dir)]) == 0
+    assert not batched and json.loads((run_dir / "vectorized.json").read_text()) == recorded
+    capsys.readouterr()

@@ -13,7 +13,10 @@ its thread). Used by the tests and by ``flatflower simulate --engine inprocess``
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
+import json
+import logging
 import os
 import sys
 import threading
@@ -29,6 +32,8 @@ from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
+
+log = logging.getLogger("flwr.flatflower.server")
 
 CLIENT_APP_RAISED_EXCEPTION = 2
 # seconds without progress after which calls are taken for stuck (a hung client): the
@@ -199,6 +204,30 @@ class VectorizedGrid(InProcessGrid):
     (or its error reply). Other messages (query, evaluate) go to the ClientApp one by one.
     Messages are not deep-copied: the client side only reads them and builds new replies."""
 
+    CHOICES = "vectorized.json"  # in the run directory: which models it batched (client.vectorized)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        run_dir = next(iter(self.contexts.values())).run_config.get("run-dir") if self.contexts else ""
+        self.choices_file = Path(run_dir) / self.CHOICES if run_dir else None
+        if self.choices_file is not None and self.choices_file.is_file():  # a resumed run batches as before
+            from client.vectorized import adopt_batching
+
+            try:
+                adopt_batching(json.loads(self.choices_file.read_text()))
+            except (OSError, ValueError, AttributeError) as err:
+                log.warning("%s is unreadable (%s): batching is measured again", self.choices_file, err)
+
+    def _record_choices(self) -> None:
+        from client.vectorized import batching_choices
+
+        choices = batching_choices()
+        if self.choices_file is not None and choices:
+            from server.rundir import write_json
+
+            with contextlib.suppress(OSError):  # a record, never the run's end
+                write_json(self.choices_file, choices)
+
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
         is_train = [m.metadata.message_type == MessageType.TRAIN for m in messages]
@@ -262,6 +291,7 @@ class VectorizedGrid(InProcessGrid):
             batch = dict(opened)
         calls = {i: o for i, o in batch.items() if not isinstance(o, Exception)}
         results = dict(zip(calls, train_together(list(calls.values()))))
+        self._record_choices()
 
         def reply(i: int) -> Message:
             outcome = results.get(i, batch[i])  # the training's result, or the open's exception
