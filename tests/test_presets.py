@@ -161,7 +161,7 @@ def test_the_fashion_mnist_study_preset_gives_each_method_its_papers_values():
     cfg = RunConfig.from_mapping({"num-partitions": 100, **preset.values("fedgmt"), "algorithm": "fedgmt"})
     assert (cfg.dataset, cfg.resolved_model(), cfg.dirichlet_alpha, cfg.fraction_train) == (
         "fashion-mnist", "lenet5", 0.1, 0.1)
-    assert (cfg.local_epochs, cfg.batch_size, cfg.lr) == (5, 50, 0.1)
+    assert (cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.clip_norm) == (5, 50, 0.1, 10.0)
 
 
 def test_clients_default_from_preset(tmp_path):
