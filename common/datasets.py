@@ -330,13 +330,23 @@ def _torchvision(name: str, root: str, download: bool) -> FederatedDataset:
     """MNIST / Fashion-MNIST / CIFAR as uint8 NCHW, normalised on ``Split.get`` with the
     dataset's own training-set mean and std. From the first of :func:`sources` that holds it:
     ``data-dir`` (torchvision's layout), the system package's idx files, torchvision's download."""
-    cls_name, num_classes, mean, std = _TORCHVISION[name]
     directory = system_dir(name)
-    if directory is not None and _idx_files_in(directory) and not _torchvision_files(name, root):
-        splits = [_idx_split(directory, flag, mean, std) for flag in (True, False)]
-        return FederatedDataset(name, splits[0], splits[1], num_classes, tuple(splits[0].x.shape[1:]))
+    if directory is None or not _idx_files_in(directory):
+        return _from_torchvision(name, root, download)
+    try:  # data-dir first, read once: no download while the system package has it
+        return _from_torchvision(name, root, download=False)
+    except DatasetUnavailableError:
+        pass
+    _, num_classes, mean, std = _TORCHVISION[name]
+    splits = [_idx_split(directory, flag, mean, std) for flag in (True, False)]
+    return FederatedDataset(name, splits[0], splits[1], num_classes, tuple(splits[0].x.shape[1:]))
+
+
+def _from_torchvision(name: str, root: str, download: bool) -> FederatedDataset:
+    """torchvision's dataset class on ``root`` (downloading there when ``download``)."""
     import torchvision.datasets as tvd
 
+    cls_name, num_classes, mean, std = _TORCHVISION[name]
     cls = getattr(tvd, cls_name)
     before = _existing_dirs(root)
     try:
