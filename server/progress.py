@@ -5,8 +5,9 @@ a small file of the run directory that any engine's CLI reads, as it reads metri
 ``{"round", "rounds", "stage", "sampled", "replied", "started", "time"}``, replaced
 (atomically) when a round's messages go out and when each reply arrives; ``stage`` is
 ``handshake`` (asking the connected nodes for their partitions, before a round's training) or
-``train``. Best effort: a
-failed write never stops the run.
+``train``. A reply's count is written at most every REWRITE seconds (and always when the
+last one arrives): a round of small models takes a few tens of milliseconds, and the display
+polls no faster. Best effort: a failed write never stops the run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from flwr.app import Message, MessageType
 from server.rundir import open_file
 
 PROGRESS_FILE = "progress.json"
+REWRITE = 0.2  # seconds: the least time between two writes for replies within one stage
+clock = time.monotonic
 
 
 def write_progress(run_dir: Path, state: dict[str, Any]) -> None:
@@ -60,6 +63,7 @@ class RoundProgress:
         self.state: dict[str, Any] = {}
         self.ids: set[str] = set()
         self.done = 0  # the last round whose training messages went out
+        self.written = -REWRITE  # clock() at the last write
         push, pull = grid.push_messages, grid.pull_messages
 
         def push_messages(messages: Iterable[Message]) -> Iterable[str]:
@@ -78,7 +82,9 @@ class RoundProgress:
             mine = sum(r.metadata.reply_to_message_id in self.ids for r in replies)
             if mine:
                 self.state["replied"] += mine
-                write_progress(self.run_dir, self.state)
+                if (self.state["replied"] >= self.state["sampled"]
+                        or clock() - self.written >= REWRITE):
+                    self.write()
             return replies
 
         grid.push_messages, grid.pull_messages = push_messages, pull_messages
@@ -92,4 +98,8 @@ class RoundProgress:
             self.done = server_round
         self.state["sampled"] += count  # a retry re-sends to clients that failed
         self.ids |= set(ids)
+        self.write()
+
+    def write(self) -> None:
         write_progress(self.run_dir, self.state)
+        self.written = clock()

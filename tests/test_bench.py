@@ -110,6 +110,33 @@ def test_throughput_table_says_what_ran_and_warns_on_a_loaded_machine(report):
     assert "wall-clock figures" in render_throughput({**t, "loaded": True})
 
 
+def test_throughput_measures_the_plain_loop_on_the_same_work_at_a_chosen_setting(tmp_path, capsys):
+    """--throughput-engines ...,loop: the papers' sequential PyTorch loop (tools/loop.py) beside
+    the engines, at a partial-participation setting with its own epochs and batch size: the
+    same client·steps, and each engine's time as a multiple of the loop's."""
+    out = tmp_path / "b.json"
+    assert bench(["--quick", "--sections", "throughput", "--throughput-engines", "inprocess,loop",
+                  "--throughput-algorithms", "fedavg,fedsam", "--throughput-clients", "6",
+                  "--throughput-fraction", "0.5", "--throughput-epochs", "2", "--throughput-batch-size", "50",
+                  "--out", str(out)]) == 0
+    t = json.loads(out.read_text())["throughput"]
+    assert (t["fraction"], t["local_epochs"], t["batch_size"]) == (0.5, 2, 50)
+    rows = {(r["algorithm"], r["engine"]): r for r in t["rows"]}
+    assert set(rows) == {(a, e) for a in ("fedavg", "fedsam") for e in ("inprocess", "loop")}
+    for algorithm in ("fedavg", "fedsam"):
+        engine, loop = rows[algorithm, "inprocess"], rows[algorithm, "loop"]
+        assert engine["client_steps_per_round"] == loop["client_steps_per_round"] > 0
+        assert engine["examples_per_round"] == loop["examples_per_round"] < 1437  # half the clients
+        assert loop["cpu_vs_loop"] == 1.0 and engine["cpu_vs_loop"] > 0 and engine["wall_vs_loop"] > 0
+    capsys.readouterr()
+    text = " ".join(render_throughput(t).split())
+    assert "'x the loop' = an engine's time over the loop's" in text
+    assert "0.5 of the N clients a round, 2 local epoch(s) of batch 50" in text
+    assert bench(["--quick", "--sections", "throughput", "--throughput-engines", "loop",
+                  "--throughput-algorithms", "scaffold", "--out", str(tmp_path / "c.json")]) == 2
+    assert "loop runs fedavg, fedsam only, not scaffold" in capsys.readouterr().err
+
+
 def test_flatness_times_each_hvp_method_a_landscape_and_flatness_every_in_a_run(report):
     f = report["flatness"]
     assert (f["iters"], f["probes"], f["landscape_steps"]) == (3, 2, 5)  # --quick

@@ -125,6 +125,37 @@ def test_inprocess_clients_parse_array_headers_one_at_a_time():
     assert ast.literal_eval("{'descr': '<f4', 'shape': (3, 4)}") == {"descr": "<f4", "shape": (3, 4)}
 
 
+def test_exchange_takes_each_in_process_reply_as_it_lands_without_sleeping(monkeypatch):
+    """On the in-process grids the strategies' exchange waits for the replies themselves
+    (wait_for_replies): no poll pause (at least 10 ms a pull otherwise) is added to a round."""
+    import threading
+
+    from flwr.app import Message, MessageType, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from strategies import participation
+    from tools.inprocess import InProcessGrid
+
+    answered = threading.Event()
+    echo = ClientApp()
+
+    @echo.query()
+    def query(msg, context):
+        if context.node_config["partition-id"] == 1:
+            answered.wait(5)  # replies in turn: the exchange must wait once at least
+        answered.set()
+        return Message(RecordDict(), reply_to=msg)
+
+    def no_sleep(seconds):
+        raise AssertionError(f"exchange slept {seconds} s on an in-process grid")
+
+    monkeypatch.setattr(participation, "pause_between_pulls", no_sleep)
+    grid = InProcessGrid(echo, 2, {})
+    messages = [grid.create_message(RecordDict(), MessageType.QUERY, node, "1") for node in grid.contexts]
+    replies = participation.exchange(grid, messages, timeout=30)
+    assert [r.metadata.src_node_id for r in replies] == list(grid.contexts)
+
+
 def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, epochs: int,
                                flags: tuple[str, ...] = ()):
     """``flatflower local [flags]`` with 2 SuperNodes on 127.0.0.1: completes, learns, leaves

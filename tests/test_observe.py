@@ -13,6 +13,7 @@ import pytest
 import torch
 from flwr.app import MessageType
 
+from server import progress as progress_module
 from server.progress import RoundProgress, read_progress, write_progress
 from tests.helpers import fast_config, metrics, run_with_faults
 from tools.inprocess import run_inprocess
@@ -127,7 +128,8 @@ class FakeGrid:
         return out
 
 
-def test_round_progress_counts_the_train_replies_as_the_grid_pulls_them(tmp_path):
+def test_round_progress_counts_the_train_replies_as_the_grid_pulls_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(progress_module, "REWRITE", 0.0)  # every pull writes
     grid = FakeGrid()
     RoundProgress(grid, tmp_path, rounds=5)
     grid.push_messages([_message(MessageType.EVALUATE)])  # federated evaluation is not watched
@@ -138,6 +140,28 @@ def test_round_progress_counts_the_train_replies_as_the_grid_pulls_them(tmp_path
     assert len(grid.pull_messages(["m0", "m1", "m2", "m3"])) == 3
     state = read_progress(tmp_path)
     assert (state["round"], state["rounds"], state["sampled"], state["replied"]) == (3, 5, 4, 2)
+
+
+def test_progress_is_rewritten_for_replies_at_most_every_rewrite_seconds_but_always_for_the_last(
+        tmp_path, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(progress_module, "clock", lambda: clock[0])
+    grid = FakeGrid()
+    RoundProgress(grid, tmp_path, rounds=5)
+    grid.push_messages([_message(MessageType.TRAIN, "1") for _ in range(3)])  # a new stage: written
+    for reply, replied in (("m0", 0), ("m1", 0)):  # within REWRITE of the last write: not written
+        clock[0] += progress_module.REWRITE / 4
+        grid.replies = [_message("", reply_to=reply)]
+        grid.pull_messages(["m0", "m1", "m2"])
+        assert read_progress(tmp_path)["replied"] == replied
+    grid.replies = [_message("", reply_to="m2")]  # the last reply is always written
+    grid.pull_messages(["m2"])
+    assert read_progress(tmp_path)["replied"] == 3
+    grid.push_messages([_message(MessageType.TRAIN, "2") for _ in range(3)])
+    clock[0] += progress_module.REWRITE  # REWRITE after the last write: written
+    grid.replies = [_message("", reply_to="m0")]
+    grid.pull_messages(["m0", "m1", "m2"])
+    assert (read_progress(tmp_path)["round"], read_progress(tmp_path)["replied"]) == (2, 1)
 
 
 def test_a_run_leaves_its_last_rounds_progress(tmp_path):
@@ -208,7 +232,8 @@ def test_tensorboard_flag_sets_the_run_config(tmp_path):
     assert cfg("--set", "tensorboard=false", "--tensorboard").tensorboard is True  # the flag wins
 
 
-def test_the_handshake_before_a_round_is_progress_too(tmp_path):
+def test_the_handshake_before_a_round_is_progress_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(progress_module, "REWRITE", 0.0)  # every pull writes
     grid = FakeGrid()
     RoundProgress(grid, tmp_path, rounds=5)
     grid.push_messages([_message(MessageType.QUERY) for _ in range(3)])

@@ -11,7 +11,7 @@ import pytest
 
 from common.config import RunConfig
 from tools.cli import build_parser, main
-from tools.prepare import resolve_config
+from tools.prepare import UsageError, apply_preset, resolve_config
 from tools.presets import PRESET_DIR, PresetError, available, load_preset
 
 PRESETS = available()
@@ -150,7 +150,48 @@ def test_the_presets_engine_is_simulates_default(tmp_path):
     assert args.engine == "vectorized"  # the flag wins
     args = build_parser().parse_args(["simulate", "--run-dir", str(tmp_path / "r")])
     resolve_config(args)
-    assert args.engine == "ray"  # no preset: Ray, as always
+    assert args.engine == "inprocess"  # no preset: the fastest engine that gives Ray's result
+
+
+@pytest.mark.parametrize("engine", ["ray", "vectorized", "inprocess"])
+def test_a_resumed_run_continues_on_the_engine_it_ran_on(tmp_path, engine):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"engine": engine, "algorithm": "fedavg"}))
+    args = build_parser().parse_args(["simulate", "--resume", str(run)])
+    apply_preset(args)
+    assert args.engine == engine
+    args = build_parser().parse_args(["simulate", "--resume", str(run), "--engine", "inprocess"])
+    apply_preset(args)
+    assert args.engine == "inprocess"  # the flag wins
+
+
+def test_rays_actor_sizes_choose_ray_and_are_refused_by_the_in_process_engines(tmp_path):
+    run = ["--run-dir", str(tmp_path / "r")]
+    args = build_parser().parse_args(["simulate", "--gpus-per-client", "0.25", *run])
+    apply_preset(args)
+    assert (args.engine, args.gpus_per_client, args.cpus_per_client) == ("ray", 0.25, None)
+    for engine in ("inprocess", "vectorized"):
+        args = build_parser().parse_args(["simulate", "--engine", engine, "--cpus-per-client", "2", *run])
+        with pytest.raises(UsageError, match="--cpus-per-client size Ray's client actors.*add --engine ray"):
+            apply_preset(args)
+    for flags, message in ((["--cpus-per-client", "0"], "--cpus-per-client must be >= 1"),
+                           (["--gpus-per-client", "1.5"], r"--gpus-per-client must be in \[0, 1\]")):
+        with pytest.raises(UsageError, match=message):
+            apply_preset(build_parser().parse_args(["simulate", "--engine", "ray", *flags, *run]))
+    assert main(["sweep", "--algorithms", "fedavg", "--seeds", "0", "--engine", "inprocess",
+                 "--gpus-per-client", "0.5", "--out", str(tmp_path / "sweep")]) == 2
+    assert not (tmp_path / "sweep").exists()  # refused before any run
+
+
+@pytest.mark.parametrize("record", ['{"engine": "deployment"}', '{"engine": "threads"}', "[1]", "{"])
+def test_a_resumed_runs_engine_that_simulate_cannot_run_falls_back_to_the_default(tmp_path, record):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(record)
+    args = build_parser().parse_args(["simulate", "--resume", str(run)])
+    apply_preset(args)
+    assert args.engine == "inprocess"
 
 
 def test_the_fashion_mnist_study_preset_gives_each_method_its_papers_values():

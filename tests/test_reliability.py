@@ -436,11 +436,12 @@ def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_p
             "--dataset", "digits", "--set", "local-epochs=10", *set_flags(RAY_RETRY)]
     before = flower_pids()
     cut = tmp_path / "cut"
-    proc = _cli_process(["simulate", *args, "--run-dir", str(cut)], tmp_path / "cut.log")
+    proc = _cli_process(["simulate", "--engine", "ray", *args, "--run-dir", str(cut)], tmp_path / "cut.log")
     _kill_when(proc, cut, 2, signal.SIGTERM)
     assert flower_pids() - before == set(), "a stopped run left Flower processes behind"
     assert not (cut / "model_final.pt").exists()
-    assert cli(["simulate", "--resume", str(cut)]) == 0
+    assert cli(["simulate", "--resume", str(cut)]) == 0  # on Ray again: the engine config.json names
+    assert json.loads((cut / "config.json").read_text())["engine"] == "ray"
     assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "full")]) == 0
     full, resumed = (torch.load(d / "model_final.pt") for d in (tmp_path / "full", cut))
     assert same(full, resumed)
@@ -468,7 +469,7 @@ def test_a_killed_ray_simulation_takes_its_processes_with_it(tmp_path):
     tag = f"FLATFLOWER_KILL_TEST={os.getpid()}-{time.monotonic_ns()}"
     run = tmp_path / "r"
     env = {**os.environ, tag.split("=")[0]: tag.split("=")[1]}
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "simulate", "--algorithm", "fedavg",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "simulate", "--engine", "ray", "--algorithm", "fedavg",
                              "--clients", "4", "--rounds", "20", "--dataset", "digits", "--set",
                              "local-epochs=3", "--run-dir", str(run)], cwd=ROOT, env=env,
                             stdout=(tmp_path / "out.log").open("w"), stderr=subprocess.STDOUT)

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from client.batch import ModelBatch
-from common.config import RunConfig, cli_int
+from common.config import RunConfig, cli_float, cli_int
 from common.datasets import Split
 from common.flatness import DEFAULT_ITERS, DEFAULT_PROBES, HVP_METHODS, SplitLoss, measure, random_vector
 from common.models import build_model
@@ -128,7 +128,9 @@ class Settings:
             algorithms=_names(args.throughput_algorithms) or ("fedavg",),
             rounds=args.throughput_rounds or defaults["rounds"],
             repeats=args.throughput_repeats or defaults["repeats"],
-            ray_max_clients=args.throughput_ray_max_clients)
+            ray_max_clients=args.throughput_ray_max_clients,
+            fraction=args.throughput_fraction, local_epochs=args.throughput_epochs,
+            batch_size=args.throughput_batch_size)
         throughput.validate()
         flatness_models = _names(args.flatness_models)
         unknown = [m for m in flatness_models if m not in FLATNESS_FULL["models"]]
@@ -404,7 +406,7 @@ def bench_overhead(settings: Settings, workdir: Path, say=_silent) -> dict[str, 
     }
     out["ours_vs_plain_flower"] = out["inprocess_round_seconds"] / out["plain_flower_fedavg_round_seconds"]
     out["inprocess_vs_pure_training"] = out["inprocess_round_seconds"] / pure
-    engines = {"ray": ("simulate", [])} | {label: ("local", flags) for label, flags in DEPLOYMENTS.items()}
+    engines = {"ray": ("simulate", ["--engine", "ray"])} | {label: ("local", flags) for label, flags in DEPLOYMENTS.items()}
     for engine, (command, flags) in engines.items():
         if not settings.full_overhead:
             out[engine] = {"skipped": "run with --full (starts Ray / Flower processes)"}
@@ -821,10 +823,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"which sections to run, comma-separated (default all: {','.join(SECTIONS)})")
     t = p.add_argument_group("throughput", "the simulation-throughput section (tools/throughput.py)")
-    t.add_argument("--throughput-models", help="mlp,cnn (digits), lenet (CIFAR-shaped synthetic-cifar10); "
-                                               "default mlp with --quick, else all three")
+    t.add_argument("--throughput-models", help="mlp,cnn (digits), lenet (CIFAR-shaped synthetic-cifar10), "
+                                               "lenet5 (Fashion-MNIST); default mlp with --quick, "
+                                               "else mlp,cnn,lenet")
     t.add_argument("--throughput-clients", help="numbers of clients N, e.g. 10,100,500 (the default; 10,20 with --quick)")
-    t.add_argument("--throughput-engines", help="inprocess,vectorized,ray (default: ray with --full only)")
+    t.add_argument("--throughput-engines", help="inprocess,vectorized,ray,loop (default: inprocess,vectorized; "
+                                                "ray with --full; loop = the papers' plain sequential "
+                                                "PyTorch loop, FedAvg / FedSAM, the yardstick)")
     t.add_argument("--throughput-algorithms", help="algorithms, e.g. fedavg,fedsam (default fedavg)")
     t.add_argument("--throughput-rounds", type=cli_int, default=None,
                    help="rounds per run: 2 .. R-1 are timed (round 1 warms up, R ends R-1); default 4, 3 with --quick")
@@ -832,6 +837,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleaved runs per engine, the fastest round counts (default 2)")
     t.add_argument("--throughput-ray-max-clients", type=cli_int, default=500,
                    help="skip Ray runs of more clients (default 500)")
+    t.add_argument("--throughput-fraction", type=cli_float, default=1.0,
+                   help="fraction of the N clients trained each round (default 1)")
+    t.add_argument("--throughput-epochs", type=cli_int, default=1, help="local epochs (default 1)")
+    t.add_argument("--throughput-batch-size", type=cli_int, default=32, help="batch size (default 32)")
     f = p.add_argument_group("flatness", "the flatness-cost section")
     f.add_argument("--flatness-models", help="mlp,cnn (digits), lenet (synthetic-cifar10; 5-8 min here); "
                                              "default mlp,cnn with --quick, else all three")

@@ -1,7 +1,7 @@
 """The ``flatflower`` command: argument parsing and exit codes over tools/commands.py.
 
     flatflower local    --algorithm A --clients N --rounds R [...]   real SuperLink + N SuperNodes
-    flatflower simulate --algorithm A --clients N --rounds R [...]   Flower's Ray simulation engine
+    flatflower simulate --algorithm A --clients N --rounds R [...]   one machine: in-process, vectorised or Ray
     flatflower report   RUN_DIR [RUN_DIR ...]                        table + accuracy plot
     flatflower landscape RUN_DIR [RUN_DIR ...]                       loss surfaces (PNG + NPZ)
     flatflower sweep    --algorithms A,B --seeds 0,1,2 --out DIR     algorithms x seeds, then a report
@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--tls", action="store_true",
                        help="TLS on the SuperLink's APIs and SuperNode authentication "
                             "(certificates and node keys generated for the run)")
-    sim = sub.add_parser("simulate", help="run on one machine: Flower's simulation engine (Ray), or "
-                         "in one process (--engine inprocess | vectorized)")
+    sim = sub.add_parser("simulate", help="run on one machine: in one process (default: inprocess, "
+                         "or vectorized), or Flower's Ray simulation engine (--engine ray)")
     add_run_arguments(sim)
     add_simulate_arguments(sim)
     sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)

@@ -96,8 +96,9 @@ def simulate(args: argparse.Namespace) -> int:
         else:
             outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
                                       timeout=args.timeout, on_poll=progress,
-                                      cpus_per_client=args.cpus_per_client,
-                                      gpus_per_client=args.gpus_per_client)
+                                      **{k: v for k, v in (("cpus_per_client", args.cpus_per_client),
+                                                           ("gpus_per_client", args.gpus_per_client))
+                                         if v is not None})
     except BaseException:
         progress.close()
         raise

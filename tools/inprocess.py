@@ -177,6 +177,14 @@ class InProcessGrid(Grid):
         with self._arrived:
             return [self._pending.pop(i) for i in message_ids if i in self._pending]
 
+    def wait_for_replies(self, message_ids: Iterable[str], timeout: float | None) -> None:
+        """Return once a reply to one of ``message_ids`` waits to be pulled, or after
+        ``timeout`` seconds: what the strategies' ``exchange`` does instead of sleeping between
+        pulls (a reply is pulled the moment it lands)."""
+        ids = set(message_ids)
+        with self._arrived:
+            self._arrived.wait_for(lambda: not ids.isdisjoint(self._pending), timeout)
+
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None):
         """Push, then pull each reply as it lands (as Flower's grids pull, without their
         sleep), until all replied or ``timeout``; the replies in the order of the messages."""
@@ -190,8 +198,7 @@ class InProcessGrid(Grid):
             left = None if deadline is None else deadline - time.monotonic()
             if not pending or (left is not None and left <= 0):
                 break
-            with self._arrived:
-                self._arrived.wait_for(lambda: not pending.isdisjoint(self._pending), left)
+            self.wait_for_replies(pending, left)
         self._workers = [w for w in self._workers if w.is_alive()]  # hung clients
         order = {message_id: i for i, message_id in enumerate(ids)}
         return sorted(replies, key=lambda r: order[r.metadata.reply_to_message_id])

@@ -73,17 +73,24 @@ def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
 
 
 ENGINES = ("ray", "inprocess", "vectorized")
+# simulate's engine without --engine: the fastest that gives Ray's result (bit-identical models,
+# without Ray's start-up or its per-message serialisation: docs/benchmarks.md)
+DEFAULT_ENGINE = "inprocess"
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the simulation engines (simulate, sweep)."""
     p.add_argument("--engine", choices=ENGINES, default=None,
-                   help="ray = Flower simulation engine (default, unless the preset names its "
-                        "engine); inprocess = no Ray, one process; "
+                   help="inprocess = no Ray, one process (default, unless the preset or a "
+                        "--resume'd run names its engine, or Ray's --cpus/--gpus-per-client are given: "
+                        "the same result as Ray, faster); "
+                        "ray = Flower's simulation engine; "
                         "vectorized = in one process, each round's local training in batched passes "
                         "over all sampled clients (torch.func.vmap)")
-    p.add_argument("--cpus-per-client", type=cli_int, default=1)
-    p.add_argument("--gpus-per-client", type=cli_float, default=0.0)
+    p.add_argument("--cpus-per-client", type=cli_int, default=None,
+                   help="Ray's CPUs per client actor (--engine ray only; default 1)")
+    p.add_argument("--gpus-per-client", type=cli_float, default=None,
+                   help="Ray's GPU share per client actor, e.g. 0.25 (--engine ray only; default 0)")
     p.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
 
 
@@ -98,7 +105,11 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
         args.preset_values = dict(preset.config) if preset else {}
         args.preset_algorithms = dict(preset.algorithms) if preset else {}
         if getattr(args, "engine", "") is None:  # simulate / sweep without --engine
-            args.engine = preset.engine if preset and preset.engine else "ray"
+            ray_sizes = args.cpus_per_client is not None or args.gpus_per_client is not None
+            args.engine = ((recorded_engine(args.resume) if getattr(args, "resume", None) else None)
+                           or (preset.engine if preset else None) or ("ray" if ray_sizes else DEFAULT_ENGINE))
+        if getattr(args, "engine", None):
+            check_engine_options(args)
         if args.clients is None and args.resume:
             args.clients = resume_clients(args.resume)
         if args.clients is None:
@@ -222,6 +233,33 @@ def _saved_config(run_dir: Path) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError, RecursionError) as err:  # ValueError: not JSON or UTF-8
         raise UsageError(f"{path} is corrupt: {err}") from None
     return saved
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """UsageError when Ray's actor sizes are given for an engine without actors (they would
+    be ignored: a GPU share asked for and never used)."""
+    given = [flag for flag, value in (("--cpus-per-client", args.cpus_per_client),
+                                      ("--gpus-per-client", args.gpus_per_client)) if value is not None]
+    if given and args.engine != "ray":
+        raise UsageError(f"{' and '.join(given)} size Ray's client actors; the {args.engine} engine "
+                         f"runs every client in this process: add --engine ray")
+    if args.cpus_per_client is not None and args.cpus_per_client < 1:
+        raise UsageError(f"--cpus-per-client must be >= 1 (got {args.cpus_per_client})")
+    if args.gpus_per_client is not None and not 0 <= args.gpus_per_client <= 1:
+        raise UsageError(f"--gpus-per-client must be in [0, 1] (got {args.gpus_per_client:g})")
+
+
+def recorded_engine(run_dir: str) -> str | None:
+    """The simulation engine that ran ``run_dir`` (its config.json), so that its resume
+    continues on it; None for a deployment's run or an unreadable record."""
+    from server.rundir import open_file
+
+    try:
+        with open_file(Path(run_dir) / "config.json") as f:
+            engine = json.loads(f.read()).get("engine")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return engine if engine in ENGINES else None
 
 
 def resume_clients(run_dir: str) -> int | None:

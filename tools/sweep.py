@@ -30,7 +30,8 @@ from pathlib import Path
 from common.config import cli_float, cli_int, did_you_mean
 from common.registry import ALGORITHMS
 from tools import commands
-from tools.prepare import Parser, add_run_arguments, add_simulate_arguments
+from tools.prepare import (DEFAULT_ENGINE, Parser, UsageError, add_run_arguments, add_simulate_arguments,
+                           check_engine_options)
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -121,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from tools.presets import PresetError, load_preset
 
-        engine = args.engine or (load_preset(args.preset).engine if args.preset else None) or "ray"
-    except PresetError as err:
+        ray_sizes = args.cpus_per_client is not None or args.gpus_per_client is not None
+        engine = (args.engine or (load_preset(args.preset).engine if args.preset else None)
+                  or ("ray" if ray_sizes else DEFAULT_ENGINE))
+        check_engine_options(argparse.Namespace(**{**vars(args), "engine": engine}))
+    except (PresetError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     todo = []
@@ -188,16 +192,20 @@ def _order(todo: list[argparse.Namespace], runs: list[Path]) -> list[Path]:
     return [r for r in runs if r not in planned] + [p for p in planned if p in runs]
 
 
+def ray_sizes(one: argparse.Namespace) -> list[str]:
+    """The Ray actor sizes the sweep was given (only those: other engines refuse them)."""
+    return [*(["--cpus-per-client", str(one.cpus_per_client)] if one.cpus_per_client is not None else []),
+            *(["--gpus-per-client", repr(one.gpus_per_client)] if one.gpus_per_client is not None else [])]
+
+
 def simulate_argv(one: argparse.Namespace) -> list[str]:
     """``flatflower simulate`` arguments for one (algorithm, seed) of the sweep."""
     if one.resume:
         return ["simulate", "--resume", one.resume, "--clients", str(one.clients), "--engine", one.engine,
                 *(["--rounds", str(one.rounds)] if one.rounds else []),
-                "--timeout", repr(one.timeout), "--cpus-per-client", str(one.cpus_per_client),
-                "--gpus-per-client", repr(one.gpus_per_client)]
+                "--timeout", repr(one.timeout), *ray_sizes(one)]
     argv = ["simulate", "--algorithm", one.algorithm, "--seed", str(one.seed), "--run-dir", one.run_dir,
-            *(["--engine", one.engine] if one.engine else []), "--timeout", repr(one.timeout),
-            "--cpus-per-client", str(one.cpus_per_client), "--gpus-per-client", repr(one.gpus_per_client)]
+            *(["--engine", one.engine] if one.engine else []), "--timeout", repr(one.timeout), *ray_sizes(one)]
     for flag, value in (("--preset", one.preset), ("--clients", one.clients), ("--rounds", one.rounds),
                         ("--dataset", one.dataset), ("--model", one.model), ("--partition", one.partition),
                         ("--fraction", one.fraction), ("--app-dir", one.app_dir)):

@@ -1,11 +1,14 @@
 """``flatflower bench``'s simulation throughput: client·steps per second and seconds per round
-of the same federation on each simulation engine (in-process, vectorised, Ray).
+of the same federation on each simulation engine (in-process, vectorised, Ray), and on the
+papers' own kind of simulation, a plain sequential PyTorch loop (``loop``: tools/loop.py, the
+yardstick: FedAvg and FedSAM).
 
 For each model (the MLP and the CNN on digits, LeNet on ``synthetic-cifar10``: random images
-of CIFAR-10's shape, not CIFAR-10), number of clients N and engine, a short run of the real
-ServerApp and ClientApps: every client trains every round (fraction-train 1, fraction-evaluate
-0, 1 local epoch, iid partition), without the clients' self-report passes, TensorBoard files or
-checkpoints. It is timed round by round: a round runs from its train messages going out to the
+of CIFAR-10's shape, not CIFAR-10; LeNet-5 on Fashion-MNIST where it is installed), number of
+clients N and engine, a short run of the real ServerApp and ClientApps: by default every client
+trains every round (fraction-train 1, fraction-evaluate 0, 1 local epoch of batch 32, iid
+partition; the fraction, epochs and batch size are settings), without the clients' self-report
+passes, TensorBoard files or checkpoints. It is timed round by round: a round runs from its train messages going out to the
 next round's (so it includes aggregation, central evaluation and the run directory's writes),
 in wall time and in CPU time of all the engine's threads (in-process engines: this process) or
 processes (Ray: the ``flatflower simulate`` process and every process below it). Round 1
@@ -34,13 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("inprocess", "vectorized", "ray")
+ENGINES = ("inprocess", "vectorized", "ray", "loop")
 # model -> the dataset it trains on
-MODEL_DATA = {"mlp": "digits", "cnn": "digits", "lenet": "synthetic-cifar10"}
+MODEL_DATA = {"mlp": "digits", "cnn": "digits", "lenet": "synthetic-cifar10", "lenet5": "fashion-mnist"}
 INPUTS = {
     "digits": "scikit-learn digits (1x8x8, 1437 train images)",
     "synthetic-cifar10": "synthetic-cifar10: seeded random uint8 images of CIFAR-10's shape and "
                          "normalisation (3x32x32, 5000 train), not CIFAR-10",
+    "fashion-mnist": "Fashion-MNIST (1x28x28, 60,000 train images)",
 }
 POLL = 0.005  # seconds between looks at a Ray run's progress.json
 LOADED = 0.7  # a 1-minute load average above this x the CPU count makes wall times suspect
@@ -56,6 +60,9 @@ class ThroughputSettings:
     repeats: int = 2  # interleaved runs per engine
     ray_max_clients: int = 500  # Ray runs with more clients are skipped
     timeout: float = 900.0  # seconds per Ray run
+    fraction: float = 1.0  # fraction-train: the share of the N clients each round trains
+    local_epochs: int = 1
+    batch_size: int = 32
 
     def validate(self) -> None:
         unknown = [m for m in self.models if m not in MODEL_DATA]
@@ -79,11 +86,25 @@ class ThroughputSettings:
                              "only ends the one before)")
         if self.repeats < 1:
             raise ValueError("--throughput-repeats must be >= 1")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"--throughput-fraction must be in (0, 1] (got {self.fraction:g})")
+        if self.local_epochs < 1 or self.batch_size < 1:
+            raise ValueError("--throughput-epochs and --throughput-batch-size must be >= 1")
+        if "loop" in self.engines:
+            from tools.loop import LOOP_ALGORITHMS
+
+            bad = [a for a in self.algorithms if a not in LOOP_ALGORITHMS]
+            if bad:
+                raise ValueError(f"throughput engine loop runs {', '.join(LOOP_ALGORITHMS)} only, "
+                                 f"not {', '.join(bad)}")
 
 
-def run_config(algorithm: str, model: str, run_dir: Path, rounds: int) -> dict[str, Any]:
+def run_config(algorithm: str, model: str, run_dir: Path, rounds: int,
+               settings: ThroughputSettings | None = None) -> dict[str, Any]:
+    settings = settings or ThroughputSettings()
     return {"algorithm": algorithm, "dataset": MODEL_DATA[model], "model": model, "partition": "iid",
-            "local-epochs": 1, "local-steps": 0, "fraction-train": 1.0, "fraction-evaluate": 0.0,
+            "local-epochs": settings.local_epochs, "local-steps": 0, "batch-size": settings.batch_size,
+            "fraction-train": settings.fraction, "fraction-evaluate": 0.0,
             "client-eval": False, "tensorboard": False, "checkpoint-every": 0,
             "num-server-rounds": rounds, "run-dir": str(run_dir)}
 
@@ -307,10 +328,14 @@ def bench_throughput(settings: ThroughputSettings, workdir: Path, say=lambda tex
                     f"(run {rep + 1}/{settings.repeats}; {i}/{len(combos)})")
                 loads.append(load_average())
                 run_dir = workdir / f"tp-{algorithm}-{model}-{clients}-{engine}-{rep}"
-                cfg = run_config(algorithm, model, run_dir, settings.rounds)
+                cfg = run_config(algorithm, model, run_dir, settings.rounds, settings)
                 try:
                     if engine == "ray":
                         measured[engine] += measure_ray(cfg, clients, settings.timeout)
+                    elif engine == "loop":
+                        from tools.loop import measure_loop
+
+                        measured[engine] += measure_loop(cfg, clients)
                     else:
                         with _quiet():
                             measured[engine] += measure_inprocess(cfg, clients, engine == "vectorized")
@@ -324,19 +349,24 @@ def bench_throughput(settings: ThroughputSettings, workdir: Path, say=lambda tex
                 found[engine] = {**base, "engine": engine, "error": errors.get(engine, "no timed round")}
             else:
                 found[engine] = {**base, **_summary(engine, measured[engine])}
-        reference = found.get("inprocess", {})
+        reference, loop = found.get("inprocess", {}), found.get("loop", {})
         for row in found.values():
             if "round_seconds" in row and "round_seconds" in reference:
                 row["speedup_vs_inprocess_wall"] = reference["round_seconds"] / row["round_seconds"]
                 both = row["cpu_seconds_per_round"] and reference["cpu_seconds_per_round"]
                 row["speedup_vs_inprocess_cpu"] = (reference["cpu_seconds_per_round"] / row["cpu_seconds_per_round"]
                                                    if both else None)
+            if row.get("cpu_seconds_per_round") and loop.get("cpu_seconds_per_round"):
+                row["cpu_vs_loop"] = row["cpu_seconds_per_round"] / loop["cpu_seconds_per_round"]
+                row["wall_vs_loop"] = row["round_seconds"] / loop["round_seconds"]
             rows.append(row)
     loads.append(load_average())
     cpus = os.cpu_count() or 1
     known = [x for x in loads if x is not None]
     return {"algorithms": list(settings.algorithms), "models": list(settings.models),
             "clients": list(settings.clients), "engines": list(settings.engines),
+            "fraction": settings.fraction, "local_epochs": settings.local_epochs,
+            "batch_size": settings.batch_size,
             "rounds": settings.rounds, "timed_rounds_per_run": settings.rounds - 2,
             "repeats": settings.repeats,
             "inputs": {m: INPUTS[MODEL_DATA[m]] for m in settings.models},
@@ -372,17 +402,26 @@ def render(section: dict[str, Any]) -> str:
                                           f"{num(r.get('speedup_vs_inprocess_wall'), '.2f')}"
                                           if "speedup_vs_inprocess_wall" in r else "-"),
         })
+        if "loop" in section["engines"]:
+            row["x the loop (CPU / wall)"] = (f"{r['cpu_vs_loop']:.2f} / {r['wall_vs_loop']:.2f}"
+                                              if "cpu_vs_loop" in r else "-")
         table.append(row)
     keys = list(dict.fromkeys(k for row in table for k in row))  # the columns: the first row's
     table = [{k: row.get(k, "-") for k in keys} for row in table]
     last = section["rounds"] - 1
     timed = "round 2" if last == 2 else f"rounds 2-{last}"
+    fraction, epochs = section.get("fraction", 1.0), section.get("local_epochs", 1)
+    who = "every client" if fraction == 1 else f"{fraction:g} of the N clients"
     title = (f"throughput{'' if several else ' of ' + section['algorithms'][0]}: fastest of "
              f"{section['repeats']} interleaved run(s) x {section['timed_rounds_per_run']} timed round(s) per "
-             f"engine ({timed} of {section['rounds']}); every client, 1 local epoch")
+             f"engine ({timed} of {section['rounds']}); {who} a round, {epochs} local epoch(s) "
+             f"of batch {section.get('batch_size', 32)}")
     lines = [render_table(table, title)]
     if "ray" not in section["engines"]:
         lines.append("  Ray: not run (--full, or --throughput-engines ...,ray)")
+    if "loop" in section["engines"]:
+        lines.append("  loop: the papers' own kind of simulation, a plain sequential PyTorch loop "
+                     "(tools/loop.py); 'x the loop' = an engine's time over the loop's")
     for model, what in section["inputs"].items():
         lines.append(f"  input of {model}: {what}")
     for r in section["rows"]:
