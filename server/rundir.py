@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -110,7 +111,32 @@ def versions() -> dict[str, str]:
             out[dist] = version(dist)
         except PackageNotFoundError:
             out[dist] = "unknown"
+    code = code_version()
+    if code:
+        out["flatflower-code"] = code
     return out
+
+
+@functools.cache
+def code_version() -> str | None:
+    """The git commit of the checkout this code runs from, with ``+modified`` when tracked
+    files differ from it (None outside a git checkout, e.g. an installed wheel or an image);
+    read once per process, when its code was imported.
+    A sweep's runs each import the code as it is when they start: an edit in the checkout
+    mid-sweep shows here, and ``flatflower report`` warns about runs of different code."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}{'+modified' if changed else ''}" if commit else None
 
 
 @contextlib.contextmanager

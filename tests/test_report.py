@@ -257,6 +257,45 @@ def test_runs_of_different_settings_are_flagged_or_refused(tmp_path: Path, capsy
     assert capsys.readouterr().err.startswith("error: the runs have different settings")
 
 
+def _with_code(run_dir: Path, code: str) -> Path:
+    data = json.loads((run_dir / "config.json").read_text())
+    data["versions"] = {"flatflower": "0.1.0", "flatflower-code": code}
+    (run_dir / "config.json").write_text(json.dumps(data))
+    return run_dir
+
+
+def test_runs_of_different_or_modified_code_are_flagged(tmp_path: Path, capsys) -> None:
+    """A sweep's runs import the checkout's code as they start: an edit mid-sweep (or a
+    modified checkout) makes results no commit reproduces, and the report says so."""
+    a = _with_code(_with_config(write_run(tmp_path, "a", ACC), **SAME), "1" * 40)
+    b = _with_code(_with_config(write_run(tmp_path, "b", ACC, seed=1), **SAME), "1" * 40)
+    c = _with_code(_with_config(write_run(tmp_path, "c", ACC, seed=2), **SAME), "2" * 40)
+    d = _with_code(_with_config(write_run(tmp_path, "d", ACC, seed=3), **SAME), "1" * 40 + "+modified")
+    old = _with_config(write_run(tmp_path, "old", ACC, seed=4), **SAME)  # recorded no code
+    out = str(tmp_path / "p.png")
+    assert main([str(a), str(b), str(old), "--out", out]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main([str(a), str(b), str(c), "--out", out]) == 0
+    assert f"different or locally modified flatflower code (git commit): {'1' * 40} (a, b); {'2' * 40} (c)" in (
+        " ".join(capsys.readouterr().err.split()))
+    assert main([str(d), "--out", out]) == 0
+    assert "+modified (d)" in capsys.readouterr().err
+
+
+def test_a_run_records_the_git_commit_of_the_code_it_ran(tmp_path: Path) -> None:
+    import subprocess
+
+    from server.rundir import code_version, versions
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout: nothing to record")
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert code_version().removesuffix("+modified") == head
+    assert versions()["flatflower-code"] == code_version()
+
+
 def test_bytes_are_printed_in_human_units(tmp_path: Path) -> None:
     from tools.report import human_bytes
 

@@ -145,6 +145,22 @@ def setting_differences(runs: Sequence[RunSummary]) -> list[str]:
     return out
 
 
+def code_differences(runs: Sequence[RunSummary]) -> str | None:
+    """``"<commit> (run-a, run-b); <commit>+modified (run-c)"`` when the runs that recorded
+    their code (config.json's versions, from a git checkout) ran different code, else None."""
+    codes: dict[str, list[str]] = {}
+    for run in runs:
+        try:
+            code = json.loads((run.run_dir / CONFIG_FILE).read_text())["versions"]["flatflower-code"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        codes.setdefault(str(code)[:60], []).append(run.run_dir.name)
+    if len(codes) < 2 and not any(code.endswith("+modified") for code in codes):
+        return None
+    return "; ".join(f"{code} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                     for code, names in codes.items())
+
+
 def _make_label(config: dict[str, Any], run_dir: Path) -> str:
     """``"<algorithm> seed<seed>"`` from the config, else the directory name."""
     algorithm, seed = config.get("algorithm"), config.get("seed")
@@ -618,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: the runs have different settings, not comparable: {what}", file=sys.stderr)
             return 2
         print(f"warning: the runs have different settings, compare with care: {what}", file=sys.stderr)
+    code = code_differences(runs)
+    if code:
+        print(f"warning: the runs ran different or locally modified flatflower code (git commit): {code}",
+              file=sys.stderr)
     flatness = any(has_flatness(run) for run in runs)
     summaries = [summarize(run, last_k=args.last_k, target=args.target, flatness=flatness) for run in runs]
     print(render_table(summaries, title=f"Runs (last {args.last_k} rounds)"))
