@@ -118,7 +118,7 @@ def test_throughput_measures_the_plain_loop_on_the_same_work_at_a_chosen_setting
     assert bench(["--quick", "--sections", "throughput", "--throughput-engines", "inprocess,loop",
                   "--throughput-algorithms", "fedavg,fedsam", "--throughput-clients", "6",
                   "--throughput-fraction", "0.5", "--throughput-epochs", "2", "--throughput-batch-size", "50",
-                  "--out", str(out)]) == 0
+                  "--throughput-repeats", "1", "--out", str(out)]) == 0
     t = json.loads(out.read_text())["throughput"]
     assert (t["fraction"], t["local_epochs"], t["batch_size"]) == (0.5, 2, 50)
     rows = {(r["algorithm"], r["engine"]): r for r in t["rows"]}
