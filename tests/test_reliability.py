@@ -340,13 +340,23 @@ SIM = ["--algorithm", "fedtoga", "--clients", "6", "--rounds", "12", "--fraction
        "--dataset", "digits", "--set", "local-epochs=3"]
 
 
+def _checkpointed(run_dir: Path, round_: int) -> bool:
+    """The run directory holds a readable checkpoint of round ``round_`` or later."""
+    try:
+        return (run_dir / "checkpoint.pt").exists() and load_checkpoint(run_dir)["round"] >= round_
+    except Exception:  # noqa: BLE001 - not there yet
+        return False
+
+
 def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SIGKILL,
-               within: float = 300, before=lambda: None) -> None:
-    """Send ``sig`` to ``proc`` as soon as metrics.jsonl has round ``round_``'s row (fails if
+               within: float = 300, before=lambda: None, checkpointed: bool = False) -> None:
+    """Send ``sig`` to ``proc`` as soon as metrics.jsonl has round ``round_``'s row (with
+    ``checkpointed``: and its checkpoint, which the server writes just after the row) (fails if
     that takes over ``within`` seconds; ``before()`` runs just before) and wait for it to end."""
     deadline = time.monotonic() + within
     path = run_dir / "metrics.jsonl"
-    while f'"round": {round_}' not in (path.read_text() if path.exists() else ""):
+    while (f'"round": {round_}' not in (path.read_text() if path.exists() else "")
+           or (checkpointed and not _checkpointed(run_dir, round_))):
         assert proc.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -528,16 +538,17 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
 @pytest.mark.integration
 @pytest.mark.parametrize("sig, after", [(signal.SIGINT, 1), (signal.SIGTERM, 2)], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_local_run_resumes_to_the_uninterrupted_model(tmp_path, sig, after):
-    """Ctrl-C or `kill` of `flatflower local` as round `after`'s row lands (its checkpoint being
-    written, the next round starting): the ServerApp is stopped before the SuperNodes, so no
-    round runs against none of them; `--resume` trains every round and ends with the model
-    of an uninterrupted run."""
+    """Ctrl-C or `kill` of `flatflower local` once round `after`'s row and checkpoint are
+    written (the next round starting; a kill between the row and the first checkpoint leaves
+    nothing to resume): the ServerApp is stopped before the SuperNodes, so no round runs
+    against none of them; `--resume` trains every round and ends with the model of an
+    uninterrupted run."""
     args = ["--algorithm", "fedsam", "--clients", "2", "--rounds", "4", "--dataset", "digits",
             "--set", "local-epochs=1"]
     before = flower_pids()
     cut = tmp_path / "cut"
     proc = _cli_process(["local", *args, "--run-dir", str(cut)], tmp_path / "cut.log")
-    _kill_when(proc, cut, after, sig, within=(after + 1) * round_deadline())
+    _kill_when(proc, cut, after, sig, within=(after + 1) * round_deadline(), checkpointed=True)
     out = (tmp_path / "cut.log").read_text()
     assert proc.returncode == 130 and "interrupted; all Flower processes were stopped" in out, out
     assert flower_pids() - before == set(), "Flower processes left behind"
