@@ -114,6 +114,47 @@ def test_the_flags_the_sweep_sets_itself_are_not_options(tmp_path, capsys, flag)
     assert not (tmp_path / "s").exists()
 
 
+def _partition_seeds(out: Path) -> dict[str, int]:
+    return {d.name: json.loads((d / "config.json").read_text())["config"]["partition-seed"]
+            for d in sorted(out.iterdir()) if (d / "config.json").is_file()}
+
+
+def test_a_sweep_run_one_seed_at_a_time_stays_on_one_partition(tmp_path, capsys):
+    """The study's way: one sweep per seed into one OUT. Seed 1's piece takes the partition of
+    the runs already there, not its own first seed; an OUT of mixed partitions is refused."""
+    out = tmp_path / "sweep"
+    assert sweep(out, algorithms="fedavg", seeds="0") == 0
+    assert sweep(out, "--resume-existing", algorithms="fedavg,fedsam", seeds="1") == 0
+    assert _partition_seeds(out) == {"fedavg-s0": 0, "fedavg-s1": 0, "fedsam-s1": 0}
+    parts = {(out / d / "partition.json").read_text() for d in ("fedavg-s0", "fedavg-s1", "fedsam-s1")}
+    assert len({json.dumps(json.loads(t)["partitions"]) for t in parts}) == 1
+    assert sweep(out, "--set", "partition-seed=5", algorithms="fedsam", seeds="5") == 0  # given: it wins
+    assert _partition_seeds(out)["fedsam-s5"] == 5
+    capsys.readouterr()
+    assert sweep(out, algorithms="fedavg", seeds="7") == 2
+    err = capsys.readouterr().err
+    assert "are on different partitions (partition-seed 0: fedavg-s0, fedavg-s1, fedsam-s1; " \
+           "partition-seed 5: fedsam-s5)" in err and "--set partition-seed=" in err
+    assert not (out / "fedavg-s7").exists()
+
+
+def test_a_presets_partition_seed_is_the_sweeps(tmp_path):
+    """A preset that fixes partition-seed (the study presets) keeps it in a sweep of other
+    seeds: each run is then the one `simulate --preset P --seed S` gives."""
+    preset = tmp_path / "p.toml"
+    preset.write_text('[preset]\ndescription = "d"\nsource = "s"\nclients = 3\n\n[config]\n'
+                      'dataset = "synthetic"\nmodel = "logreg"\npartition = "dirichlet"\n'
+                      'partition-seed = 4\nlocal-steps = 2\nnum-server-rounds = 2\n')
+    out = tmp_path / "sweep"
+    assert cli(["sweep", "--algorithms", "fedavg", "--seeds", "1,2", "--out", str(out), "--engine", "inprocess",
+                "--preset", str(preset)]) == 0
+    assert _partition_seeds(out) == {"fedavg-s1": 4, "fedavg-s2": 4}
+    assert cli(["simulate", "--engine", "inprocess", "--preset", str(preset), "--algorithm", "fedavg",
+                "--seed", "2", "--run-dir", str(tmp_path / "one")]) == 0
+    a, b = (torch.load(d / "model_final.pt") for d in (out / "fedavg-s2", tmp_path / "one"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_partition_seed_decouples_the_partition_from_the_seed(tmp_path):
     from common.config import RunConfig
     from common.data import partitions_for

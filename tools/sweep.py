@@ -2,9 +2,10 @@
 
 Each (algorithm, seed) is exactly ``flatflower simulate --algorithm A --seed S --run-dir
 OUT/A-sS [the other options]`` (tools.commands.simulate), so every option of ``simulate``
-(presets, ``--set``, ``--engine``, ...) works here too. All runs share one data partition: ``partition-seed`` is
-set to the first seed unless given, so seeds vary the model init, sampling and shuffling
-only. Afterwards ``flatflower report`` summarizes all runs per algorithm (mean ± std over
+(presets, ``--set``, ``--engine``, ...) works here too. All runs share one data partition, so
+seeds vary the model init, sampling and shuffling only: ``partition-seed`` is the one given
+(``--set``, else the preset's), else that of the runs already in OUT (a sweep run in pieces,
+one seed at a time, stays on one partition), else the first seed. Afterwards ``flatflower report`` summarizes all runs per algorithm (mean ± std over
 seeds) into OUT/report.json, OUT/report.png (accuracy vs rounds) and OUT/report-bytes.png
 (accuracy vs cumulative bytes).
 
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from common.config import cli_float, cli_int, did_you_mean
 from common.registry import ALGORITHMS
@@ -76,6 +78,39 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     return algorithms, seeds
 
 
+def partition_seed_given(args: argparse.Namespace, preset: Any) -> str | None:
+    """The partition seed the command fixes: its ``--set partition-seed=``, else its preset's
+    (``[config]`` or the table of one of the sweep's algorithms); None when neither does."""
+    for assignment in reversed(args.sets):
+        key, _, value = assignment.partition("=")
+        if key.strip() == "partition-seed":
+            return value.strip()
+    if preset is not None:
+        for values in (preset.config, *preset.algorithms.values()):
+            if "partition-seed" in values:
+                return str(values["partition-seed"])
+    return None
+
+
+def existing_partition_seed(out: Path, first_seed: int) -> int:
+    """The partition seed of the runs already in ``out`` (their config.json), so that a sweep
+    run again with other seeds stays on their partition; ``first_seed`` when there are none.
+    Runs on different partitions there are an error: which one to join is not for us to guess."""
+    found: dict[int, list[str]] = {}
+    for config in sorted(out.glob("*/config.json")) if out.is_dir() else []:
+        try:
+            value = json.loads(config.read_text())["config"]["partition-seed"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if type(value) is int and value >= 0:
+            found.setdefault(value, []).append(config.parent.name)
+    if len(found) > 1:
+        raise UsageError(f"the runs in {out} are on different partitions ("
+                         + "; ".join(f"partition-seed {k}: {', '.join(v[:3])}" for k, v in found.items())
+                         + "): give --set partition-seed=<one of them>")
+    return next(iter(found), first_seed)
+
+
 def finished(run_dir: Path) -> bool:
     """A run that completed all its rounds (summary.json is written at the very end)."""
     return (run_dir / "summary.json").is_file() and (run_dir / "model_final.pt").is_file()
@@ -117,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    if not any(s.strip().startswith("partition-seed=") for s in args.sets):
-        args.sets = [*args.sets, f"partition-seed={seeds[0]}"]
     try:
         from tools.presets import PresetError, load_preset
+
+        if partition_seed_given(args, load_preset(args.preset) if args.preset else None) is None:
+            args.sets = [*args.sets, f"partition-seed={existing_partition_seed(Path(args.out), seeds[0])}"]
 
         ray_sizes = args.cpus_per_client is not None or args.gpus_per_client is not None
         engine = (args.engine or (load_preset(args.preset).engine if args.preset else None)
