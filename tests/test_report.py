@@ -296,6 +296,45 @@ def test_a_run_records_the_git_commit_of_the_code_it_ran(tmp_path: Path) -> None
     assert versions()["flatflower-code"] == code_version()
 
 
+def test_a_study_of_twelve_methods_draws_twelve_distinct_lines_and_no_empty_flatness_panel(tmp_path: Path) -> None:
+    """Matplotlib's default cycle has 10 colours: the 11th line would share the 1st's (in the
+    Fashion-MNIST study FedAvg and MoFedSAM did). And a measure no run took (sharpness per round
+    with flatness-every 0) gets no empty panel."""
+    import struct
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from tools.report import _plot, plot_flatness
+
+    curves = [(f"m{i}", [0, 1], [i, i + 1], None) for i in range(12)]
+    fig, ax = plt.subplots()
+    _plot(ax, curves)
+    looks = {(matplotlib.colors.to_hex(line.get_color()), line.get_linestyle()) for line in ax.get_lines()}
+    plt.close(fig)
+    assert len(looks) == 12
+    runs = []
+    for i in range(2):
+        run_dir = write_run(tmp_path, f"r{i}", ACC, seed=i)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        for row in rows[1:]:
+            row["flatness_distance"] = 0.1 * row["round"]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(load_run(run_dir))
+
+    def width(png: Path) -> int:
+        return struct.unpack(">I", png.read_bytes()[16:20])[0]
+
+    one = plot_flatness(runs, tmp_path / "one.png")
+    rows = [json.loads(line) for line in (tmp_path / "r0" / "metrics.jsonl").read_text().splitlines()]
+    rows[-1].update(sharpness=0.01, hessian_max_eig=3.0)
+    (tmp_path / "r0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    three = plot_flatness([load_run(tmp_path / "r0"), runs[1]], tmp_path / "three.png")
+    assert width(three) > 2.5 * width(one)  # three panels, then one
+
+
 def test_bytes_are_printed_in_human_units(tmp_path: Path) -> None:
     from tools.report import human_bytes
 

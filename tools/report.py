@@ -356,8 +356,15 @@ def _curves(runs: Sequence[RunSummary], x_of, y_of=lambda run: run.accuracy
 
 
 def _plot(ax, curves) -> None:
-    for label, xs, ys, std in curves:
-        line, = ax.plot(xs, ys, marker="o", markersize=2, label=label)
+    """One line per curve; more curves than matplotlib's 10 default colours get 20 colours
+    and alternate line styles, so that no two share a look (12 methods in a study)."""
+    import matplotlib
+
+    many = len(curves) > 10
+    colors = matplotlib.colormaps["tab20"].colors
+    for i, (label, xs, ys, std) in enumerate(curves):
+        style = {"color": colors[(2 * i) % 20 + (2 * i) // 20 % 2], "linestyle": ("-", "--")[i % 2]} if many else {}
+        line, = ax.plot(xs, ys, marker="o", markersize=2, label=label, **style)
         if std is not None:
             lo, hi = np.asarray(ys) - np.asarray(std), np.asarray(ys) + np.asarray(std)
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
@@ -400,7 +407,8 @@ def plot_panels(runs: Sequence[RunSummary], out_png: str | Path, title: str,
 
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 1, 4.2), squeeze=False)
+    axes = axes[0]
     try:
         for ax, (name, x_of, y_of) in zip(axes, panels):
             _plot(ax, _curves(runs, x_of, y_of))
@@ -444,10 +452,12 @@ def plot_flatness(runs: Sequence[RunSummary], out_png: str | Path) -> Path | Non
     def panel(key: str, name: str):
         return name, lambda run: curve(run, key)[0], lambda run: curve(run, key)[1]
 
-    return plot_panels(runs, out_png, "Flatness of the global model per round",
-                       [panel("flatness_distance", "flatness distance (1/M) sum ||theta_i - theta||^2"),
-                        panel("sharpness", "sharpness L(w + rho g/||g||) - L(w)"),
-                        panel("hessian_max_eig", "top Hessian eigenvalue")])
+    panels = [panel(key, name) for key, name in (
+        ("flatness_distance", "flatness distance (1/M) sum ||theta_i - theta||^2"),
+        ("sharpness", "sharpness L(w + rho g/||g||) - L(w)"),
+        ("hessian_max_eig", "top Hessian eigenvalue"))
+        if any(curve(run, key)[0] for run in runs)]  # a measure no run took gets no empty panel
+    return plot_panels(runs, out_png, "Flatness of the global model per round", panels)
 
 
 def human_bytes(n: float) -> str:
