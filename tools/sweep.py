@@ -5,9 +5,9 @@ OUT/A-sS [the other options]`` (tools.commands.simulate), so every option of ``s
 (presets, ``--set``, ``--engine``, ...) works here too. All runs share one data partition, so
 seeds vary the model init, sampling and shuffling only: ``partition-seed`` is the one given
 (``--set``, else the preset's), else that of the runs already in OUT (a sweep run in pieces,
-one seed at a time, stays on one partition), else the first seed. Afterwards ``flatflower report`` summarizes all runs per algorithm (mean ± std over
-seeds) into OUT/report.json, OUT/report.png (accuracy vs rounds) and OUT/report-bytes.png
-(accuracy vs cumulative bytes).
+one seed at a time, stays on one partition), else the first seed. Afterwards ``flatflower
+report`` summarizes all runs per algorithm (mean ± std over seeds) into OUT/report.json,
+OUT/report.png (accuracy vs rounds) and OUT/report-bytes.png (accuracy vs cumulative bytes).
 
 A run that fails is reported and the sweep goes on; finished runs are kept, and
 ``--resume-existing`` skips them when the sweep is run again and continues an interrupted one
