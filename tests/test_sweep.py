@@ -225,8 +225,10 @@ def test_a_terminated_sweep_stops_its_runs_and_resumes_where_it_stopped(tmp_path
         time.sleep(0.2)
     runs = _children(proc.pid)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=round_deadline()) == 130
-    assert "interrupted" in proc.stderr.read()
+    code = proc.wait(timeout=round_deadline())
+    err = proc.stderr.read()
+    assert code == 130, f"exit {code}; its stderr:\n{err[-3000:]}"  # (one SIGABRT seen under load: why?)
+    assert "interrupted" in err
     for pid in runs:  # the runs it started are gone too
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
     assert not (out / "fedavg-s0" / "summary.json").exists()

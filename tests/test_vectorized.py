@@ -70,6 +70,18 @@ def clients_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "clients.jsonl").read_text().splitlines()]
 
 
+MEASURED_BATCHING = vec._batched_is_faster  # the real probe, for the test of it
+
+
+@pytest.fixture(autouse=True)
+def batching_always_pays(monkeypatch):
+    """The engine's "does batching pay" probe is a timing: on a loaded machine it can answer
+    no for the MLP, and a test that expects batched groups then sees none. Every test here
+    runs with the answer yes, in a fresh cache; the tests of the probe itself replace it."""
+    monkeypatch.setattr(vec, "_PAYS", {})
+    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: True)
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """Records every group client.vectorized trains together (its size, step count and
@@ -549,8 +561,7 @@ def test_batching_pays_is_measured_once_per_model_batch_and_device(monkeypatch):
     """(Which way it goes is a measurement of this machine, not asserted.)"""
     monkeypatch.setattr(vec, "_PAYS", {})
     runs = []
-    faster = vec._batched_is_faster
-    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: runs.append(1) or faster(*args))
+    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: runs.append(1) or MEASURED_BATCHING(*args))
     cfg = RunConfig.from_mapping({"dataset": "digits"})
     data = client_module.client_split(cfg, 0, 4)
     for name in ("mlp", "mlp", "cnn"):
