@@ -51,6 +51,8 @@ class RunSummary:
     bytes_total: int = 0
     cumulative_bytes: list[int] = field(default_factory=list)  # bytes down + up up to each round
     config: dict[str, Any] = field(default_factory=dict)
+    # config.json's record of the run beside its config: the engine, the versions (and code)
+    record: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl
     drift: dict[int, dict[str, float]] = field(default_factory=dict)  # round -> clients.jsonl summary
 
@@ -60,17 +62,19 @@ class RunSummary:
 # ---------------------------------------------------------------------------
 
 
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    """The ``config`` section of ``config.json``; empty when the file or key is missing."""
+def _read_config(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the ``config`` section of ``config.json``, the whole file); empty when the file or
+    key is missing."""
     path = run_dir / CONFIG_FILE
     if not path.is_file():
-        return {}
+        return {}, {}
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path}: not valid JSON ({exc})") from exc
-    section = data.get("config", {}) if isinstance(data, dict) else {}
-    return section if isinstance(section, dict) else {}
+    data = data if isinstance(data, dict) else {}
+    section = data.get("config", {})
+    return (section if isinstance(section, dict) else {}), data
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -150,11 +154,10 @@ def code_differences(runs: Sequence[RunSummary]) -> str | None:
     their code (config.json's versions, from a git checkout) ran different code, else None."""
     codes: dict[str, list[str]] = {}
     for run in runs:
-        try:
-            code = json.loads((run.run_dir / CONFIG_FILE).read_text())["versions"]["flatflower-code"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        codes.setdefault(str(code)[:60], []).append(run.run_dir.name)
+        versions = run.record.get("versions")
+        code = versions.get("flatflower-code") if isinstance(versions, dict) else None
+        if code is not None:
+            codes.setdefault(str(code)[:60], []).append(run.run_dir.name)
     if len(codes) < 2 and not any(code.endswith("+modified") for code in codes):
         return None
     return "; ".join(f"{code} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
@@ -180,9 +183,9 @@ def load_run(run_dir: str | Path) -> RunSummary:
     rows = _read_metrics(metrics_path)
     if not rows:
         raise ReportError(f"no rounds recorded in {metrics_path}")
-    config = _read_config(run_dir)
+    config, record = _read_config(run_dir)
     return RunSummary(
-        config=config, rows=rows, drift=_read_drift(run_dir / CLIENTS_FILE),
+        config=config, record=record, rows=rows, drift=_read_drift(run_dir / CLIENTS_FILE),
         run_dir=run_dir,
         label=_make_label(config, run_dir),
         algorithm=str(config.get("algorithm", run_dir.name)),
@@ -361,9 +364,10 @@ def _plot(ax, curves) -> None:
     import matplotlib
 
     many = len(curves) > 10
-    colors = matplotlib.colormaps["tab20"].colors
+    tab20 = matplotlib.colormaps["tab20"].colors  # pairs of a dark and a light shade
+    colors = tab20[0::2] + tab20[1::2]  # the 10 dark ones first: neighbours differ in hue
     for i, (label, xs, ys, std) in enumerate(curves):
-        style = {"color": colors[(2 * i) % 20 + (2 * i) // 20 % 2], "linestyle": ("-", "--")[i % 2]} if many else {}
+        style = {"color": colors[i % 20], "linestyle": ("-", "--")[i % 2]} if many else {}
         line, = ax.plot(xs, ys, marker="o", markersize=2, label=label, **style)
         if std is not None:
             lo, hi = np.asarray(ys) - np.asarray(std), np.asarray(ys) + np.asarray(std)
@@ -573,11 +577,7 @@ def run_row(run: RunSummary, last_k: int, target: float | None) -> dict[str, Any
         saved = saved if isinstance(saved, dict) else {}
     except (OSError, ValueError):
         pass
-    engine = None
-    try:
-        engine = json.loads((run.run_dir / CONFIG_FILE).read_text()).get("engine")
-    except (OSError, ValueError, AttributeError):
-        pass
+    engine = run.record.get("engine")
     return {
         "algorithm": run.algorithm, "seed": run.seed, "engine": engine, "rounds": run.rounds[-1],
         "final_accuracy": summary["final_accuracy"], "last_k_mean": summary["last_k_mean"],
