@@ -18,23 +18,14 @@ Only what the throughput bench needs: it times rounds (CPU and wall) and is no e
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 LOOP_ALGORITHMS = ("fedavg", "fedsam")
-
-
-def sampled(seed: int, server_round: int, num_partitions: int, fraction: float) -> list[int]:
-    """The round's partition ids, as ``Participation.sample`` draws them (``fixed`` sampling)."""
-    rng = np.random.default_rng([seed, server_round])
-    size = min(num_partitions, max(1, math.floor(fraction * num_partitions + 0.5)))
-    return sorted(int(p) for p in rng.choice(list(range(num_partitions)), size=size, replace=False))
 
 
 def measure_loop(config: dict[str, Any], clients: int) -> list[dict[str, Any]]:
@@ -52,8 +43,10 @@ def run_loop(config: dict[str, Any], clients: int) -> Iterator[tuple[dict[str, A
     from common.data import dataset_for, partitions_for
     from common.evaluate import evaluate
     from common.models import build_model
+    from strategies.participation import Participation
 
     cfg = RunConfig.from_mapping({**config, "num-partitions": clients})
+    participation = Participation(cfg)  # the server's sampling rule
     if cfg.algorithm not in LOOP_ALGORITHMS:
         raise ValueError(f"the plain loop runs {', '.join(LOOP_ALGORITHMS)}, not {cfg.algorithm}")
     rho = cfg.params.rho if cfg.algorithm == "fedsam" else 0.0
@@ -66,7 +59,7 @@ def run_loop(config: dict[str, Any], clients: int) -> Iterator[tuple[dict[str, A
         wall, cpu = time.perf_counter(), time.process_time()
         total = [torch.zeros_like(p) for p in global_params]
         steps = examples = 0
-        for pid in sampled(cfg.seed, server_round, clients, cfg.fraction_train):
+        for pid in participation.sample(server_round, list(range(clients)), cfg.fraction_train):
             own = torch.from_numpy(parts[pid])
             with torch.no_grad():
                 for p, g in zip(params, global_params):

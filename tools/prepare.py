@@ -105,9 +105,7 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
         args.preset_values = dict(preset.config) if preset else {}
         args.preset_algorithms = dict(preset.algorithms) if preset else {}
         if getattr(args, "engine", "") is None:  # simulate / sweep without --engine
-            ray_sizes = args.cpus_per_client is not None or args.gpus_per_client is not None
-            args.engine = ((recorded_engine(args.resume) if getattr(args, "resume", None) else None)
-                           or (preset.engine if preset else None) or ("ray" if ray_sizes else DEFAULT_ENGINE))
+            args.engine = engine_of(args, preset)
         if getattr(args, "engine", None):
             check_engine_options(args)
         if args.clients is None and args.resume:
@@ -233,6 +231,14 @@ def _saved_config(run_dir: Path) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError, RecursionError) as err:  # ValueError: not JSON or UTF-8
         raise UsageError(f"{path} is corrupt: {err}") from None
     return saved
+
+
+def engine_of(args: argparse.Namespace, preset: Any) -> str:
+    """The engine of a simulate / sweep command: its --engine, else the --resume'd run's, else
+    the preset's, else Ray when Ray's actor sizes are given, else DEFAULT_ENGINE."""
+    ray_sizes = args.cpus_per_client is not None or args.gpus_per_client is not None
+    return (args.engine or (recorded_engine(args.resume) if getattr(args, "resume", None) else None)
+            or (preset.engine if preset else None) or ("ray" if ray_sizes else DEFAULT_ENGINE))
 
 
 def check_engine_options(args: argparse.Namespace) -> None:

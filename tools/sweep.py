@@ -32,8 +32,8 @@ from typing import Any
 from common.config import cli_float, cli_int, did_you_mean
 from common.registry import ALGORITHMS
 from tools import commands
-from tools.prepare import (DEFAULT_ENGINE, Parser, UsageError, add_run_arguments, add_simulate_arguments,
-                           check_engine_options)
+from tools.prepare import (Parser, UsageError, add_run_arguments, add_simulate_arguments, check_engine_options,
+                           engine_of)
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -155,12 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from tools.presets import PresetError, load_preset
 
-        if partition_seed_given(args, load_preset(args.preset) if args.preset else None) is None:
+        preset = load_preset(args.preset) if args.preset else None
+        if partition_seed_given(args, preset) is None:
             args.sets = [*args.sets, f"partition-seed={existing_partition_seed(Path(args.out), seeds[0])}"]
-
-        ray_sizes = args.cpus_per_client is not None or args.gpus_per_client is not None
-        engine = (args.engine or (load_preset(args.preset).engine if args.preset else None)
-                  or ("ray" if ray_sizes else DEFAULT_ENGINE))
+        engine = engine_of(args, preset)
         check_engine_options(argparse.Namespace(**{**vars(args), "engine": engine}))
     except (PresetError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
