@@ -46,17 +46,17 @@ def _setup(context: Context) -> tuple[RunConfig, NodeSettings, torch.device]:
     return cfg, node, device
 
 
-MODELS = ModelPool()  # the models of this process's train and evaluate calls, kept for reuse
+MODEL_POOL = ModelPool()  # the models of this process's train and evaluate calls, kept for reuse
 
 
 def _model(cfg: RunConfig, node: NodeSettings, arrays: ArrayRecord, device: torch.device):
-    """(pool key, a model holding ``arrays``): give it back to MODELS when done."""
+    """(pool key, a model holding ``arrays``): give it back to MODEL_POOL when done."""
     data = dataset_for(cfg, node.data_dir)
-    key, model = MODELS.take(cfg.resolved_model(), data.input_shape, data.num_classes, device)
+    key, model = MODEL_POOL.take(cfg.resolved_model(), data.input_shape, data.num_classes, device)
     try:
         Layout.of(model).load(P.from_record(arrays))
     except BaseException:
-        MODELS.give(key, model)
+        MODEL_POOL.give(key, model)
         raise
     return key, model
 
@@ -141,14 +141,14 @@ class TrainCall:
             held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
             reported = _self_report(cfg, model, data, held_out, "before") if self_report else None
         except BaseException:
-            MODELS.give(key, model)
+            MODEL_POOL.give(key, model)
             raise
         return cls(msg, context, cfg, node, server_round, fault, data, held_out, model, rule,
                    layout, lr, state, store, accepted, reported, key)
 
     def close(self) -> None:
         """Give the model back to the pool (the call is done with it)."""
-        MODELS.give(self.pool_key, self.model)
+        MODEL_POOL.give(self.pool_key, self.model)
 
     def train(self) -> LocalResult:
         """Train this call's model alone (client.train.local_train), after its self-report."""
@@ -245,7 +245,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     try:
         loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
     finally:
-        MODELS.give(key, model)
+        MODEL_POOL.give(key, model)
     metrics = MetricRecord({"num-examples": len(data), "eval-loss": loss, "eval-accuracy": acc,
                             "partition-id": node.partition_id, "nonce": _nonce(msg)})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)

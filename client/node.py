@@ -21,10 +21,6 @@ import torch
 
 from client.faults import Fault
 
-NODE_KEYS = ("partition-id", "num-partitions", "device", "data-dir", "state-dir", "threads",
-             "inject-fault")
-
-
 @dataclass(frozen=True)
 class NodeSettings:
     partition_id: int

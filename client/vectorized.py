@@ -39,8 +39,8 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from client.algorithms.base import ClientRule
-from client.batch import ModelBatch, Objective, Tensors, cross_entropy
-from client.tensors import add
+from client.batch import ModelBatch, Objective, cross_entropy
+from client.tensors import Tensors, add
 from client.train import LocalResult, autocast, batch_indices
 from client.train import num_steps as local_steps
 

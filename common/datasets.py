@@ -23,7 +23,6 @@ import torch
 
 DATASETS = ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "synthetic-cifar10", "mnist",
             "fashion-mnist", "cifar10", "cifar100")
-OFFLINE = ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "synthetic-cifar10")  # generated or bundled
 
 DEFAULT_MODEL = {
     "digits": "mlp",

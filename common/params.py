@@ -1,4 +1,4 @@
-"""An algorithm's hyperparameters (ARCHITECTURE.md: each algorithm owns its hyperparameters).
+"""An algorithm's hyperparameters (each algorithm owns its hyperparameters, as a torch optimizer does).
 
 Each algorithm has a small frozen dataclass of params, next to its client half; both halves
 receive it, as a torch optimizer receives its hyperparameters. Its fields are run-config keys

@@ -1,9 +1,13 @@
 """The wire protocol: record names and tensor <-> ArrayRecord conversion.
 
-Every train message carries ``arrays`` (the global model) and ``config`` (round, lr), plus
-the extra ArrayRecords its algorithm declares in ``common.registry`` (``down``). Every train
-reply carries ``arrays`` (the local model after training), ``metrics`` (num-examples,
-num-steps, train-loss, partition-id) and the algorithm's ``up`` records.
+Every train message carries ``arrays`` (the model the clients start from: the global model,
+or the strategy's ``start_point``, e.g. FedACG's look-ahead theta + lambda m) and ``config``
+(``server-round``, ``nonce``, ``state-round``: the client's last accepted round), plus the
+extra ArrayRecords its algorithm declares in ``common.registry`` (``down``). Every train reply
+carries ``arrays`` (the local model after training), ``metrics`` (num-examples, num-steps,
+train-loss, partition-id, the echoed nonce, and optional self-reports) and the algorithm's
+``up`` records. Learning rates are not sent: each client derives the round's lr from the run
+config and ``server-round``.
 """
 
 from __future__ import annotations
@@ -42,8 +46,6 @@ ADAPTIVE_M = "adaptive_m"  # FedAdam / FedYogi: server first moment
 ADAPTIVE_V = "adaptive_v"  # FedAdam / FedYogi: server second moment
 
 NUMPY_STYPE = "numpy.ndarray"  # the only array serialisation the server decodes
-
-Tensors = "OrderedDict[str, torch.Tensor]"
 
 
 @functools.lru_cache(maxsize=1024)

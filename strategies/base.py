@@ -199,7 +199,7 @@ class FlatStrategy(FlowerFedAvg):
 
     def available_partitions(self, grid: Grid) -> dict[int, int]:
         """partition id -> node id of every connected node that passed the handshake."""
-        return self.participation.available(grid, self.spec.name, self._refused)
+        return self.participation.available(grid, self._refused)
 
     # ------------------------------------------------------------------ Flower hooks: train
     def configure_train(
@@ -318,7 +318,7 @@ class FlatStrategy(FlowerFedAvg):
                         "clients %s", server_round, len(updates), self.cfg.min_replies,
                         self.stats.retries, self.cfg.max_retries, missing)
             available = self.participation.wait_for_partitions(
-                grid, missing, self.cfg.round_timeout, self.spec.name, self._refused)
+                grid, missing, self.cfg.round_timeout, self._refused)
             again = [p for p in missing if p in available]
             if not again:
                 continue

@@ -19,8 +19,5 @@ from strategies.fednsam import FedNSAM
 
 
 class FedACG(FedNSAM):
-    def momentum_coefficient(self) -> float:
-        return self.params.lam
-
     def start_point(self):
         return add_scaled(self.model, self.momentum_coefficient(), self.records[MOMENTUM])

@@ -1,6 +1,6 @@
 """Participation: which nodes take part, which partition each holds, and who trains a round.
 
-The server decides identity and weight (ARCHITECTURE.md, "Trust"); a node's word counts
+The server decides identity and weight (docs/reliability.md, "The principle"); a node's word counts
 only where the server checks it:
 
 * N, the number of partitions, is the run config's ``num-partitions``, or (0) the number of
@@ -206,7 +206,7 @@ class Participation:
                 raise NoNodesError(f"no SuperNode connected within node-wait-timeout={cfg.node_wait_timeout}s")
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
-    def handshake(self, grid: Grid, node_ids: list[int], algorithm: str, on_refused: OnRefused) -> None:
+    def handshake(self, grid: Grid, node_ids: list[int], on_refused: OnRefused) -> None:
         """Ask the nodes not seen before which partition they hold (one ``query`` each) and
         accept the valid claims. Nodes no longer connected are forgotten first, so a restarted
         SuperNode (new node id, same partition) takes its partition back.
@@ -233,12 +233,12 @@ class Participation:
             self.fix_size(len(node_ids))
             again = [n for n in new if n in self.silent]  # given up on once: asked, not waited for
             if again:
-                msgs = self._queries(again, algorithm)
+                msgs = self._queries(again)
                 grid.push_messages(msgs)
                 self.unanswered.update(_asked(msgs))
             first = [n for n in new if n not in self.silent]
             if first:
-                msgs = self._queries(first, algorithm)
+                msgs = self._queries(first)
                 replies = exchange(grid, msgs, self.cfg.node_wait_timeout)
                 queries = _asked(msgs)
                 for reply in replies:
@@ -254,9 +254,9 @@ class Participation:
             raise NoNodesError("no node passed the partition handshake: "
                                + ("; ".join(refusals[:4]) or "no node answered"))
 
-    def _queries(self, node_ids: list[int], algorithm: str) -> list[Message]:
+    def _queries(self, node_ids: list[int]) -> list[Message]:
         """One handshake ``query`` for each node, all with one fresh nonce."""
-        config = ConfigRecord({"run-algorithm": algorithm, "nonce": new_nonce()})
+        config = ConfigRecord({"nonce": new_nonce()})
         return [Message(RecordDict({P.CONFIG: config}), dst_node_id=n, message_type=MessageType.QUERY)
                 for n in node_ids]
 
@@ -283,19 +283,19 @@ class Participation:
         else:
             self.partition_of[node] = pid
 
-    def available(self, grid: Grid, algorithm: str, on_refused: OnRefused) -> dict[int, int]:
+    def available(self, grid: Grid, on_refused: OnRefused) -> dict[int, int]:
         """partition id -> node id of every connected node that passed the handshake."""
         nodes = self.wait_for_nodes(grid)
-        self.handshake(grid, nodes, algorithm, on_refused)
+        self.handshake(grid, nodes, on_refused)
         return {self.partition_of[n]: n for n in nodes if n in self.partition_of}
 
-    def wait_for_partitions(self, grid: Grid, wanted: list[int], timeout: float, algorithm: str,
+    def wait_for_partitions(self, grid: Grid, wanted: list[int], timeout: float,
                             on_refused: OnRefused) -> dict[int, int]:
         """partition id -> node id, once every ``wanted`` partition has a connected node (e.g. a
         restarted SuperNode) or after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            available = self.available(grid, algorithm, on_refused)
+            available = self.available(grid, on_refused)
             if all(p in available for p in wanted) or time.monotonic() >= deadline:
                 return available
             time.sleep(1.0)

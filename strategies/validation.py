@@ -1,4 +1,4 @@
-"""Validation of everything a client sends (ARCHITECTURE.md, "Trust").
+"""Validation of everything a client sends (docs/reliability.md, "The principle").
 
 The server checks what arrives, not what it claims: a reply must hold exactly the protocol's
 records (any other ArrayRecord, ConfigRecord or MetricRecord, or metric key, is refused before
@@ -24,7 +24,7 @@ from flwr.app import Array, Message
 
 from common import protocol as P
 
-Layout = dict[str, tuple[tuple[int, ...], str]]
+ArraySpecs = dict[str, tuple[tuple[int, ...], str]]  # array key -> (shape, dtype) a reply must hold
 NPY_HEADER_BYTES = 4096  # an .npy header is at most a few hundred bytes
 REASON_CHARS = 300  # how much of an unexpected error a rejection reason keeps
 # The largest loss a reply may report. A cross-entropy is ln C for a uniform guess over C classes
@@ -63,11 +63,11 @@ class Expected:
     num_examples: int
     nonce: int
     num_steps: int = 0  # train replies only
-    layout: Layout = field(default_factory=dict)
+    layout: ArraySpecs = field(default_factory=dict)
     uploads: tuple[str, ...] = ()
 
 
-def layout_of(tensors: Mapping[str, torch.Tensor]) -> Layout:
+def layout_of(tensors: Mapping[str, torch.Tensor]) -> ArraySpecs:
     """Name -> (shape, numpy dtype name) of a set of named tensors."""
     return {k: (tuple(v.shape), str(v.numpy().dtype)) for k, v in tensors.items()}
 
@@ -104,7 +104,7 @@ def decode_array(where: str, arr: Any, shape: tuple[int, ...], dtype: str) -> to
     return tensor
 
 
-def parse_record(name: str, record: Any, layout: Layout) -> OrderedDict:
+def parse_record(name: str, record: Any, layout: ArraySpecs) -> OrderedDict:
     """An ArrayRecord with exactly ``layout``'s keys, decoded and checked key by key."""
     keys = set(record.keys())
     missing, extra = sorted(set(layout) - keys), sorted(keys - set(layout))

@@ -1,4 +1,4 @@
-"""The server trusts nothing a client says (ARCHITECTURE.md, "Trust").
+"""The server trusts nothing a client says (docs/reliability.md, "The principle").
 
 Each case of issue 13 is an attack by one client (tests/malicious.py): over the in-process
 grid, the attacker's replies are refused with a reason and the final model is that of a run in

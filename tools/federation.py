@@ -39,6 +39,8 @@ from typing import Any
 
 import tomli_w
 
+from common import fastpoll
+
 FINISHED = "finished"
 COMPLETED = "finished:completed"
 RUNNING = "running"
@@ -48,7 +50,6 @@ EXIT_SUPERNODE_REFUSED = 305
 
 
 CLIENTAPP_MODES = ("warm", "stock")  # a long-lived worker per SuperNode, or Flower's process per message
-FAST_POLL_ENV = "FLATFLOWER_FAST_POLL"  # common.fastpoll.ENV
 
 
 class FederationError(RuntimeError):
@@ -296,7 +297,7 @@ class LocalFederation:
                     "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
         self.connection = "flatflower"
         if fast_poll:
-            self.env[FAST_POLL_ENV] = "1"  # the ServerApp patches itself (common/fastpoll.py)
+            self.env[fastpoll.ENV] = "1"  # the ServerApp patches itself (common/fastpoll.py)
         self.mark = self.env[MARK] = f"{os.getpid()}-{secrets.token_hex(8)}"  # see _marked
 
     # ------------------------------------------------------------------ processes

@@ -23,7 +23,7 @@ from typing import Any
 from common.config import cli_float, cli_int
 from common.flatness import DEFAULT_RHO, HVP_METHODS, TOLERANCE, measure
 from tools.prepare import Parser
-from tools.saved import MODELS, SPLITS, SavedRun, check_device
+from tools.saved import MODEL_FILES, SPLITS, SavedRun, check_device
 
 EXIT_USAGE = 2
 ITERS, PROBES = 100, 100  # this command's defaults: more precise than the per-round 20 and 10
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flatflower flatness", description=__doc__.split("\n\n")[0].replace("``", "'"),
                allow_abbrev=False)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (flatflower local / simulate)")
-    p.add_argument("--model", choices=tuple(MODELS), default="final",
+    p.add_argument("--model", choices=tuple(MODEL_FILES), default="final",
                    help="final (model_final.pt, default), init (model_init.pt, before round 1) or "
                         "checkpoint (the global model of checkpoint.pt)")
     p.add_argument("--split", choices=SPLITS, default="test",

@@ -47,7 +47,9 @@ def _one_ast_parse_at_a_time() -> None:
     two parses at once can fail with ``SystemError: AST constructor recursion depth mismatch``
     (python/cpython#106905). numpy's ``np.load`` parses every array header with it, so clients
     decoding their ArrayRecords in parallel threads hit it under load. One lock around
-    ``ast.parse`` in this process (Flower's own runtimes run one ClientApp per process)."""
+    ``ast.parse`` in this process (Flower's own runtimes run one ClientApp per process). Never
+    undone: a grid's threads can outlive its run (a hung client), and the lock is uncontended
+    outside them."""
     if sys.version_info >= (3, 13) or getattr(ast.parse, "one_at_a_time", False):
         return
     parse = ast.parse
@@ -92,6 +94,7 @@ class InProcessGrid(Grid):
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: Mapping[str, Any],
                  node_config: Mapping[str, Any] | None = None, first_node_id: int = 1000,
                  copy_messages: bool = True):
+        # Message() reads this process-wide identity; Flower's runtimes set it once per process too
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0
         _one_ast_parse_at_a_time()
         self.client_app = client_app

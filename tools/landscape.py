@@ -41,7 +41,7 @@ import torch
 
 from common.config import cli_float, cli_int
 from common.flatness import SplitLoss, perturbed
-from tools.saved import MODELS, SPLITS, SavedRun, SavedRunError, check_device
+from tools.saved import MODEL_FILES, SPLITS, SavedRun, SavedRunError, check_device
 
 DEFAULT_SPAN, INTERPOLATE_SPAN, DEFAULT_STEPS = 1.0, 0.5, 21
 
@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", choices=SPLITS, default="test",
                         help="test: the server's evaluation split (default); train: the union of the "
                              "clients' training data")
-    parser.add_argument("--model", choices=tuple(MODELS), default=None,
+    parser.add_argument("--model", choices=tuple(MODEL_FILES), default=None,
                         help="the model at the centre: final (default), init or checkpoint")
     parser.add_argument("--interpolate", action="store_true",
                         help="1-D: (1 - a) w_init + a w_final, from model_init.pt to model_final.pt")

@@ -23,7 +23,7 @@ from common.datasets import DatasetUnavailableError, FederatedDataset, Split
 from common.models import build_model
 from server.rundir import RunDirError, load_checkpoint, load_tensors, open_file
 
-MODELS = {"final": "model_final.pt", "init": "model_init.pt", "checkpoint": "checkpoint.pt"}
+MODEL_FILES = {"final": "model_final.pt", "init": "model_init.pt", "checkpoint": "checkpoint.pt"}
 SPLITS = ("test", "train")
 
 
@@ -83,14 +83,14 @@ class SavedRun:
 
     def state_dict(self, which: str = "final") -> OrderedDict:
         """The saved model ``which`` (final | init | checkpoint) as a state dict."""
-        if which not in MODELS:
-            raise SavedRunError(f"--model {which!r} is not one of {', '.join(MODELS)}")
-        file = self.path / MODELS[which]
+        if which not in MODEL_FILES:
+            raise SavedRunError(f"--model {which!r} is not one of {', '.join(MODEL_FILES)}")
+        file = self.path / MODEL_FILES[which]
         if not file.is_file():
             hint = {"final": "the run has not finished (use --model checkpoint)",
                     "checkpoint": "checkpoint-every=0, or no round was checkpointed",
                     "init": "not a flatflower run directory"}[which]
-            raise SavedRunError(f"{self.path}: no {MODELS[which]} ({hint})")
+            raise SavedRunError(f"{self.path}: no {MODEL_FILES[which]} ({hint})")
         try:
             state = (load_checkpoint(self.path)["strategy"]["model"] if which == "checkpoint"
                      else load_tensors(file, "model"))
@@ -111,7 +111,7 @@ class SavedRun:
         try:
             model.load_state_dict(state)
         except RuntimeError as err:
-            raise SavedRunError(f"{self.path}: {MODELS[which]} does not fit the run's model "
+            raise SavedRunError(f"{self.path}: {MODEL_FILES[which]} does not fit the run's model "
                                 f"{self.model_name!r}: {str(err).splitlines()[0][:200]}") from None
         return model
 
