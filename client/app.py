@@ -77,16 +77,16 @@ def _store(cfg: RunConfig, node: NodeSettings, context: Context) -> ContextState
 
 def _nonce(msg: Message) -> int:
     """The message's nonce, echoed in the reply (the server refuses replies without it)."""
-    return int(msg.content[P.CONFIG].get("nonce", 0)) if P.CONFIG in msg.content.config_records else 0
+    return int(msg.content[P.CONFIG].get(P.NONCE, 0)) if P.CONFIG in msg.content.config_records else 0
 
 
 def _state_round(msg: Message, server_round: int) -> int:
     """The client's last round the server accepted (``state-round``), before this one."""
     config = msg.content[P.CONFIG]
-    if "state-round" not in config:
+    if P.STATE_ROUND not in config:
         raise ValueError("the train message lacks 'state-round' (the server's last accepted round "
                          "of this client), which an algorithm with client state needs")
-    accepted = config["state-round"]
+    accepted = config[P.STATE_ROUND]
     if isinstance(accepted, bool) or not isinstance(accepted, int) or not 0 <= accepted < server_round:
         raise ValueError(f"state-round={accepted!r} is not a round before {server_round}")
     return accepted
@@ -123,7 +123,7 @@ class TrainCall:
         """``self_report=False``: the engine makes the self-reports (``reported`` and ``after``)."""
         cfg, node, device = _setup(context)
         spec = registry.get(cfg.algorithm)
-        server_round = int(msg.content[P.CONFIG]["server-round"])
+        server_round = int(msg.content[P.CONFIG][P.SERVER_ROUND])
         fault = Fault.parse(node.inject_fault)
         if fault:
             fault.before_training(server_round)
@@ -183,11 +183,11 @@ class TrainCall:
                 P.MODEL: P.to_record(weights),
                 P.METRICS: MetricRecord(
                     {
-                        "num-examples": result.num_examples,
-                        "num-steps": result.num_steps,
-                        "train-loss": result.mean_loss,
-                        "partition-id": node.partition_id,
-                        "nonce": _nonce(self.msg),
+                        P.NUM_EXAMPLES: result.num_examples,
+                        P.NUM_STEPS: result.num_steps,
+                        P.TRAIN_LOSS: result.mean_loss,
+                        P.PARTITION_ID: node.partition_id,
+                        P.NONCE: _nonce(self.msg),
                         **reported,
                     }
                 ),
@@ -230,9 +230,9 @@ def _self_report(cfg: RunConfig, model, data, held_out, when: str) -> dict[str, 
 
 def report_of(when: str, train: tuple[float, float], heldout_accuracy: float | None) -> dict[str, float]:
     """The self-report's metrics: (loss, accuracy) on the training data, held-out accuracy."""
-    out = {f"loss-{when}": train[0], f"accuracy-{when}": train[1]}
+    out = {P.self_report_key("loss", when): train[0], P.self_report_key("accuracy", when): train[1]}
     if heldout_accuracy is not None:
-        out[f"heldout-accuracy-{when}"] = heldout_accuracy
+        out[P.self_report_key("heldout-accuracy", when)] = heldout_accuracy
     return {k: v for k, v in out.items() if math.isfinite(v)}  # an overflowed loss is not reported
 
 
@@ -246,8 +246,8 @@ def evaluate(msg: Message, context: Context) -> Message:
         loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
     finally:
         MODEL_POOL.give(key, model)
-    metrics = MetricRecord({"num-examples": len(data), "eval-loss": loss, "eval-accuracy": acc,
-                            "partition-id": node.partition_id, "nonce": _nonce(msg)})
+    metrics = MetricRecord({P.NUM_EXAMPLES: len(data), P.EVAL_LOSS: loss, P.EVAL_ACCURACY: acc,
+                            P.PARTITION_ID: node.partition_id, P.NONCE: _nonce(msg)})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
 
 
@@ -259,7 +259,7 @@ def query(msg: Message, context: Context) -> Message:
     if fault:
         fault.before_query()
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
-    metrics = MetricRecord({"partition-id": node.partition_id, "num-partitions": node.num_partitions,
-                            "num-examples": len(data), "nonce": _nonce(msg)})
-    return Message(RecordDict({P.METRICS: metrics, "node": ConfigRecord({"device": str(device)})}),
+    metrics = MetricRecord({P.PARTITION_ID: node.partition_id, P.NUM_PARTITIONS: node.num_partitions,
+                            P.NUM_EXAMPLES: len(data), P.NONCE: _nonce(msg)})
+    return Message(RecordDict({P.METRICS: metrics, P.NODE: ConfigRecord({P.DEVICE: str(device)})}),
                    reply_to=msg)

@@ -45,6 +45,33 @@ PREVIOUS_GLOBAL = "previous_global"  # FedLESAM: the global model of the client'
 ADAPTIVE_M = "adaptive_m"  # FedAdam / FedYogi: server first moment
 ADAPTIVE_V = "adaptive_v"  # FedAdam / FedYogi: server second moment
 
+# Keys inside the records (a message's wire vocabulary, used by both sides).
+SERVER_ROUND = "server-round"  # config: the round this message belongs to
+NONCE = "nonce"  # config: a fresh random number per round; every reply's metrics echo it
+STATE_ROUND = "state-round"  # config of a train message: the client's last round the server accepted
+NUM_EXAMPLES = "num-examples"  # metrics: the client's examples (the server checks it against its own)
+NUM_STEPS = "num-steps"  # metrics of a train reply: local steps run
+TRAIN_LOSS = "train-loss"  # metrics of a train reply: mean local training loss
+PARTITION_ID = "partition-id"  # metrics: the partition the client holds
+NUM_PARTITIONS = "num-partitions"  # metrics of a handshake reply: the N the node was configured for
+EVAL_LOSS = "eval-loss"  # metrics of an evaluate reply
+EVAL_ACCURACY = "eval-accuracy"  # metrics of an evaluate reply
+NODE = "node"  # a handshake reply's ConfigRecord: what the node runs on (not used by the server)
+DEVICE = "device"  # NODE's one key: the torch device the client trains on
+# ``client-eval`` self-reports a train reply may add (checked, written to clients.jsonl, never
+# aggregated): "<measure>-before" / "<measure>-after" training, for each measure.
+SELF_REPORT_MEASURES = ("loss", "accuracy", "heldout-accuracy")
+SELF_REPORTS = tuple(f"{m}-{when}" for m in SELF_REPORT_MEASURES for when in ("before", "after"))
+
+
+def self_report_key(measure: str, when: str) -> str:
+    """The metric name of a self-report: ``loss-before``, ``heldout-accuracy-after``, ..."""
+    key = f"{measure}-{when}"
+    if key not in SELF_REPORTS:
+        raise ValueError(f"no self-report {key!r}; the protocol has {', '.join(SELF_REPORTS)}")
+    return key
+
+
 NUMPY_STYPE = "numpy.ndarray"  # the only array serialisation the server decodes
 
 

@@ -14,15 +14,11 @@ from typing import Any
 
 import torch
 
+from common import protocol as P
 from strategies.aggregate import client_weights
 from strategies.base import FlatStrategy
 
-REPORTED_FIELDS = {  # client metric -> clients.jsonl field
-    "loss-before": "loss_before", "loss-after": "loss_after",
-    "accuracy-before": "accuracy_before", "accuracy-after": "accuracy_after",
-    "heldout-accuracy-before": "heldout_accuracy_before",
-    "heldout-accuracy-after": "heldout_accuracy_after",
-}
+REPORTED_FIELDS = {key: key.replace("-", "_") for key in P.SELF_REPORTS}  # client metric -> clients.jsonl field
 
 
 def _flat(tensors) -> torch.Tensor:

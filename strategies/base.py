@@ -214,8 +214,8 @@ class FlatStrategy(FlowerFedAvg):
         self._nonce = new_nonce()
         start = self.start_point()
         self._content = RecordDict({P.MODEL: arrays if start is self.model else P.to_record(start),
-                                    P.CONFIG: ConfigRecord({**dict(config), "server-round": server_round,
-                                                            "nonce": self._nonce})})
+                                    P.CONFIG: ConfigRecord({**dict(config), P.SERVER_ROUND: server_round,
+                                                            P.NONCE: self._nonce})})
         for name, tensors in self.broadcast(server_round).items():
             self._content[name] = P.to_record(tensors)
         msgs = self.train_messages(server_round, {p: available[p] for p in chosen})
@@ -233,7 +233,7 @@ class FlatStrategy(FlowerFedAvg):
         for pid, node in nodes.items():
             content = RecordDict(dict(self._content.items()))  # the same arrays, its own config
             content[P.CONFIG] = ConfigRecord({**dict(self._content[P.CONFIG]),
-                                              "state-round": self.participation.state_round(pid)})
+                                              P.STATE_ROUND: self.participation.state_round(pid)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
                                 group_id=str(server_round)))
         self.stats.bytes_down += P.payload_bytes(self._content) * len(msgs)
@@ -379,7 +379,7 @@ class FlatStrategy(FlowerFedAvg):
         chosen = self.participation.sample(server_round + 10**6, list(available), self.fraction_evaluate)
         self._eval_nonce = new_nonce()
         content = RecordDict({P.MODEL: arrays, P.CONFIG: ConfigRecord(
-            {**dict(config), "server-round": server_round, "nonce": self._eval_nonce})})
+            {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._eval_nonce})})
         self._eval_messages = [Message(content, dst_node_id=available[p], message_type=MessageType.EVALUATE,
                                        group_id=str(server_round)) for p in chosen]
         return self._eval_messages
@@ -407,7 +407,7 @@ class FlatStrategy(FlowerFedAvg):
         sizes = {p: self.participation.num_examples(p) for p in rows}
         total = float(sum(sizes.values()))
         return MetricRecord({key: sum(rows[p][i] * sizes[p] for p in rows) / total
-                             for i, key in enumerate(("eval-loss", "eval-accuracy"))})
+                             for i, key in enumerate((P.EVAL_LOSS, P.EVAL_ACCURACY))})
 
 
 def all_finite(*named: OrderedDict) -> bool:

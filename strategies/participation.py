@@ -100,7 +100,7 @@ def node_of(reply: Message, sent: Mapping[str, int]) -> int:
 def _asked(sent: Iterable[Message]) -> dict[str, tuple[int, int]]:
     """Message id -> (destination node, nonce) of handshake queries (once pushed: the grid
     gives each message its id)."""
-    return {m.metadata.message_id: (m.metadata.dst_node_id, int(m.content[P.CONFIG]["nonce"]))
+    return {m.metadata.message_id: (m.metadata.dst_node_id, int(m.content[P.CONFIG][P.NONCE]))
             for m in sent}
 
 
@@ -256,7 +256,7 @@ class Participation:
 
     def _queries(self, node_ids: list[int]) -> list[Message]:
         """One handshake ``query`` for each node, all with one fresh nonce."""
-        config = ConfigRecord({"nonce": new_nonce()})
+        config = ConfigRecord({P.NONCE: new_nonce()})
         return [Message(RecordDict({P.CONFIG: config}), dst_node_id=n, message_type=MessageType.QUERY)
                 for n in node_ids]
 

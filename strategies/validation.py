@@ -133,12 +133,12 @@ def metric(metrics: Any, key: str, kind: type = float, low: float = -math.inf,
 
 def check_identity(metrics: Any, expected: Expected) -> None:
     """The reply is for this partition, its size, and this message (nonce)."""
-    if metric(metrics, "nonce", int) != expected.nonce:
+    if metric(metrics, P.NONCE, int) != expected.nonce:
         raise RejectedReply("reply does not echo this message's nonce (a stale or replayed reply)")
-    claimed = metric(metrics, "partition-id", int)
+    claimed = metric(metrics, P.PARTITION_ID, int)
     if claimed != expected.partition_id:
         raise RejectedReply(f"reply claims partition {claimed}, node holds {expected.partition_id}")
-    examples = metric(metrics, "num-examples", int)
+    examples = metric(metrics, P.NUM_EXAMPLES, int)
     if examples != expected.num_examples:
         raise RejectedReply(f"reply claims {examples} examples, partition {expected.partition_id} "
                             f"has {expected.num_examples}")
@@ -147,9 +147,8 @@ def check_identity(metrics: Any, expected: Expected) -> None:
 # Optional train-reply metrics a client may add about itself (client/app.py): checked like every
 # metric (a bad one refuses the reply), written to clients.jsonl, never used for aggregation.
 REPORTED = {  # key -> upper bound (all >= 0)
-    "loss-before": MAX_LOSS, "loss-after": MAX_LOSS,  # on its training data, before / after training
-    "accuracy-before": 1.0, "accuracy-after": 1.0,
-    "heldout-accuracy-before": 1.0, "heldout-accuracy-after": 1.0,  # on its own held-out data
+    # loss and accuracy on its training data, accuracy on its own held-out data
+    key: MAX_LOSS if key.startswith("loss-") else 1.0 for key in P.SELF_REPORTS
 }
 
 
@@ -161,10 +160,10 @@ def reported_metrics(metrics: Any) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- records
 # What each reply holds (client/app.py); anything else is refused before a value is read.
-TRAIN_METRICS = frozenset({"num-examples", "num-steps", "train-loss", "partition-id", "nonce", *REPORTED})
-EVALUATE_METRICS = frozenset({"num-examples", "eval-loss", "eval-accuracy", "partition-id", "nonce"})
-HANDSHAKE_METRICS = frozenset({"partition-id", "num-partitions", "num-examples", "nonce"})
-HANDSHAKE_CONFIGS = {"node": frozenset({"device"})}  # what the node runs on (not used by the server)
+TRAIN_METRICS = frozenset({P.NUM_EXAMPLES, P.NUM_STEPS, P.TRAIN_LOSS, P.PARTITION_ID, P.NONCE, *REPORTED})
+EVALUATE_METRICS = frozenset({P.NUM_EXAMPLES, P.EVAL_LOSS, P.EVAL_ACCURACY, P.PARTITION_ID, P.NONCE})
+HANDSHAKE_METRICS = frozenset({P.PARTITION_ID, P.NUM_PARTITIONS, P.NUM_EXAMPLES, P.NONCE})
+HANDSHAKE_CONFIGS = {P.NODE: frozenset({P.DEVICE})}  # what the node runs on (not used by the server)
 CONFIG_CHARS = 100  # the longest text a protocol ConfigRecord value may be
 
 
@@ -212,10 +211,10 @@ def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> Client
     content = msg.content
     metrics = metrics_of(msg, TRAIN_METRICS, arrays=frozenset({P.MODEL, *expected.uploads}))
     check_identity(metrics, expected)
-    steps = metric(metrics, "num-steps", int)
+    steps = metric(metrics, P.NUM_STEPS, int)
     if steps != expected.num_steps:
         raise RejectedReply(f"reply claims {steps} local steps, the round asks for {expected.num_steps}")
-    train_loss = float(metric(metrics, "train-loss", float, 0.0, MAX_LOSS))
+    train_loss = float(metric(metrics, P.TRAIN_LOSS, float, 0.0, MAX_LOSS))
     return ClientUpdate(
         node_id=node_id,
         partition_id=expected.partition_id,
@@ -234,8 +233,8 @@ def parse_evaluate_reply(msg: Message, expected: Expected) -> tuple[float, float
     def read() -> tuple[float, float]:
         metrics = metrics_of(msg, EVALUATE_METRICS)
         check_identity(metrics, expected)
-        return (float(metric(metrics, "eval-loss", float, 0.0, MAX_LOSS)),
-                float(metric(metrics, "eval-accuracy", float, 0.0, 1.0)))
+        return (float(metric(metrics, P.EVAL_LOSS, float, 0.0, MAX_LOSS)),
+                float(metric(metrics, P.EVAL_ACCURACY, float, 0.0, 1.0)))
 
     return guarded(read)
 
@@ -244,12 +243,12 @@ def parse_handshake_reply(msg: Message, nonce: int, num_partitions: int) -> tupl
     """(partition id, declared number of examples) of a handshake reply, or RejectedReply."""
     def read() -> tuple[int, int]:
         metrics = metrics_of(msg, HANDSHAKE_METRICS, configs=HANDSHAKE_CONFIGS)
-        if metric(metrics, "nonce", int) != nonce:
+        if metric(metrics, P.NONCE, int) != nonce:
             raise RejectedReply("handshake reply does not echo its nonce (a stale or replayed reply)")
-        n = metric(metrics, "num-partitions", int)
+        n = metric(metrics, P.NUM_PARTITIONS, int)
         if n != num_partitions:
             raise RejectedReply(f"node is configured for num-partitions={n}, the run has {num_partitions}")
-        pid = metric(metrics, "partition-id", int, 0, num_partitions - 1)
-        return int(pid), int(metric(metrics, "num-examples", int, 1))
+        pid = metric(metrics, P.PARTITION_ID, int, 0, num_partitions - 1)
+        return int(pid), int(metric(metrics, P.NUM_EXAMPLES, int, 1))
 
     return guarded(read)

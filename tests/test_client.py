@@ -266,3 +266,18 @@ def test_query_on_misconfigured_node_is_an_error_reply() -> None:
     (other,) = grid.send_and_receive(  # the other node is unaffected
         [Message(RecordDict(), dst_node_id=max(grid.contexts), message_type=MessageType.QUERY)])
     assert not other.has_error()
+
+
+def test_the_self_report_names_are_one_vocabulary_on_both_sides():
+    """What a client can report (client.app.report_of) is what the server accepts in a train
+    reply and writes to clients.jsonl: all spelled once, in common.protocol."""
+    from client.app import report_of
+    from server.clients import REPORTED_FIELDS
+    from strategies.validation import REPORTED, TRAIN_METRICS
+
+    made = {**report_of("before", (0.5, 0.25), 0.75), **report_of("after", (0.4, 0.5), 0.8)}
+    assert set(made) == set(P.SELF_REPORTS) == set(REPORTED) == set(REPORTED_FIELDS)
+    assert set(P.SELF_REPORTS) <= TRAIN_METRICS
+    assert report_of("after", (float("inf"), 0.5), None) == {"accuracy-after": 0.5}
+    with pytest.raises(ValueError, match="no self-report 'loss-during'"):
+        P.self_report_key("loss", "during")

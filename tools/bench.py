@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from client.batch import ModelBatch
+from common import protocol as P
 from common.config import RunConfig, cli_float, cli_int
 from common.datasets import Split
 from common.flatness import DEFAULT_ITERS, DEFAULT_PROBES, HVP_METHODS, SplitLoss, measure, random_vector
@@ -321,12 +322,12 @@ def _plain_flower_fedavg_seconds(cfg: RunConfig, clients: int) -> list[float]:
         pid = int(context.node_config["partition-id"])
         split = client_split(cfg, pid, clients)
         model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
-        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        rnd = int(msg.content["config"]["server-round"])
+        model.load_state_dict(msg.content[P.MODEL].to_torch_state_dict())
+        rnd = int(msg.content[P.CONFIG][P.SERVER_ROUND])
         rule = FedAvgClient(cfg.params, [p.detach() for p in model.parameters()], {}, {}, cfg.lr)
         result = local_train(model, split, rule, cfg, cfg.lr, round_generator(cfg.seed, rnd, pid))
-        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                                   "metrics": MetricRecord({"num-examples": result.num_examples})}),
+        return Message(RecordDict({P.MODEL: ArrayRecord(model.state_dict()),
+                                   P.METRICS: MetricRecord({P.NUM_EXAMPLES: result.num_examples})}),
                        reply_to=msg)
 
     model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)

@@ -1,0 +1,74 @@
+"""The Fashion-MNIST study's published numbers (docs/results/) are what its runs recorded.
+
+docs/results/fashion-mnist-runs/<algorithm>-s<seed>/ keeps each run's config.json,
+metrics.jsonl and, once measured, flatness.json (the files `flatflower report` reads). Every
+such run must (1) have run the preset's setting for its algorithm, so that its CSV row is the
+row of `flatflower simulate --preset fashion-mnist-bench --algorithm A --seed S`, and (2) give,
+through `flatflower report`'s own row function, exactly the numbers of its row in
+docs/results/fashion-mnist.csv. No training here: the runs take minutes each.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from tools.presets import load_preset
+from tools.report import RUN_COLUMNS, load_run, run_row
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+CSV = RESULTS / "fashion-mnist.csv"
+RUNS = sorted(p for p in (RESULTS / "fashion-mnist-runs").glob("*-s*") if p.is_dir())
+LAST_K, TARGET = 10, 0.8  # the study's report: --last-k 10 --target 0.8 (docs/benchmarks.md)
+
+
+def _csv_rows() -> dict[tuple[str, int], dict[str, str]]:
+    with CSV.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    keys = [(r["algorithm"], int(r["seed"])) for r in rows]
+    assert len(keys) == len(set(keys)), "one row per (algorithm, seed)"
+    return dict(zip(keys, rows))
+
+
+def test_the_csv_has_the_report_columns_and_fractions():
+    with CSV.open(newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == RUN_COLUMNS
+        for row in reader:
+            for key in ("final_accuracy", "last_k_mean", "best_accuracy"):
+                assert 0.0 <= float(row[key]) <= 1.0, (row["run"], key)
+            assert row["run"] == f"{row['algorithm']}-s{row['seed']}"
+
+
+@pytest.mark.parametrize("run_dir", RUNS, ids=[p.name for p in RUNS])
+def test_a_kept_run_ran_the_preset_and_gives_its_csv_row(run_dir):
+    run = load_run(run_dir)
+    preset = load_preset("fashion-mnist-bench")
+    expected = {**preset.values(run.algorithm), "algorithm": run.algorithm}
+    ran = run.config
+    differ = {k: (v, ran.get(k)) for k, v in expected.items() if ran.get(k) != v}
+    assert not differ, f"{run_dir.name} did not run the preset's setting: {differ}"
+    assert run.rounds[-1] == preset.config["num-server-rounds"]
+    assert run.config["num-partitions"] == preset.clients
+
+    published = _csv_rows()[(run.algorithm, int(run.seed))]
+    row = run_row(run, LAST_K, TARGET)
+    for key in RUN_COLUMNS:
+        mine, theirs = row[key], published[key]
+        if mine is None or theirs == "":
+            assert mine is None and theirs == "", (key, mine, theirs)
+        elif isinstance(mine, float):
+            assert math.isclose(mine, float(theirs), rel_tol=1e-12, abs_tol=1e-12), (key, mine, theirs)
+        else:
+            assert str(mine) == theirs, (key, mine, theirs)
+
+
+def test_runs_are_kept_for_rows_of_this_study():
+    """Every kept run has its row (a run without one is a number nobody published)."""
+    rows = _csv_rows()
+    for run_dir in RUNS:
+        algorithm, _, seed = run_dir.name.rpartition("-s")
+        assert (algorithm, int(seed)) in rows, run_dir.name
