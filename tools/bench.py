@@ -60,6 +60,7 @@ from common.models import build_model
 from common.registry import ALGORITHMS
 from common.registry import get as get_spec
 from server.rundir import load_checkpoint, load_tensors
+from tools.engines import quiet_flower
 from tools.throughput import ThroughputSettings, bench_throughput
 from tools.throughput import render as render_throughput
 
@@ -478,7 +479,7 @@ def bench_communication(workdir: Path, say=_silent) -> list[dict[str, Any]]:
                                       "num-server-rounds": 2, "fraction-train": 0.5,
                                       "run-dir": str(workdir / f"comm-{name}")})
         grid = _WireGrid(InProcessGrid(client_app, clients, cfg.to_dict()))
-        with _quiet():
+        with quiet_flower():
             run_dir = run_server(grid, cfg)
         summary = json.loads((run_dir / "summary.json").read_text())
         model_bytes = summary["model_bytes"]
@@ -512,7 +513,7 @@ def bench_memory(settings: Settings, workdir: Path, say=_silent) -> list[dict[st
     for name, spec in ALGORITHMS.items():
         say(f"memory: {name}")
         for clients in sizes:
-            with _quiet():
+            with quiet_flower():
                 run_dir, grid = _fast_run(workdir, name, clients, **{"checkpoint-every": 2})
             # a client holds its state after its last accepted round and after its newest
             # round, until the server accepts that one (client/state.py): two copies
@@ -603,7 +604,7 @@ def _flatness_run(model_name: str, workdir: Path, knobs: dict) -> tuple[Path, di
            # the work of a round alone: no client self-report passes, event files or checkpoints
            "client-eval": False, "tensorboard": False, "checkpoint-every": 0,
            "run-dir": str(workdir / f"flatness-{model_name}")}
-    with _quiet():
+    with quiet_flower():
         run_dir, _ = run_inprocess(cfg, plan["clients"])
     return run_dir, plan
 
@@ -662,18 +663,6 @@ def bench_flatness(settings: Settings, workdir: Path, say=_silent) -> dict[str, 
 
 
 # ---------------------------------------------------------------------------- report
-@contextlib.contextmanager
-def _quiet():
-    """Silence Flower's INFO logging while the bench runs federations."""
-    import logging
-
-    logger = logging.getLogger("flwr")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def machine() -> dict[str, Any]:
@@ -700,7 +689,7 @@ def run_bench(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
     if "compute" in settings.sections:
         report["compute"] = bench_compute(settings, say)
     if "overhead" in settings.sections:
-        with _quiet():
+        with quiet_flower():
             report["overhead"] = bench_overhead(settings, workdir, say)
     if "communication" in settings.sections:
         report["communication"] = bench_communication(workdir, say)

@@ -6,6 +6,7 @@ completed; the run directory holds the rest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -81,6 +82,18 @@ def ray_federation_config(clients: int, cpus_per_client: int = 1, gpus_per_clien
     """The simulation federation's settings (``flwr run --federation-config``)."""
     return {"num-supernodes": clients, "client-resources-num-cpus": cpus_per_client,
             "client-resources-num-gpus": gpus_per_client, "init-args-num-cpus": os.cpu_count() or 1}
+
+
+@contextlib.contextmanager
+def quiet_flower():
+    """Silence Flower's INFO logging while federations run (the bench's many short runs)."""
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized: bool = False) -> Outcome:

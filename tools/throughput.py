@@ -304,7 +304,7 @@ def _summary(engine: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
 
 def bench_throughput(settings: ThroughputSettings, workdir: Path, say=lambda text: None) -> dict[str, Any]:
     """Every (algorithm, model, N) with each engine, interleaved; the rows of the table."""
-    from tools.bench import _quiet
+    from tools.engines import quiet_flower
 
     loads = [load_average()]  # before the section and before each run
     rows: list[dict[str, Any]] = []
@@ -337,7 +337,7 @@ def bench_throughput(settings: ThroughputSettings, workdir: Path, say=lambda tex
 
                         measured[engine] += measure_loop(cfg, clients)
                     else:
-                        with _quiet():
+                        with quiet_flower():
                             measured[engine] += measure_inprocess(cfg, clients, engine == "vectorized")
                 except Exception as err:  # noqa: BLE001 - reported in its row, the others go on
                     errors[engine] = f"{type(err).__name__}: {err}"[-400:]

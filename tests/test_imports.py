@@ -1,0 +1,85 @@
+"""The product's import graph: no cycle, and the ground floor (common/) imports nothing above it.
+
+Every import counts, module-level and inside functions (a lazy import that closes a loop is
+still a loop: which module is complete first then depends on who imports first)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "client", "strategies", "server", "tools")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the product modules it imports (anywhere in its code)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    found.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_product_has_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_common_imports_nothing_above_it():
+    above = {m: sorted(d for d in deps if not d.startswith("common"))
+             for m, deps in import_graph().items() if m.startswith("common")}
+    assert {m: d for m, d in above.items() if d} == {}
