@@ -21,7 +21,7 @@ from client.algorithms.base import ClientRule
 from client.batch import ModelBatch, trainable
 from client.layout import Layout
 from common import registry
-from common.config import RunConfig
+from common.config import RunConfig, local_step_count
 from common.datasets import Split
 
 Named = "OrderedDict[str, torch.Tensor]"
@@ -63,11 +63,6 @@ def round_generator(seed: int, server_round: int, partition_id: int) -> torch.Ge
     return torch.Generator().manual_seed(int(state))
 
 
-def num_steps(n: int, batch_size: int, local_epochs: int, local_steps: int) -> int:
-    """How many mini-batches :func:`batch_indices` draws for n samples."""
-    return local_steps if local_steps > 0 else local_epochs * math.ceil(n / batch_size)
-
-
 def batch_indices(
     n: int, batch_size: int, local_epochs: int, local_steps: int, generator: torch.Generator
 ) -> Iterator[torch.Tensor]:
@@ -78,7 +73,7 @@ def batch_indices(
     """
     if n <= 0:
         raise ValueError("no samples to draw mini-batches from")
-    steps = num_steps(n, batch_size, local_epochs, local_steps)
+    steps = local_step_count(n, batch_size, local_epochs, local_steps)
     done = 0
     while done < steps:
         order = torch.randperm(n, generator=generator)

@@ -42,7 +42,6 @@ from client.algorithms.base import ClientRule
 from client.batch import ModelBatch, Objective, cross_entropy
 from client.tensors import Tensors, add
 from client.train import LocalResult, autocast, batch_indices
-from client.train import num_steps as local_steps
 
 log = logging.getLogger("flwr.flatflower.client")
 UNBATCHABLE = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
@@ -228,11 +227,6 @@ PADDING_BUDGET = 2.0  # a group's work (clients x its longest client's steps) <=
 MIN_GROUP = 4
 
 
-def num_steps(n: int, cfg) -> int:
-    """The local steps a client of n samples takes under ``cfg`` (client.train.num_steps)."""
-    return local_steps(n, cfg.batch_size, cfg.local_epochs, cfg.local_steps)
-
-
 def groups(calls: Sequence, budget: float | None = None) -> list[list[int]]:
     """Indices of ``calls`` that train together. A group has one rule shape (e.g. FedLESAM
     clients with and without a previous global model train apart) and tensor shapes; within
@@ -248,7 +242,7 @@ def groups(calls: Sequence, budget: float | None = None) -> list[list[int]]:
         kinds.setdefault((spec, shared, tuple((tuple(t.shape), t.dtype) for t in tensors)), []).append(i)
     out = []
     for members in kinds.values():
-        steps = {i: num_steps(len(calls[i].data), calls[i].cfg) for i in members}
+        steps = {i: calls[i].cfg.num_steps(len(calls[i].data)) for i in members}
         group: list[int] = []
         for i in sorted(members, key=steps.__getitem__):
             real = sum(steps[j] for j in group) + steps[i]
@@ -322,7 +316,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     rules = StackedRule([c.rule for c in calls])
     draws = [batch_indices(len(c.data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, c.generator())
              for c in calls]
-    steps = [num_steps(len(c.data), cfg) for c in calls]
+    steps = [cfg.num_steps(len(c.data)) for c in calls]
     device = params[0].device
     layouts: dict = {}
 

@@ -252,6 +252,10 @@ class RunConfig:
         return self.flatness_every > 0 and (server_round % self.flatness_every == 0
                                             or server_round == self.num_server_rounds)
 
+    def num_steps(self, n: int) -> int:
+        """The local steps (mini-batches) a client of ``n`` samples takes in a round (tau_i)."""
+        return local_step_count(n, self.batch_size, self.local_epochs, self.local_steps)
+
     def round_lr(self, server_round: int) -> float:
         """Local learning rate of round ``server_round`` (1-based): lr * lr_decay^(r-1)."""
         return self.lr * self.lr_decay ** (server_round - 1)
@@ -273,6 +277,13 @@ class RunConfig:
         from common.datasets import DEFAULT_MODEL
 
         return DEFAULT_MODEL[self.dataset] if self.model == "auto" else self.model
+
+
+def local_step_count(n: int, batch_size: int, local_epochs: int, local_steps: int) -> int:
+    """``local_steps`` when > 0, else ``local_epochs`` passes of ceil(n / batch_size) batches
+    (the last batch of a pass may be smaller): the one rule for the client's loop, the
+    vectorised engine and the server's check of a reply's step count."""
+    return local_steps if local_steps > 0 else local_epochs * math.ceil(n / batch_size)
 
 
 def did_you_mean(word: str, options) -> str:

@@ -181,10 +181,7 @@ class Participation:
 
     def num_steps(self, partition_id: int) -> int:
         """The local steps a client of this partition takes in a round (tau_i)."""
-        cfg = self.cfg
-        if cfg.local_steps > 0:
-            return cfg.local_steps
-        return cfg.local_epochs * math.ceil(self.sizes[partition_id] / cfg.batch_size)
+        return self.cfg.num_steps(self.sizes[partition_id])
 
     # ------------------------------------------------------------------ nodes
     def wait_for_nodes(self, grid: Grid) -> list[int]:

@@ -93,7 +93,7 @@ def spy(monkeypatch):
 
     def spying_train_group(calls):
         seen["groups"].append({"size": len(calls), "round": calls[0].server_round,
-                               "steps": [vec.num_steps(len(c.data), c.cfg) for c in calls],
+                               "steps": [c.cfg.num_steps(len(c.data)) for c in calls],
                                "partitions": [c.node.partition_id for c in calls]})
         return train_group(calls)
 
