@@ -376,7 +376,7 @@ class FlatStrategy(FlowerFedAvg):
         if self.fraction_evaluate == 0.0:
             return []
         available = self.available_partitions(grid)
-        chosen = self.participation.sample(server_round + 10**6, list(available), self.fraction_evaluate)
+        chosen = self.participation.sample_evaluate(server_round, list(available), self.fraction_evaluate)
         self._eval_nonce = new_nonce()
         content = RecordDict({P.MODEL: arrays, P.CONFIG: ConfigRecord(
             {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._eval_nonce})})

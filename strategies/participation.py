@@ -39,6 +39,8 @@ log = logging.getLogger("flwr.flatflower.server")
 # (stage, partition id or -1, node id, reason): how a refused reply is reported
 OnRefused = Callable[[str, int, int, str], None]
 
+EVALUATE_DRAWS = 10**6  # evaluation rounds' sampling streams: (seed, round + this), apart from training's
+
 
 class NoNodesError(RuntimeError):
     """No usable SuperNode connected, or none passed the handshake, before the deadline."""
@@ -298,6 +300,11 @@ class Participation:
             time.sleep(1.0)
 
     # ------------------------------------------------------------------ sampling
+    def sample_evaluate(self, server_round: int, partitions: list[int], fraction: float) -> list[int]:
+        """:meth:`sample` for a federated evaluation: its own draws, seeded by (seed, round +
+        EVALUATE_DRAWS), so that evaluating never shifts which clients train."""
+        return self.sample(server_round + EVALUATE_DRAWS, partitions, fraction)
+
     def sample(self, server_round: int, partitions: list[int], fraction: float) -> list[int]:
         """Partition ids for this round: ``fixed`` = fraction * N rounded half up, without
         replacement, ``bernoulli`` = each with probability ``fraction`` (redrawn if empty).

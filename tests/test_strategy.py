@@ -435,3 +435,24 @@ def test_malformed_evaluate_reply_is_refused_with_its_reason() -> None:
             strategy.aggregate_evaluate(1, [replies[0]]))
         (refusal,) = [r for r in strategy.stats.rejections if r["stage"] == "evaluate"]
         assert reason in refusal["reason"] and refusal["partition"] == 1
+
+
+def test_a_federated_evaluation_draws_its_clients_apart_from_training(tmp_path):
+    """Evaluating on a sample of clients (fraction-evaluate) never changes who trains: its draws
+    are seeded by (seed, round + EVALUATE_DRAWS), training's by (seed, round)."""
+    import torch
+
+    from strategies.participation import EVALUATE_DRAWS, Participation
+
+    runs = {}
+    for evaluate in (0.0, 0.5):
+        cfg = fast_config(run_dir=str(tmp_path / str(evaluate)), fraction_train=0.5,
+                          fraction_evaluate=evaluate, num_server_rounds=3)
+        runs[evaluate], _ = run_inprocess(cfg, 6)
+    trained = {e: [r.get("sampled_partitions") for r in metrics(d)[1:]] for e, d in runs.items()}
+    assert trained[0.0] == trained[0.5] and all(len(p) == 3 for p in trained[0.0])
+    final = {e: torch.load(d / "model_final.pt", weights_only=True) for e, d in runs.items()}
+    assert all(torch.equal(final[0.0][k], final[0.5][k]) for k in final[0.0])
+    part = Participation(RunConfig.from_mapping(fast_config(fraction_train=0.5)))
+    assert (part.sample_evaluate(2, list(range(6)), 0.5)
+            == part.sample(2 + EVALUATE_DRAWS, list(range(6)), 0.5))
