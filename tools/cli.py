@@ -130,5 +130,28 @@ def main(argv: list[str] | None = None) -> int:
     return commands.EXIT_PIPE if commands.stdout_gone() else code
 
 
+def entry() -> None:
+    """The ``flatflower`` program: :func:`main`, then the exit. An interrupted command (exit
+    130) has stopped its runs and written their files (atomically) before it returns; it then
+    leaves without finalising the interpreter, unless Ray runs in this process (its own exit
+    handlers stop its processes). A daemon thread still inside torch at finalisation (CPython
+    before 3.14 ends such threads with pthread_exit) aborts the process ("terminate called
+    without an active exception", SIGABRT) instead of exiting 130: seen under load after an
+    in-process run's SIGTERM."""
+    code = main()
+    if code == commands.EXIT_INTERRUPTED and "ray" not in sys.modules:
+        import logging
+        import os
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more to say
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
