@@ -24,12 +24,12 @@ from client.node import NodeSettings
 from client.state import ContextState, StateMirror
 from client.train import LocalResult, build_rule, local_train, round_generator, rule_outputs
 from common import protocol as P
-from common import registry
 from common.config import RunConfig
 from common.data import client_split, client_test_split, dataset_for
 from common.datasets import Split
 from common.evaluate import evaluate as evaluate_model
 from common.models import ModelPool, build_model
+from strategies import registry  # the algorithms (both halves); also registers their keys
 
 log = logging.getLogger("flwr.flatflower.client")
 META = "client-meta"  # MetricRecord in context.state: rounds trained, last round
@@ -137,7 +137,7 @@ class TrainCall:
             accepted = _state_round(msg, server_round) if spec.state else 0
             state = store.load(accepted)
             lr = cfg.round_lr(server_round)
-            rule, layout = build_rule(cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
+            rule, layout = build_rule(spec, cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
             held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
             reported = _self_report(cfg, model, data, held_out, "before") if self_report else None
         except BaseException:

@@ -20,7 +20,6 @@ from torch import nn
 from client.algorithms.base import ClientRule
 from client.batch import ModelBatch, trainable
 from client.layout import Layout
-from common import registry
 from common.config import RunConfig, local_step_count
 from common.datasets import Split
 
@@ -34,15 +33,15 @@ class LocalResult:
     mean_loss: float
 
 
-def build_rule(cfg: RunConfig, model: nn.Module, broadcast: Mapping[str, Named],
+def build_rule(spec, cfg: RunConfig, model: nn.Module, broadcast: Mapping[str, Named],
                state: Mapping[str, Named], lr: float,
                initial: Callable[[], Named] | None = None) -> tuple[ClientRule, Layout]:
-    """The run's client rule for ``model`` (its weights: w^t), with the broadcast records and
-    this client's stored state (named tensors), and the layout that maps both ways."""
+    """The client rule of ``spec`` (the run's algorithm, strategies/registry.py) for ``model``
+    (its weights: w^t), with the broadcast records and this client's stored state (named
+    tensors), and the layout that maps both ways. The rule sees its own keys only."""
     layout = Layout.of(model)
-    spec = registry.get(cfg.algorithm)
-    rule = spec.client_class()(
-        cfg.params, [p.detach() for p in layout.params],
+    rule = spec.client(
+        cfg.params.view(spec.client.Params), [p.detach() for p in layout.params],
         {name: layout.aligned(broadcast[name]) for name in spec.down},
         {name: layout.aligned(tensors) for name, tensors in state.items()}, lr,
         initial=(lambda: layout.aligned(initial())) if initial else None)

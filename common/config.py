@@ -100,11 +100,9 @@ class RunConfig:
         """Build from run-config keys (``num-server-rounds``, ``fedtoga.alpha``); unset keys
         keep their defaults. Keys of other algorithms are accepted (Flower's run config holds
         every default) and ignored; the run's algorithm's params are parsed and checked."""
-        from common import registry
-
         values = dict(values or {})
         by_key = general_fields()
-        known = set(by_key) | set(registry.algorithm_keys())
+        known = set(by_key) | set(algorithm_fields())
         unknown = sorted(k for k in values if k not in known)
         if unknown:
             raise ConfigError(
@@ -113,9 +111,9 @@ class RunConfig:
             )
         kwargs = {by_key[k].name: _coerce(k, v, by_key[k].type) for k, v in values.items() if k in by_key}
         cfg = cls(**kwargs)
-        spec = registry.ALGORITHMS.get(cfg.algorithm)
-        if spec is not None:
-            cfg = dataclasses.replace(cfg, params=spec.params_class().parse(values, _coerce))
+        params = algorithm_params().get(cfg.algorithm)
+        if params is not None:
+            cfg = dataclasses.replace(cfg, params=params.parse(values, _coerce))
         cfg.validate(others=_other_algorithms_problems(values, cfg))
         return cfg
 
@@ -143,7 +141,7 @@ class RunConfig:
     def validate(self, others: list[str] | None = None) -> None:
         """Raise ConfigError listing every invalid value (``others``: problems found in keys of
         other algorithms given with it)."""
-        from common import datasets, models, partition, registry
+        from common import datasets, models, partition
 
         problems: list[str] = []
 
@@ -159,7 +157,7 @@ class RunConfig:
             if not ok:
                 problems.append(message)
 
-        choice("algorithm", registry.ALGORITHMS)
+        choice("algorithm", algorithm_params())
         choice("dataset", datasets.DATASETS)
         choice("model", ("auto", *models.MODELS))
         choice("partition", partition.PARTITIONS)
@@ -302,12 +300,11 @@ def _other_algorithms_problems(values: Mapping[str, Any], cfg: RunConfig) -> lis
     """Bad values given for keys the run's algorithm does not use are still reported."""
     from typing import get_type_hints
 
-    from common import registry
     from common.params import field_problem
 
     own = cfg.params.fields() if cfg.params is not None else {}
     out = []
-    for k, (cls, f) in registry.algorithm_fields().items():
+    for k, (cls, f) in algorithm_fields().items():
         if k in values and k not in own:
             try:
                 value = _coerce(k, values[k], get_type_hints(cls)[f.name].__name__)
@@ -317,6 +314,42 @@ def _other_algorithms_problems(values: Mapping[str, Any], cfg: RunConfig) -> lis
             if problem := field_problem(k, f, value):
                 out.append(problem)
     return out
+
+
+# ---------------------------------------------------------------- the algorithms' keys
+# Algorithm name -> its params class (the keys of both its halves), filled by the registry
+# (strategies/registry.py) when it is imported: the ground floor checks every algorithm's keys
+# without importing the halves that declare them. Every entry point imports the registry.
+_ALGORITHMS: dict[str, type] = {}
+
+
+def register_algorithms(params: Mapping[str, type]) -> None:
+    """Make the algorithms' params known to run-config parsing (the registry calls it)."""
+    _ALGORITHMS.update(params)
+    _parsed.cache_clear()
+
+
+def algorithm_params() -> Mapping[str, type]:
+    """Algorithm name -> its params class, as registered."""
+    if not _ALGORITHMS:
+        raise ConfigError("no algorithm is registered: import strategies.registry (every flatflower "
+                          "entry point does) before building a run config")
+    return _ALGORITHMS
+
+
+def algorithm_fields() -> dict[str, tuple[type, dataclasses.Field]]:
+    """Every algorithm's run-config keys -> (a params class that declares it, its field)."""
+    out: dict[str, tuple[type, dataclasses.Field]] = {}
+    for cls in algorithm_params().values():
+        for k, f in cls.fields().items():
+            out.setdefault(k, (cls, f))
+    return out
+
+
+def algorithm_keys() -> dict[str, Any]:
+    """Every algorithm's run-config keys -> their defaults (a key shared by a family, such as
+    ``sam.rho``, has one default)."""
+    return {k: f.default for k, (_, f) in algorithm_fields().items()}
 
 
 def general_fields() -> dict[str, dataclasses.Field]:
@@ -450,9 +483,7 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
 
 def defaults() -> dict[str, Any]:
     """Every run-config key -> its default: the general keys and every algorithm's."""
-    from common import registry
-
-    return {**{k: f.default for k, f in general_fields().items()}, **registry.algorithm_keys()}
+    return {**{k: f.default for k, f in general_fields().items()}, **algorithm_keys()}
 
 
 @functools.lru_cache(maxsize=16)

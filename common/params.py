@@ -1,18 +1,22 @@
-"""An algorithm's hyperparameters (each algorithm owns its hyperparameters, as a torch optimizer does).
+"""An algorithm's hyperparameters, owned by the half that reads them (torch.optim's rule).
 
-Each algorithm has a small frozen dataclass of params, next to its client half; both halves
-receive it, as a torch optimizer receives its hyperparameters. Its fields are run-config keys
-in the algorithm's namespace (``fedtoga.alpha``; Flower flattens a
-``[tool.flwr.app.config.fedtoga]`` table into such dotted keys), each declared with
-:func:`key`: its run-config name, default, meaning and check. Families share fields by
-inheritance: :class:`client.sam.SAMParams` gives every SAM-family algorithm ``sam.rho``.
-Derived values (FedTOGA's coefficient) are methods; checks that involve other keys override
-:meth:`Params.problems`.
+Each half of an algorithm declares the run-config keys it reads as a small frozen dataclass,
+its ``Params`` class attribute, in its own file: the client half in client/algorithms/x.py,
+the server half in strategies/x.py. A key both halves read is declared by the client half and
+the server's ``Params`` extends that class. Fields are run-config keys in the algorithm's
+namespace (``fedtoga.alpha``; Flower flattens a ``[tool.flwr.app.config.fedtoga]`` table into
+such dotted keys), each declared with :func:`key`: its run-config name, default, meaning and
+check. Families share fields by inheritance: :class:`client.sam.SAMParams` gives every
+SAM-family algorithm ``sam.rho``. The registry (strategies/registry.py) joins an algorithm's
+two classes into one (:func:`combine`) for parsing and checking the run config; each half then
+receives only its own view of it (:meth:`Params.view`). Derived values (FedTOGA's coefficient)
+are methods; checks that involve other keys override :meth:`Params.problems`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -74,10 +78,42 @@ class Params:
         involve its keys). Subclasses extend it for checks that span fields."""
         return [p for k, f in self.fields().items() if (p := field_problem(k, f, getattr(self, f.name)))]
 
-
     def to_dict(self) -> dict[str, Any]:
         """Run-config key -> value."""
         return {k: getattr(self, f.name) for k, f in self.fields().items()}
+
+    def view(self, cls: type[Params]) -> Params:
+        """These values as an instance of ``cls``, one of the classes this one combines: what
+        one half of the algorithm receives (reading a key it does not declare fails)."""
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+
+@functools.lru_cache(maxsize=None)
+def combine(name: str, *classes: type[Params]) -> type[Params]:
+    """One params class with the keys of all ``classes`` (an algorithm's server and client
+    halves): the most derived one when it already holds the others, else a new subclass of
+    all. Two classes that name one field differently, or one key by two fields, are refused."""
+    classes = tuple(dict.fromkeys(classes))
+    for cls in classes:
+        if all(issubclass(cls, other) for other in classes):
+            return cls
+    by_name: dict[str, str] = {}
+    by_key: dict[str, str] = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            k = f.metadata["key"]
+            if by_name.setdefault(f.name, k) != k or by_key.setdefault(k, f.name) != f.name:
+                raise TypeError(f"{name}: field {f.name!r} ({k}) clashes between "
+                                + ", ".join(c.__name__ for c in classes))
+    made = dataclasses.make_dataclass(name, [], bases=classes, frozen=True)
+    made.__reduce__ = lambda self: (_combined, ((name, *classes), self.to_dict()))  # picklable by its parts
+    return made
+
+
+def _combined(parts: tuple, values: dict[str, Any]) -> Params:
+    """Unpickle an instance of a class made by :func:`combine`."""
+    cls = combine(*parts)
+    return cls(**{f.name: values[k] for k, f in cls.fields().items()})
 
 
 def field_problem(name: str, field: dataclasses.Field, value: Any) -> str | None:

@@ -3,7 +3,7 @@
 Every train message carries ``arrays`` (the model the clients start from: the global model,
 or the strategy's ``start_point``, e.g. FedACG's look-ahead theta + lambda m) and ``config``
 (``server-round``, ``nonce``, ``state-round``: the client's last accepted round), plus the
-extra ArrayRecords its algorithm declares in ``common.registry`` (``down``). Every train reply
+extra ArrayRecords its algorithm declares in strategies/registry.py (``down``). Every train reply
 carries ``arrays`` (the local model after training), ``metrics`` (num-examples, num-steps,
 train-loss, partition-id, the echoed nonce, and optional self-reports) and the algorithm's
 ``up`` records. Learning rates are not sent: each client derives the round's lr from the run

@@ -23,13 +23,13 @@ from common.data import dataset_for, partitions_for
 from common.evaluate import evaluate
 from common.flatness import flatness_distance, measure, seed_of
 from common.models import build_model
-from common.registry import get as get_spec
 from server.clients import client_rows
 from server.progress import RoundProgress
 from server.rundir import RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint
 from server.tensorboard import Board
 from strategies.base import RoundStats, all_finite
 from strategies.participation import exchange
+from strategies.registry import get as get_spec
 
 log = logging.getLogger("flwr.flatflower.server")
 
@@ -57,7 +57,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
     data = dataset_for(cfg)
     model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)
     torch.set_num_threads(1)
-    strategy = get_spec(cfg.algorithm).strategy_class()(
+    strategy = get_spec(cfg.algorithm).new_strategy(
         cfg, model.state_dict(), partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)])
     first = 1
     if cfg.resume:

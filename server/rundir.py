@@ -226,7 +226,7 @@ def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
     run. A relative ``client-state-dir`` is inside the run directory, where the server sees it;
     an absolute one (e.g. node-local) is checked by each client when it trains."""
     from client.state import MissingState, StateMirror
-    from common.registry import get as get_spec
+    from strategies.registry import get as get_spec
 
     needed = set(get_spec(cfg.algorithm).state)
     if not needed or not cfg.client_state_dir:

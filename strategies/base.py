@@ -14,9 +14,11 @@ that adds what the papers' algorithms need and stock FedAvg lacks:
   quantity the algorithm combines, with weights from the server's own partition sizes;
 * server state as a checkpointable dict (:meth:`state_dict` / :meth:`load_state_dict`).
 
-An algorithm subclass sets its records in :meth:`init_records` and implements
-:meth:`update` (the server half of its pseudocode), combining clients with
-:meth:`aggregate`.
+An algorithm subclass declares the run-config keys it reads (``Params``, common/params.py),
+sets its records in :meth:`init_records` and implements :meth:`update` (the server half of
+its pseudocode), combining clients with :meth:`aggregate`. Strategies are built from the
+registry (strategies/registry.py: ``spec.new_strategy(cfg, model)``), which says what
+travels with the model.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from common import protocol as P
 from common.config import RunConfig
-from common.registry import AlgorithmSpec
-from common.registry import get as get_spec
+from common.params import Params
 from strategies.aggregate import Aggregator, client_weights, global_norm, sub
 from strategies.participation import (NoNodesError, Participation, destinations, error_text, exchange,
                                      new_nonce, node_of)
@@ -74,7 +75,9 @@ class RoundStats:
 class FlatStrategy(FlowerFedAvg):
     """Server half shared by all algorithms (see module docstring)."""
 
-    def __init__(self, cfg: RunConfig, initial_model: OrderedDict, spec: AlgorithmSpec | None = None,
+    Params: type[Params] = Params  # no hyperparameters of its own
+
+    def __init__(self, cfg: RunConfig, initial_model: OrderedDict, spec,
                  partition_sizes: Callable[[int], Sequence[int]] | None = None):
         super().__init__(
             fraction_train=cfg.fraction_train,
@@ -85,8 +88,8 @@ class FlatStrategy(FlowerFedAvg):
         )
         self.fraction_evaluate = cfg.fraction_evaluate
         self.cfg = cfg
-        self.params = cfg.params  # the algorithm's hyperparameters (common/params.py)
-        self.spec = spec or get_spec(cfg.algorithm)
+        self.params = cfg.params.view(self.Params)  # this half's keys (common/params.py)
+        self.spec = spec  # the algorithm's registry entry (strategies/registry.py)
         self.model: OrderedDict = OrderedDict((k, v.clone()) for k, v in initial_model.items())
         self.layout = layout_of(self.model)
         self.round = 0  # last completed training round

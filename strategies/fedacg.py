@@ -7,17 +7,27 @@ whose look-ahead is what the clients receive and start from.
     theta^{t+1} = theta^t + eta_g m^{t+1}     (eta_g = 1: the mean of the clients' models)
 
 The momentum is the one FedNSAM's server keeps; FedACG sends the look-ahead model instead of
-m (1 model down). The clients add the prox term (beta/2)||theta - x^t||^2 (client.algorithms.
-fedprox.FedACGClient). lambda = beta = 0 is FedAvg.
+m (1 model down). The clients add the prox term (beta/2)||theta - x^t||^2 (client/algorithms/
+fedacg.py). lambda = beta = 0 is FedAvg.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from common.params import FRACTION, Params, key
 from common.protocol import MOMENTUM
 from strategies.aggregate import add_scaled
 from strategies.fednsam import FedNSAM
 
 
+@dataclass(frozen=True)
+class FedACGServerParams(Params):
+    lam: float = key("fedacg.lambda", 0.85, "server momentum and look-ahead lambda", FRACTION)
+
+
 class FedACG(FedNSAM):
+    Params = FedACGServerParams
+
     def start_point(self):
         return add_scaled(self.model, self.momentum_coefficient(), self.records[MOMENTUM])

@@ -7,7 +7,7 @@ sent to the clients next round (Delta^0 = 0). The papers' normalisation is
 -(1/(eta_l K S)) sum_i Delta_i; with tau_i = each client's actual number of local steps the
 two agree when all clients take K steps (MoFedSAM notes §6 A1-A2).
 
-Model step, ``fedcm.server-step`` (client.algorithms.fedcm.GlobalUpdateParams):
+Model step, ``fedcm.server-step`` (:class:`GlobalUpdateParams`):
   * ``delta`` (default, the notes' recommended reading and the FL-Simulator code):
     w^{r+1} = w^r + eta_g sum_i p_i (w_i - w^r), i.e. model averaging at eta_g = 1;
   * ``literal`` (Alg. 2 as printed): w^{r+1} = w^r - eta_g Delta^{r+1}; equals ``delta`` only
@@ -16,6 +16,9 @@ Model step, ``fedcm.server-step`` (client.algorithms.fedcm.GlobalUpdateParams):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from common.params import Params, key, one_of
 from common.protocol import GLOBAL_UPDATE
 from strategies.aggregate import add_scaled, scale, sub, zeros_like
 from strategies.fedavg import FedAvg
@@ -28,7 +31,19 @@ def global_update(model, updates, weights, lr: float, aggregate):
     return aggregate(per_client, weights)
 
 
+@dataclass(frozen=True)
+class GlobalUpdateParams(Params):
+    """The FedCM family's server model step (FedCM, MoFedSAM)."""
+
+    server_step: str = key("fedcm.server-step", "delta",
+                           "server model step: delta = w + server-lr * mean(w_i - w) (the notes' "
+                           "reading); literal = w - server-lr * Delta as printed in Alg. 2",
+                           one_of("delta", "literal"))
+
+
 class FedCM(FedAvg):
+    Params = GlobalUpdateParams
+
     def init_records(self):
         self.records[GLOBAL_UPDATE] = zeros_like(self.model)  # Delta^0 = 0
 

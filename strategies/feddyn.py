@@ -7,17 +7,20 @@ With u = sum_i p_i (theta_i - theta^t) over the M accepted clients (p_i uniform:
     theta^{t+1} = theta^t + eta_g (u - h^{t+1}/a)   (eta_g = 1: mean_i theta_i - h^{t+1}/a)
 
 D = N, all clients (FedDyn; FedGMT's 1/(beta M) over all clients), or M (FedTOGA's literal
-rule, ``fedtoga-dual-divisor``). h is server state only; clients keep their own h_i.
+rule, ``fedtoga.dual-divisor``). h is server state only; clients keep their own h_i.
 """
 
 from __future__ import annotations
 
+from client.algorithms.feddyn import DualParams
 from common.protocol import DUAL
 from strategies.aggregate import add_scaled, zeros_like
 from strategies.fedavg import FedAvg
 
 
 class FedDyn(FedAvg):
+    Params = DualParams  # feddyn.alpha, declared by the client half that reads it too
+
     def init_records(self):
         self.records[DUAL] = zeros_like(self.model)  # h^0 = 0 (server state, not broadcast)
 

@@ -16,17 +16,29 @@ FedGMT-v2 keeps no EMA on the server (its clients keep their own): 1 model down.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
+from client.algorithms.fedgmt import ADMMParams
+from common.params import FRACTION, key
 from common.protocol import EMA_MODEL
 from strategies.feddyn import FedDyn
 
 
+@dataclass(frozen=True)
+class FedGMTServerParams(ADMMParams):
+    alpha: float = key("fedgmt.alpha", 0.95, "decay alpha of the server's EMA model", FRACTION)
+
+
 class FedGMTv2(FedDyn):
+    Params = ADMMParams  # fedgmt.beta, declared by the client half that reads it too
+
     def dual_coefficient(self) -> float:
         return 1.0 / self.params.beta
 
 
 class FedGMT(FedGMTv2):
+    Params = FedGMTServerParams
+
     def init_records(self):
         super().init_records()
         self.records[EMA_MODEL] = OrderedDict((k, v.clone()) for k, v in self.model.items())

@@ -9,12 +9,15 @@ m^t is broadcast with theta^t (the clients' next round uses m^{t-1}: notes §8.1
 
 from __future__ import annotations
 
+from client.algorithms.fednsam import MomentumParams
 from common.protocol import MOMENTUM
 from strategies.aggregate import add_scaled, scale, zeros_like
 from strategies.fedavg import FedAvg
 
 
 class FedNSAM(FedAvg):
+    Params = MomentumParams  # fednsam.lambda, declared by the client half that reads it too
+
     def init_records(self):
         self.records[MOMENTUM] = zeros_like(self.model)
 

@@ -9,7 +9,7 @@ as Flower's FedAdam/FedYogi; the paper allows any v^{-1} >= tau^2):
     w     = w + eta m / (sqrt(v) + tau)
 
 eta = ``fedopt.eta`` (server-lr is not used), beta1/beta2/tau = ``fedopt.beta1/.beta2/.tau``
-(client.algorithms.fedopt.FedOptParams).
+(:class:`FedOptParams`; the clients run FedAvg's plain local SGD).
 No bias correction, as in the paper's Alg. 2 (Flower's FedAdam scales eta by
 sqrt(1 - beta2^(t+1)) / (1 - beta1^(t+1)); FedYogi has none in either).
 """
@@ -17,15 +17,34 @@ sqrt(1 - beta2^(t+1)) / (1 - beta1^(t+1)); FedYogi has none in either).
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
+from common.params import FRACTION, POSITIVE, Params, key
 from common.protocol import ADAPTIVE_M, ADAPTIVE_V
 from strategies.aggregate import zeros_like
 from strategies.fedavg import FedAvg
 
 
+@dataclass(frozen=True)
+class FedOptParams(Params):
+    eta: float = key("fedopt.eta", 0.01, "server step size eta (server-lr is not used)", POSITIVE)
+    beta1: float = key("fedopt.beta1", 0.9, "first-moment decay beta1", FRACTION)
+    beta2: float = key("fedopt.beta2", 0.99, "second-moment decay beta2", FRACTION)
+    tau: float = key("fedopt.tau", 0.001, "adaptivity tau", POSITIVE)
+
+    def problems(self, cfg) -> list[str]:
+        out = super().problems(cfg)
+        if cfg.server_lr != 1.0:
+            out.append(f"server-lr={cfg.server_lr} has no effect on {cfg.algorithm}: its server "
+                       "step size is fedopt.eta")
+        return out
+
+
 class FedAdam(FedAvg):
+    Params = FedOptParams
+
     def init_records(self):
         self.records[ADAPTIVE_M] = zeros_like(self.model)
         self.records[ADAPTIVE_V] = zeros_like(self.model)

@@ -1,5 +1,5 @@
 """FedSMOO server (Sun et al. 2023; FedTOGA paper Alg. 2): FedDyn's ADMM server (a =
-``feddyn-alpha``, dual over all N clients) plus the global perturbation s, broadcast next
+``feddyn.alpha``, dual over all N clients) plus the global perturbation s, broadcast next
 round (s^0 = 0):
 
     S = sum_i p_i s~_i          (uniform p_i: the paper's (1/M) sum_{i in S} s~_i)
@@ -8,6 +8,7 @@ round (s^0 = 0):
 
 from __future__ import annotations
 
+from client.algorithms.fedsmoo import FedSMOOParams
 from common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION
 from strategies.aggregate import global_norm, scale, zeros_like
 from strategies.feddyn import FedDyn
@@ -16,6 +17,8 @@ EPS = 1e-12  # as client.sam.EPS: s = 0 when S = 0
 
 
 class FedSMOO(FedDyn):
+    Params = FedSMOOParams  # sam.rho and feddyn.alpha, declared by the client half that reads them too
+
     def init_records(self):
         super().init_records()
         self.records[GLOBAL_PERTURBATION] = zeros_like(self.model)

@@ -4,20 +4,35 @@
     Delta^{t+1} = -(1/(M K)) sum_{i in S} (theta_i - theta^t)     (÷ eta_l too: ``fedtoga.delta-scale = per-lr``)
     theta^{t+1} = mean_i theta_i - h^{t+1}/a
 
-with a = alpha or 1/alpha (``fedtoga.prox-scale``, see client.algorithms.fedtoga). Delta is
+with a = alpha or 1/alpha (``fedtoga.prox-scale``, read by both halves and so declared by the
+client's client.algorithms.fedtoga.DualStepParams). Delta is
 broadcast with theta (2 models down, 1 up); Delta^0 = 0. K is each client's own number of
 steps tau_i, and 1/M is the aggregation weight p_i.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from client.algorithms.fedtoga import DualStepParams
+from common.params import key, one_of
 from common.protocol import GLOBAL_UPDATE
 from strategies.aggregate import zeros_like
 from strategies.fedcm import global_update
 from strategies.feddyn import FedDyn
 
 
+@dataclass(frozen=True)
+class FedTOGAServerParams(DualStepParams):
+    dual_divisor: str = key("fedtoga.dual-divisor", "M", "the server dual's divisor: M sampled "
+                            "(as printed) or N clients", one_of("M", "N"))
+    delta_scale: str = key("fedtoga.delta-scale", "literal", "Delta per local step (literal) or "
+                           "per step and lr (per-lr)", one_of("literal", "per-lr"))
+
+
 class FedTOGA(FedDyn):
+    Params = FedTOGAServerParams
+
     def init_records(self):
         super().init_records()
         self.records[GLOBAL_UPDATE] = zeros_like(self.model)  # Delta^0 = 0

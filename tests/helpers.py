@@ -21,7 +21,7 @@ from client.app import app as client_app
 from client.batch import ModelBatch
 from client.state import latest
 from common import protocol as P
-from common import registry
+from strategies import registry
 from common.config import RunConfig
 from common.data import dataset_for
 from common.models import build_model
@@ -378,7 +378,7 @@ def initial_model(cfg: RunConfig, seed: int | None = None) -> OrderedDict:
 
 
 def make_strategy(cfg: RunConfig, seed: int | None = None):
-    return registry.get(cfg.algorithm).strategy_class()(cfg, initial_model(cfg, seed))
+    return registry.get(cfg.algorithm).new_strategy(cfg, initial_model(cfg, seed))
 
 
 MODEL = initial_model(RunConfig.from_mapping(fast_config()))  # logreg: '1.weight', '1.bias'

@@ -11,8 +11,8 @@ import torch
 
 from common.config import AGGREGATORS, ConfigError, RunConfig
 from common.protocol import CONTROL, CONTROL_DELTA
-from common.registry import ALGORITHMS
-from common.registry import get as get_spec
+from strategies.registry import ALGORITHMS
+from strategies.registry import get as get_spec
 from tools.cli import main as cli
 from strategies.aggregate import Aggregator, global_norm, weighted_sum
 from strategies.validation import ClientUpdate
@@ -111,7 +111,7 @@ def test_norm_clip_bounds_every_clients_influence():
 # ---------------------------------------------------------------- composition with every algorithm
 def strategy_for(algorithm: str, aggregator: str):
     cfg = RunConfig.from_mapping(fast_config(algorithm=algorithm, aggregator=aggregator))
-    strategy = get_spec(algorithm).strategy_class()(cfg, MODEL)
+    strategy = get_spec(algorithm).new_strategy(cfg, MODEL)
     strategy.participation.num_partitions = 10
     return strategy
 

@@ -445,7 +445,7 @@ def test_fedopt_equals_flowers_own_strategy(algorithm):
     from flwr.serverapp.strategy import FedAdam as FlowerAdam
     from flwr.serverapp.strategy import FedYogi as FlowerYogi
 
-    from strategies.fedopt import FedAdam, FedYogi
+    from strategies.registry import ALGORITHMS
     from strategies.validation import ClientUpdate
 
     rng = np.random.default_rng(0)
@@ -458,8 +458,7 @@ def test_fedopt_equals_flowers_own_strategy(algorithm):
         cfg = RunConfig.from_mapping({"algorithm": algorithm, "fedopt.eta": eta * scale, "fedopt.beta1": b1,
                                       "fedopt.beta2": b2, "fedopt.tau": tau})
         if t == 1:
-            ours = (FedYogi if algorithm == "fedyogi" else FedAdam)(
-                cfg, {k: torch.from_numpy(v.copy()) for k, v in model.items()})
+            ours = ALGORITHMS[algorithm].new_strategy(cfg, {k: torch.from_numpy(v.copy()) for k, v in model.items()})
         ours.cfg = cfg
         aggregated = {k: v + rng.normal(scale=0.1, size=v.shape).astype(np.float32)
                       for k, v in flower.current_arrays.items()}

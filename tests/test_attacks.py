@@ -16,7 +16,7 @@ import torch
 
 from client.app import app as client_app
 from common.config import RunConfig
-from common.registry import ALGORITHMS
+from strategies.registry import ALGORITHMS
 from server.run import run_server
 from tests import malicious
 from tools.inprocess import InProcessGrid

@@ -13,7 +13,7 @@ import torch
 from common.config import RunConfig
 from common.data import partitions_for
 from common.flatness import HVP_METHODS
-from common.registry import ALGORITHMS
+from strategies.registry import ALGORITHMS
 from tools.bench import main as bench
 from tools.bench import print_tables
 from tools.cli import main as cli

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from common.config import RunConfig
-from common.registry import ALGORITHMS
+from strategies.registry import ALGORITHMS
 from tests.helpers import ROOT, flower_pids
 from tools.cli import main as cli
 
@@ -83,7 +83,7 @@ def test_docs_key_table_is_flatflower_algorithms_markdown(capsys):
 
 def test_readme_lists_every_general_key_and_no_algorithm_key():
     from common.config import general_fields
-    from common.registry import algorithm_keys
+    from common.config import algorithm_keys
 
     text = (ROOT / "README.md").read_text()
     table = text.split("## Choosing the algorithm and hyperparameters", 1)[1].split("\nNode settings", 1)[0]

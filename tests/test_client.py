@@ -18,7 +18,7 @@ from client.app import app as client_app
 from client.node import NodeSettings
 from client.train import batch_indices, round_generator
 from common import protocol as P
-from common import registry
+from strategies import registry
 from common.config import RunConfig
 from common.data import dataset_for, partitions_for
 from common.models import build_model
@@ -141,7 +141,7 @@ def make_strategy(cfg: RunConfig):
     """The run's strategy, from the registry, with the seeded initial model."""
     data = dataset_for(cfg)
     model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)
-    return registry.get(cfg.algorithm).strategy_class()(cfg, model.state_dict())
+    return registry.get(cfg.algorithm).new_strategy(cfg, model.state_dict())
 
 
 def state_view(context) -> dict:

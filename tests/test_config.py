@@ -14,7 +14,7 @@ except ModuleNotFoundError:  # Python 3.10
 import pytest
 
 from common.config import ConfigError, RunConfig, defaults, flat_keys, general_fields, parse_assignments
-from common.registry import ALGORITHMS
+from strategies.registry import ALGORITHMS
 from common.datasets import DATASETS
 from tests.helpers import fast_config
 
@@ -48,7 +48,7 @@ def test_a_key_a_family_shares_has_one_declaration() -> None:
     in every algorithm that has it: the field objects are the very same."""
     declared: dict[str, set] = {}
     for spec in ALGORITHMS.values():
-        for key, field in spec.params_class().fields().items():
+        for key, field in spec.params.fields().items():
             declared.setdefault(key, set()).add((field.default, field.metadata["meaning"]))
     assert all(len(v) == 1 for v in declared.values()), {k: v for k, v in declared.items() if len(v) > 1}
     assert all("." in key for key in declared), "algorithm keys are namespaced"
@@ -234,7 +234,7 @@ def test_to_dict_from_mapping_round_trip() -> None:
                                              run_dir="runs/x", fraction_train=0.5,
                                              **{"mofedsam.beta": 0.4}))
     values = cfg.to_dict()
-    assert sorted(values) == sorted([*general_fields(), *ALGORITHMS["mofedsam"].params_class().fields()])
+    assert sorted(values) == sorted([*general_fields(), *ALGORITHMS["mofedsam"].params.fields()])
     assert values["mofedsam.beta"] == 0.4 and cfg.params.beta == 0.4
     assert values["local-steps"] == 2 and values["algorithm"] == "mofedsam"
     assert RunConfig.from_mapping(values) == cfg

@@ -83,3 +83,28 @@ def test_common_imports_nothing_above_it():
     above = {m: sorted(d for d in deps if not d.startswith("common"))
              for m, deps in import_graph().items() if m.startswith("common")}
     assert {m: d for m, d in above.items() if d} == {}
+
+
+def test_imports_go_one_way():
+    """common <- client <- strategies <- server, tools: no client module but the ClientApp
+    imports the server halves (a rule never sees server code), and strategies import neither
+    the server's run loop nor the tools."""
+    graph = import_graph()
+    found = {m: sorted(d for d in deps if d.split(".")[0] in forbidden)
+             for m, deps in graph.items()
+             for forbidden in [{"client": {"strategies", "server", "tools"},
+                                "strategies": {"server", "tools"}}.get(m.split(".")[0], set())]
+             if m != "client.app"}
+    assert {m: d for m, d in found.items() if d} == {}
+
+
+def test_no_class_is_imported_by_name():
+    """The halves are joined by real imports (strategies/registry.py), not 'module:Class' strings."""
+    hits = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "import_module":
+                hits.append(name)
+            if isinstance(node, ast.Name) and node.id in ("__import__", "import_module"):
+                hits.append(name)
+    assert sorted(set(hits)) == ["tools.cli"]  # its own-parser commands, modules loaded on demand

@@ -31,7 +31,8 @@ import torch
 import client.algorithms.fedlesam as fedlesam_client
 import client.sam as sam
 from client.algorithms.feddyn import DualClient
-from client.algorithms.fedprox import FedACGClient, FedProxClient
+from client.algorithms.fedacg import FedACGClient
+from client.algorithms.fedprox import FedProxClient
 from client.algorithms.fedsmoo import FedSMOOClient
 from client.algorithms.fedspeed import FedSpeedClient
 from client.algorithms.scaffold import ScaffoldClient
@@ -44,6 +45,7 @@ from common.datasets import Split, load_dataset
 from common.models import build_model
 from strategies.aggregate import add_scaled, scale
 from strategies.fednsam import FedNSAM
+from strategies.registry import ALGORITHMS
 from strategies.scaffold import Scaffold
 from tests.helpers import PARTIAL, run
 from tests.reference import EPS, Problem, fedacg_reference, feddyn_reference, fedlesam_reference, fedprox_reference, fedsmoo_reference, norm, scaffold_reference, scaled
@@ -345,7 +347,7 @@ def test_scaffold_divides_by_all_local_steps_not_batches_per_epoch(monkeypatch):
         torch.nn.init.zeros_(model.bias)
         x0 = [p.detach().clone() for p in trainable(model)]
         c = OrderedDict((n, torch.full_like(p, 0.01)) for n, p in model.named_parameters())
-        rule, layout = build_rule(cfg, model, {P.CONTROL: c}, {}, 0.1)
+        rule, layout = build_rule(ALGORITHMS[cfg.algorithm], cfg, model, {P.CONTROL: c}, {}, 0.1)
         assert isinstance(rule, ScaffoldClient)
         local_train(model, data, rule, cfg, 0.1, torch.Generator().manual_seed(0))
         expected = [-0.01 + (a - p.detach()) / (4 * 0.1) for a, p in zip(x0, trainable(model))]

@@ -11,7 +11,7 @@ import torch
 
 from client.app import META
 from common import protocol as P
-from common.registry import ALGORITHMS
+from strategies.registry import ALGORITHMS
 from tests.helpers import assert_states_equal, fast_config, metrics, run_with_snapshots
 from tests.reference import PAPER_PATTERN
 from tools.inprocess import run_inprocess

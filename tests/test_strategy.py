@@ -20,8 +20,8 @@ from common.config import RunConfig
 from tools.inprocess import InProcessGrid, run_inprocess
 from strategies.aggregate import client_weights, weighted_sum
 from strategies.base import NoNodesError
-from strategies.fedavg import FedAvg
 from strategies.mofedsam import MoFedSAM
+from strategies.registry import ALGORITHMS
 from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
                                    parse_train_reply)
 from tests.helpers import MODEL, fast_config, make_strategy, metrics
@@ -309,7 +309,7 @@ def test_weighted_sum() -> None:
 
 def test_fedavg_update_is_the_weighted_model_average(make_message) -> None:
     cfg = RunConfig.from_mapping(fast_config())
-    strategy = FedAvg(cfg, MODEL)
+    strategy = ALGORITHMS["fedavg"].new_strategy(cfg, MODEL)
     locals_ = [OrderedDict((k, v + i + 1) for k, v in MODEL.items()) for i in range(2)]
     updates = [
         parse_train_reply(make_message(RecordDict({

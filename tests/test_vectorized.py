@@ -36,7 +36,7 @@ from client.vectorized import FunctionalBatch, check_batchable, groups, padded, 
 from common import protocol as P
 from common.config import RunConfig
 from common.models import MODELS, build_model
-from common.registry import ALGORITHMS
+from strategies.registry import ALGORITHMS
 from server.run import RunFailed, run_server
 from tests.helpers import FIRST_NODE, metrics
 from tools.cli import main as cli
@@ -308,7 +308,7 @@ def _calls(cfg: RunConfig, algorithm: str, sizes: list[int], states: list[dict] 
     broadcast = {name: named for name in spec.down}
     out = []
     for n, state in zip(sizes, states or [{}] * len(sizes)):
-        rule, _ = build_rule(cfg, model, broadcast, state, 0.1, initial=lambda: named)
+        rule, _ = build_rule(spec, cfg, model, broadcast, state, 0.1, initial=lambda: named)
         out.append(SimpleNamespace(rule=rule, data=range(n), cfg=cfg))
     return out
 
@@ -645,7 +645,7 @@ def test_an_empty_partition_gets_local_trains_own_error_and_fails_alone():
     from common.datasets import Split
 
     empty = Split(torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.int64))
-    rule, _ = build_rule(cfg, model, {}, {}, 0.1)
+    rule, _ = build_rule(ALGORITHMS[cfg.algorithm], cfg, model, {}, {}, 0.1)
     call = SimpleNamespace(data=empty, cfg=cfg, rule=rule,
                            train=lambda: local_train(model, empty, rule, cfg, 0.1, torch.Generator()))
     [result] = vec.train_together([call])

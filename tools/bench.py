@@ -3,7 +3,7 @@
 * **compute** — seconds per local step of each algorithm (our real local loop) divided by a
   plain PyTorch SGD step on the same model, batch and device, measured interleaved in one
   process; beside it the gradient passes per step counted while it ran and the count the
-  algorithm needs (``common.registry``: ``passes`` + ``forwards``/3, a forward being about a
+  algorithm needs (``strategies/registry.py``: ``passes`` + ``forwards``/3, a forward being about a
   third of a forward + backward).
 * **overhead** — one round of the same clients: the sum of their pure training time against
   the round's wall time in-process, in Ray simulation and in a real loopback deployment
@@ -57,8 +57,8 @@ from common.config import RunConfig, cli_float, cli_int
 from common.datasets import Split
 from common.flatness import DEFAULT_ITERS, DEFAULT_PROBES, HVP_METHODS, SplitLoss, measure, random_vector
 from common.models import build_model
-from common.registry import ALGORITHMS
-from common.registry import get as get_spec
+from strategies.registry import ALGORITHMS
+from strategies.registry import get as get_spec
 from server.rundir import load_checkpoint, load_tensors
 from tools.engines import quiet_flower
 from tools.throughput import ThroughputSettings, bench_throughput
@@ -217,7 +217,7 @@ def _algorithm_seconds(name: str, overrides: dict, settings: Settings, x, y, ini
     state: dict = {}
     for timed in (False, True):
         model.load_state_dict(init)
-        rule, layout = build_rule(cfg, model, broadcast, state, cfg.lr, lambda: init)
+        rule, layout = build_rule(spec, cfg, model, broadcast, state, cfg.lr, lambda: init)
         counter = PassCounter(model)
         gen = torch.Generator().manual_seed(0)
         _sync(device)

@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data-dir", default="", help="where torchvision datasets live "
                                                      "(default $FLATFLOWER_DATA or ~/.cache/flatflower/data)")
     algs = sub.add_parser("algorithms", help="list the algorithms, their records and their keys")
-    algs.add_argument("--markdown", action="store_true", help="as the table of docs/algorithms.md")
+    shape = algs.add_mutually_exclusive_group()
+    shape.add_argument("--markdown", action="store_true", help="as the table of docs/algorithms.md")
+    shape.add_argument("--json", action="store_true",
+                       help="the registry as data: per algorithm its keys (default, meaning, which half "
+                            "reads it), records, client state, passes and the class of each half")
     certs = sub.add_parser("certs", help="generate a CA, a SuperLink certificate and SuperNode keys")
     certs.add_argument("out_dir", metavar="OUT_DIR", help="where the files go")
     certs.add_argument("--nodes", type=cli_int, required=True, help="number of SuperNode key pairs")

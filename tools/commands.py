@@ -6,6 +6,7 @@ sweep and the tests call them): prepare the run (tools/prepare.py), run it on an
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import select
 import sys
@@ -143,36 +144,42 @@ def data(args: argparse.Namespace) -> int:
 
 
 def algorithms(args: argparse.Namespace) -> int:
-    """The algorithms, from their specs: paper, records down/up, client state, gradient passes
-    per local step, and their own run-config keys with defaults (``--markdown``: the table of
-    docs/algorithms.md)."""
-    print(algorithm_table(markdown=args.markdown))
+    """The algorithms, from the registry: paper, records down/up, client state, gradient passes
+    per local step, and their own run-config keys with defaults and the half that reads each
+    (``--markdown``: the table of docs/algorithms.md; ``--json``: all of it as data)."""
+    if args.json:
+        from strategies.registry import as_data
+
+        print(json.dumps(as_data(), indent=1))
+    else:
+        print(algorithm_table(markdown=args.markdown))
     return EXIT_OK
 
 
+READ_BY = {"client": "the client", "server": "the server", "both": "both halves"}
+
+
 def algorithm_table(markdown: bool = False) -> str:
-    from common.registry import ALGORITHMS
+    from strategies.registry import as_data
 
     rows = []
-    for spec in ALGORITHMS.values():
-        fields = spec.params_class().fields()
-        keys = [f"{k} = {f.default!r}" for k, f in fields.items()]
-        passes = f"{spec.passes}" + (f" + {spec.forwards} forward" if spec.forwards else "")
-        rows.append((spec.name, spec.summary, ", ".join(spec.down) or "-", ", ".join(spec.up) or "-",
-                     ", ".join(spec.state) or "-", passes, keys,
-                     [f"`{k}`: {f.metadata['meaning']}" for k, f in fields.items()]))
+    for alg in as_data():
+        keys = [f"{k['name']} = {k['default']!r}" for k in alg["keys"]]
+        passes = f"{alg['passes']}" + (f" + {alg['forwards']} forward" if alg["forwards"] else "")
+        rows.append((alg["name"], alg["summary"], ", ".join(alg["down"]) or "-", ", ".join(alg["up"]) or "-",
+                     ", ".join(alg["state"]) or "-", passes, keys, alg["keys"]))
     if markdown:
-        out = ["| algorithm | records down | up | client state | passes per step | keys (default) |",
+        out = ["| algorithm | records down | up | client state | passes per step | keys (default; read by) |",
                "|---|---|---|---|---|---|"]
         out += [f"| `{name}` | {down} | {up} | {state} | {passes} | "
-                + ("<br>".join(f"`{k}`" for k in keys) or "-") + " |"
-                for name, _, down, up, state, passes, keys, _ in rows]
+                + ("<br>".join(f"`{k}` ({key['read_by']})" for k, key in zip(keys, fields)) or "-") + " |"
+                for name, _, down, up, state, passes, keys, fields in rows]
         return "\n".join(out)
     out = []
-    for name, summary, down, up, state, passes, keys, meanings in rows:
+    for name, summary, down, up, state, passes, keys, fields in rows:
         out.append(f"{name}: {summary}\n    records down: {down}; up: {up}; client state: {state}; "
                    f"gradient passes per step: {passes}")
-        out += [f"    {k}    {m.split(': ', 1)[1]}" for k, m in zip(keys, meanings)]
+        out += [f"    {k}    {key['meaning']} [read by {READ_BY[key['read_by']]}]" for k, key in zip(keys, fields)]
     return "\n".join(out)
 
 

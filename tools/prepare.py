@@ -347,10 +347,10 @@ def _check_strategy_state(cfg: RunConfig, model_state: dict) -> None:
     (as the ServerApp will load it), and RunDirError unless the client state it needs is there:
     a damaged checkpoint or client state is refused before anything starts."""
     from common.data import partitions_for
-    from common.registry import get as get_spec
     from server.rundir import CHECKPOINT, check_client_state, load_checkpoint
+    from strategies.registry import get as get_spec
 
-    strategy = get_spec(cfg.algorithm).strategy_class()(
+    strategy = get_spec(cfg.algorithm).new_strategy(
         cfg, model_state, partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)])
     ckpt = load_checkpoint(cfg.run_dir)
     try:

@@ -148,7 +148,7 @@ def _algorithm_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
     """[algorithms.<name>] tables: known algorithm names, each a table of run-config keys
     (flattened: a nested ``sam.rho`` or a quoted ``"sam.rho"``); ``algorithm`` itself is not
     one of them."""
-    from common.registry import ALGORITHMS
+    from strategies.registry import ALGORITHMS
 
     if not isinstance(tables, dict):
         raise PresetError(f"{path}: algorithms must be tables ([algorithms.<name>])")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import cli_float, cli_int, did_you_mean
-from common.registry import ALGORITHMS
+from strategies.registry import ALGORITHMS
 from tools import commands
 from tools.prepare import (Parser, UsageError, add_run_arguments, add_simulate_arguments, check_engine_options,
                            engine_of)

@@ -72,7 +72,7 @@ class ThroughputSettings:
         bad = [e for e in self.engines if e not in ENGINES]
         if bad:
             raise ValueError(f"throughput engines: unknown {', '.join(bad)} (valid: {', '.join(ENGINES)})")
-        from common.registry import ALGORITHMS
+        from strategies.registry import ALGORITHMS
 
         bad = [a for a in self.algorithms if a not in ALGORITHMS]
         if bad:

@@ -1,1 +1,1 @@
-"""Client halves of the algorithms (one small file each); see common.registry."""
+"""Client halves of the algorithms (one small file each); joined to their server halves in strategies/registry.py."""

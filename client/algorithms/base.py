@@ -29,8 +29,11 @@ class ClientRule:
     extra records the server sent, ``state`` this client's records from earlier rounds (empty
     before its first), both aligned with the parameters; ``lr`` this round's local learning
     rate (SCAFFOLD's control variates are in gradient units); ``initial()`` rebuilds the run's
-    initial model w^0 (aligned) on demand.
+    initial model w^0 (aligned) on demand. ``Params`` declares the run-config keys this half
+    reads; ``params`` is an instance of it (common/params.py).
     """
+
+    Params: type[Params] = Params  # no hyperparameters of its own
 
     def __init__(self, params: Params, start: Tensors, broadcast: dict[str, Tensors],
                  state: dict[str, Tensors], lr: float,

@@ -26,6 +26,8 @@ class FedASAMParams(SAMParams):
 
 
 class FedASAMClient(ClientRule):
+    Params = FedASAMParams
+
     def gradient(self, w, batch):
         loss, g = batch.grad()
         t = [p.abs() + self.params.eta for p in w]

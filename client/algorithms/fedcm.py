@@ -4,8 +4,7 @@
     w_{k+1} = w_k - lr * v
 
 alpha (``fedcm.alpha``) weighs the fresh local gradient; alpha = 1 is FedAvg. MoFedSAM is
-this rule with a SAM gradient g~ in place of g. ``fedcm.server-step`` is the server's (FedCM
-and MoFedSAM share it; strategies/fedcm.py).
+this rule with a SAM gradient g~ in place of g. ``fedcm.server-step`` is the server's (strategies/fedcm.py).
 """
 
 from __future__ import annotations
@@ -14,27 +13,19 @@ from dataclasses import dataclass
 
 from client.algorithms.base import ClientRule
 from client.tensors import add, scale
-from common.params import UNIT, Params, key, one_of
+from common.params import UNIT, Params, key
 from common.protocol import GLOBAL_UPDATE
 
 
 @dataclass(frozen=True)
-class GlobalUpdateParams(Params):
-    """The FedCM family's server model step (strategies/fedcm.py)."""
-
-    server_step: str = key("fedcm.server-step", "delta",
-                           "server model step: delta = w + server-lr * mean(w_i - w) (the notes' "
-                           "reading); literal = w - server-lr * Delta as printed in Alg. 2",
-                           one_of("delta", "literal"))
-
-
-@dataclass(frozen=True)
-class FedCMParams(GlobalUpdateParams):
+class FedCMParams(Params):
     alpha: float = key("fedcm.alpha", 0.1, "weight of the fresh local gradient against the "
                        "global update Delta (1 = FedAvg)", UNIT)
 
 
 class FedCMClient(ClientRule):
+    Params = FedCMParams
+
     def mixing_weight(self) -> float:
         return self.params.alpha
 

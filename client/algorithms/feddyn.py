@@ -26,11 +26,13 @@ class DualParams(Params):
     """The FedDyn family's coefficient (FedDyn, FedSpeed, FedSMOO, FedLESAM-D)."""
 
     alpha: float = key("feddyn.alpha", 0.1, "FedDyn coefficient a: the prox weight and the dual "
-                       "step (client and server)", POSITIVE)
+                       "step", POSITIVE)
 
 
 class DualClient(ClientRule):
     """Shared mechanics of the FedDyn family: dual h_i, prox term, dual update."""
+
+    Params = DualParams
 
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)

@@ -32,17 +32,18 @@ from common.protocol import CLIENT_EMA, EMA_MODEL
 
 
 @dataclass(frozen=True)
-class DistillParams(Params):
-    """What FedGMT and FedGMT-v2 share: the ADMM penalty and the distillation."""
+class ADMMParams(Params):
+    """beta, read by both halves: the client's and the server's dual step 1/beta."""
 
     beta: float = key("fedgmt.beta", 10.0, "ADMM penalty beta (dual step 1/beta)", POSITIVE)
-    gamma: float = key("fedgmt.gamma", 1.0, "weight gamma of the KL to the EMA model", NONNEGATIVE)
-    tau: float = key("fedgmt.tau", 3.0, "distillation temperature tau", POSITIVE)
 
 
 @dataclass(frozen=True)
-class FedGMTParams(DistillParams):
-    alpha: float = key("fedgmt.alpha", 0.95, "decay alpha of the server's EMA model", FRACTION)
+class DistillParams(ADMMParams):
+    """What FedGMT's and FedGMT-v2's clients share: the ADMM penalty and the distillation."""
+
+    gamma: float = key("fedgmt.gamma", 1.0, "weight gamma of the KL to the EMA model", NONNEGATIVE)
+    tau: float = key("fedgmt.tau", 3.0, "distillation temperature tau", POSITIVE)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class FedGMTv2Params(DistillParams):
 
 
 class FedGMTClient(DualClient):
+    Params = DistillParams
+
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)
         self.teacher = self.teacher_weights()
@@ -83,6 +86,8 @@ class FedGMTClient(DualClient):
 
 
 class FedGMTv2Client(FedGMTClient):
+    Params = FedGMTv2Params
+
     def teacher_weights(self) -> Tensors:
         """e_m <- alpha e_m + (1 - alpha) w^t, e_m before the first round per ``init``."""
         alpha = self.params.client_alpha

@@ -60,10 +60,16 @@ class LocalEstimate:
 class FedLESAMClient(LocalEstimate, ClientRule):
     """FedLESAM: the estimate in a FedAvg step."""
 
+    Params = FedLESAMParams
+
 
 class FedLESAMDClient(LocalEstimate, DualClient):
     """FedLESAM-D: the estimate in FedDyn's step."""
 
+    Params = FedLESAMDParams
+
 
 class FedLESAMSClient(LocalEstimate, ScaffoldClient):
     """FedLESAM-S: the estimate in SCAFFOLD's step."""
+
+    Params = FedLESAMParams

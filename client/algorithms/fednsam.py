@@ -16,16 +16,25 @@ from dataclasses import dataclass
 from client.algorithms.base import ClientRule
 from client.sam import SAMParams, unit_scaled
 from client.tensors import scale, sub
-from common.params import FRACTION, key
+from common.params import FRACTION, Params, key
 from common.protocol import MOMENTUM
 
 
 @dataclass(frozen=True)
-class FedNSAMParams(SAMParams):
+class MomentumParams(Params):
+    """lambda, read by both halves: the server's momentum coefficient and the look-ahead."""
+
     lam: float = key("fednsam.lambda", 0.85, "server momentum and look-ahead lambda", FRACTION)
 
 
+@dataclass(frozen=True)
+class FedNSAMParams(SAMParams, MomentumParams):
+    pass
+
+
 class FedNSAMClient(ClientRule):
+    Params = FedNSAMParams
+
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)
         m = broadcast[MOMENTUM]

@@ -4,15 +4,16 @@
     g~ = grad F(w_k + rho * g/||g||; xi_k)      (same mini-batch)
     w_{k+1} = w_k - lr * g~
 
-Params: client.sam.SAMParams (``sam.rho``).
 """
 
 from __future__ import annotations
 
 from client.algorithms.base import ClientRule
-from client.sam import sam_gradient
+from client.sam import SAMParams, sam_gradient
 
 
 class FedSAMClient(ClientRule):
+    Params = SAMParams
+
     def gradient(self, w, batch):
         return sam_gradient(batch, self.params.rho)

@@ -29,6 +29,8 @@ class FedSMOOParams(SAMParams, DualParams):
 
 
 class FedSMOOClient(DualClient):
+    Params = FedSMOOParams
+
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)
         self.s = broadcast[GLOBAL_PERTURBATION]

@@ -28,6 +28,8 @@ class FedSpeedParams(SAMParams, DualParams):
 
 
 class FedSpeedClient(FedDynClient):
+    Params = FedSpeedParams
+
     def gradient(self, w, batch):
         alpha = self.params.merge
         loss, g = batch.grad()

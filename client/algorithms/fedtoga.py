@@ -13,7 +13,8 @@ then h_i <- h_i - a (theta_K - theta^t). ``fedtoga.prox-scale``: a = alpha ("mul
 the notes' reading, §6-A1) or a = 1/alpha ("literal", the (1/alpha) printed in Alg. 1).
 With kappa = beta = 0, "G" and a = feddyn.alpha the client is FedSpeed's (the whole algorithm
 is FedSpeed when the server divides the dual by N too, or under full participation).
-The server's switches (``dual-divisor``, ``delta-scale``) are in strategies/fedtoga.py.
+``fedtoga.alpha`` and ``fedtoga.prox-scale`` are read by both halves (:class:`DualStepParams`);
+the server's own switches (``dual-divisor``, ``delta-scale``) are in strategies/fedtoga.py.
 """
 
 from __future__ import annotations
@@ -23,32 +24,37 @@ from dataclasses import dataclass
 from client.algorithms.feddyn import DualClient
 from client.sam import SAMParams, unit_scaled
 from client.tensors import add, scale
-from common.params import NONNEGATIVE, POSITIVE, key, one_of
+from common.params import NONNEGATIVE, POSITIVE, Params, key, one_of
 from common.protocol import GLOBAL_UPDATE
 
 
 @dataclass(frozen=True)
-class FedTOGAParams(SAMParams):
-    alpha: float = key("fedtoga.alpha", 0.1, "prox and dual coefficient (see prox-scale)", POSITIVE)
+class DualStepParams(Params):
+    """a, read by both halves: the client's prox weight and dual step, the server's dual step."""
+
+    alpha: float = key("fedtoga.alpha", 0.1, "prox and dual coefficient (see prox-scale)",
+                       POSITIVE)
     prox_scale: str = key("fedtoga.prox-scale", "multiplier", "a = alpha (multiplier, notes "
                           "§6-A1) or 1/alpha (literal, as printed in Alg. 1)",
                           one_of("multiplier", "literal"))
-    kappa: float = key("fedtoga.kappa", 1.0, "correction kappa of the perturbation by Delta", NONNEGATIVE)
-    beta: float = key("fedtoga.beta", 0.9, "correction beta of the step by Delta", NONNEGATIVE)
-    perturbation: str = key("fedtoga.perturbation", "G", "G: fresh gradient + kappa Delta; N: "
-                            "last SAM gradient (1 pass per step); fusion: both",
-                            one_of("G", "N", "fusion"))
-    dual_divisor: str = key("fedtoga.dual-divisor", "M", "the server dual's divisor: M sampled "
-                            "(as printed) or N clients", one_of("M", "N"))
-    delta_scale: str = key("fedtoga.delta-scale", "literal", "Delta per local step (literal) or "
-                           "per step and lr (per-lr)", one_of("literal", "per-lr"))
 
     def coefficient(self) -> float:
         """a, the prox weight and dual step: alpha (multiplier) or 1/alpha (literal)."""
         return self.alpha if self.prox_scale == "multiplier" else 1.0 / self.alpha
 
 
+@dataclass(frozen=True)
+class FedTOGAParams(SAMParams, DualStepParams):
+    kappa: float = key("fedtoga.kappa", 1.0, "correction kappa of the perturbation by Delta", NONNEGATIVE)
+    beta: float = key("fedtoga.beta", 0.9, "correction beta of the step by Delta", NONNEGATIVE)
+    perturbation: str = key("fedtoga.perturbation", "G", "G: fresh gradient + kappa Delta; N: "
+                            "last SAM gradient (1 pass per step); fusion: both",
+                            one_of("G", "N", "fusion"))
+
+
 class FedTOGAClient(DualClient):
+    Params = FedTOGAParams
+
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)
         delta = broadcast[GLOBAL_UPDATE]

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.fedcm import FedCMClient, GlobalUpdateParams
+from client.algorithms.fedcm import FedCMClient
 from client.sam import SAMParams, sam_gradient
 from common.params import UNIT, key
 
 
 @dataclass(frozen=True)
-class MoFedSAMParams(SAMParams, GlobalUpdateParams):
+class MoFedSAMParams(SAMParams):
     beta: float = key("mofedsam.beta", 0.1, "weight of the local SAM gradient against the "
                       "global update Delta (1 = FedSAM)", UNIT)
 
 
 class MoFedSAMClient(FedCMClient):
+    Params = MoFedSAMParams
+
     def mixing_weight(self) -> float:
         return self.params.beta
 

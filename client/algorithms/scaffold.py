@@ -1,10 +1,10 @@
-"""SCAFFOLD client (Karimireddy et al. 2020, Alg. 1, option II) and FedGAMMA's (Dai et al.
-2023), which puts the same control variates around a local SAM gradient.
+"""SCAFFOLD client (Karimireddy et al. 2020, Alg. 1, option II); FedGAMMA and FedLESAM-S put
+the same control variates around their own gradient.
 
 With the server control variate c (broadcast) and the client's own c_i (state, zeros before
 its first round), K local steps of
 
-    y_{k+1} = y_k - lr * ( g_k - c_i + c )          (FedGAMMA: g_k = g~_k, the SAM gradient)
+    y_{k+1} = y_k - lr * ( g_k - c_i + c )
 
 then (option II)  c_i^+ = c_i - c + (x - y_K) / (K lr),  with x the received model;
 c_i^+ - c_i is uploaded, c_i^+ kept. K is the number of steps this client took.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from client.algorithms.base import ClientRule
-from client.sam import sam_gradient
 from client.tensors import Tensors, add, scale, sub, zeros_like
 from common.protocol import CLIENT_CONTROL, CONTROL, CONTROL_DELTA
 
@@ -51,10 +50,3 @@ class ScaffoldClient(ClientRule):
     def new_state(self, w):
         return {CLIENT_CONTROL: self.new_control(w)}
 
-
-class FedGAMMAClient(ScaffoldClient):
-    """FedGAMMA: the perturbation comes from the raw local gradient (as in FL-Simulator's
-    fedgamma), the corrected step uses the SAM gradient at it."""
-
-    def gradient(self, w, batch):
-        return sam_gradient(batch, self.params.rho)

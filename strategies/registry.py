@@ -1,0 +1,186 @@
+"""The algorithms: run-config name -> server half, client half and what crosses the wire.
+
+An algorithm ``x`` has its server half in ``strategies/x.py`` and its client half in
+``client/algorithms/x.py``; the families of :data:`FAMILIES` share one file per half, named
+after the family (fedgmt.py holds fedgmt and fedgmt-v2).
+
+Each half declares the run-config keys it reads (its ``Params``, common/params.py); the
+registry joins them into the algorithm's params class and registers those with the run-config
+parser (common.config.register_algorithms), so the ground floor checks every key without
+importing upward. This module sees both halves; every entry point imports it (the ServerApp
+and the ClientApp, the engines, the CLI). Adding an algorithm = its two halves, their tests
+and one line here (CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from client.algorithms.base import ClientRule
+from client.algorithms.fedacg import FedACGClient
+from client.algorithms.fedasam import FedASAMClient
+from client.algorithms.fedavg import FedAvgClient
+from client.algorithms.fedcm import FedCMClient
+from client.algorithms.feddyn import FedDynClient
+from client.algorithms.fedgamma import FedGAMMAClient
+from client.algorithms.fedgmt import FedGMTClient, FedGMTv2Client
+from client.algorithms.fedlesam import FedLESAMClient, FedLESAMDClient, FedLESAMSClient
+from client.algorithms.fednsam import FedNSAMClient
+from client.algorithms.fedopt import FedOptClient
+from client.algorithms.fedprox import FedProxClient
+from client.algorithms.fedsam import FedSAMClient
+from client.algorithms.fedsmoo import FedSMOOClient
+from client.algorithms.fedspeed import FedSpeedClient
+from client.algorithms.fedtoga import FedTOGAClient
+from client.algorithms.mofedsam import MoFedSAMClient
+from client.algorithms.scaffold import ScaffoldClient
+from common import protocol as P
+from common.config import register_algorithms
+from common.params import Params, combine
+from strategies.base import FlatStrategy
+from strategies.fedacg import FedACG
+from strategies.fedasam import FedASAM
+from strategies.fedavg import FedAvg
+from strategies.fedcm import FedCM
+from strategies.feddyn import FedDyn
+from strategies.fedgamma import FedGAMMA
+from strategies.fedgmt import FedGMT, FedGMTv2
+from strategies.fedlesam import FedLESAM, FedLESAMD, FedLESAMS
+from strategies.fednsam import FedNSAM
+from strategies.fedopt import FedAdam, FedYogi
+from strategies.fedprox import FedProx
+from strategies.fedsam import FedSAM
+from strategies.fedsmoo import FedSMOO
+from strategies.fedspeed import FedSpeed
+from strategies.fedtoga import FedTOGA
+from strategies.mofedsam import MoFedSAM
+from strategies.scaffold import Scaffold
+
+
+# family file -> the algorithms whose halves it holds (strategies/<file>.py, client/algorithms/<file>.py)
+FAMILIES = {"fedgmt": ("fedgmt", "fedgmt-v2"), "fedlesam": ("fedlesam", "fedlesam-d", "fedlesam-s"),
+            "fedopt": ("fedadam", "fedyogi")}
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One algorithm: its two halves and which records cross the wire.
+
+    ``down``/``up`` list the records besides the model (``arrays``), the ``config`` and
+    ``metrics`` records that every message carries; ``state`` the records a client keeps
+    between its rounds. ``passes`` is the number of gradient (forward + backward) passes per
+    local step with the default config, ``forwards`` the extra forward-only passes (FedGMT's
+    teacher): what ``flatflower bench`` measures against. ``params`` (derived) holds the keys
+    of both halves.
+    """
+
+    name: str
+    strategy: type[FlatStrategy]
+    client: type[ClientRule]
+    down: tuple[str, ...] = ()
+    up: tuple[str, ...] = ()
+    state: tuple[str, ...] = ()
+    passes: int = 1
+    forwards: int = 0
+    summary: str = ""
+    params: type[Params] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        keys = combine(f"{self.strategy.__name__}Keys", self.strategy.Params, self.client.Params)
+        object.__setattr__(self, "params", keys)
+
+    def new_strategy(self, cfg, initial_model, **kwargs: Any) -> FlatStrategy:
+        """The server half for run config ``cfg`` (its ``algorithm`` is this one)."""
+        return self.strategy(cfg, initial_model, self, **kwargs)
+
+    def key_owners(self) -> dict[str, str]:
+        """Each of this algorithm's run-config keys -> which half reads it: server, client or both."""
+        server, client = self.strategy.Params.fields(), self.client.Params.fields()
+        return {k: "both" if k in server and k in client else "server" if k in server else "client"
+                for k in self.params.fields()}
+
+
+ALGORITHMS: dict[str, AlgorithmSpec] = {
+    spec.name: spec
+    for spec in (
+        AlgorithmSpec("fedavg", FedAvg, FedAvgClient,
+                      summary="FedAvg (McMahan et al. 2017) with a server learning rate"),
+        AlgorithmSpec("fedsam", FedSAM, FedSAMClient, passes=2,
+                      summary="FedSAM (Qu et al. 2022, eq. 4): local SAM, FedAvg server"),
+        AlgorithmSpec("mofedsam", MoFedSAM, MoFedSAMClient, down=(P.GLOBAL_UPDATE,), passes=2,
+                      summary="MoFedSAM (Qu et al. 2022, eq. 6): local SAM mixed with the global update"),
+        AlgorithmSpec("fedcm", FedCM, FedCMClient, down=(P.GLOBAL_UPDATE,),
+                      summary="FedCM (Xu et al. 2021): local gradients mixed with the global update"),
+        AlgorithmSpec("feddyn", FedDyn, FedDynClient, state=(P.DUAL,),
+                      summary="FedDyn (Acar et al. 2021): dynamic regulariser, client and server duals"),
+        AlgorithmSpec("fedspeed", FedSpeed, FedSpeedClient, state=(P.DUAL,), passes=2,
+                      summary="FedSpeed (Sun et al. 2023): FedDyn's prox-correction around local SAM"),
+        AlgorithmSpec("fedgmt", FedGMT, FedGMTClient, down=(P.EMA_MODEL,), state=(P.DUAL,), forwards=1,
+                      summary="FedGMT (Li et al. 2025): KL to the server's EMA model + ADMM duals"),
+        AlgorithmSpec("fedgmt-v2", FedGMTv2, FedGMTv2Client, state=(P.DUAL, P.CLIENT_EMA), forwards=1,
+                      summary="FedGMT-v2 (Li et al. 2025): FedGMT with a client-side EMA, 1x communication"),
+        AlgorithmSpec("fednsam", FedNSAM, FedNSAMClient, down=(P.MOMENTUM,),
+                      summary="FedNSAM (Liu et al. 2025): server Nesterov momentum as look-ahead and perturbation"),
+        AlgorithmSpec("fedtoga", FedTOGA, FedTOGAClient, down=(P.GLOBAL_UPDATE,), state=(P.DUAL,), passes=2,
+                      summary="FedTOGA (Li et al.): SAM perturbation corrected by the global update, dual correction"),
+        # the baselines the papers compare against
+        AlgorithmSpec("fedprox", FedProx, FedProxClient,
+                      summary="FedProx (Li et al. 2020): proximal term (mu/2)||w - w^t||^2, FedAvg server"),
+        AlgorithmSpec("scaffold", Scaffold, ScaffoldClient, down=(P.CONTROL,), up=(P.CONTROL_DELTA,),
+                      state=(P.CLIENT_CONTROL,),
+                      summary="SCAFFOLD (Karimireddy et al. 2020): control variates, option II"),
+        AlgorithmSpec("fedgamma", FedGAMMA, FedGAMMAClient, down=(P.CONTROL,), up=(P.CONTROL_DELTA,),
+                      state=(P.CLIENT_CONTROL,), passes=2,
+                      summary="FedGAMMA (Dai et al. 2023): SCAFFOLD control variates around local SAM"),
+        AlgorithmSpec("fedsmoo", FedSMOO, FedSMOOClient, down=(P.GLOBAL_PERTURBATION,),
+                      up=(P.PERTURBATION_CORRECTION,), state=(P.DUAL, P.PERTURBATION_DUAL), passes=2,
+                      summary="FedSMOO (Sun et al. 2023): corrected SAM perturbation towards a global one, FedDyn duals"),
+        AlgorithmSpec("fedlesam", FedLESAM, FedLESAMClient, state=(P.PREVIOUS_GLOBAL,),
+                      summary="FedLESAM (Fan et al. 2024): perturbation from the client's previous global model, 1 pass"),
+        AlgorithmSpec("fedlesam-d", FedLESAMD, FedLESAMDClient, state=(P.DUAL, P.PREVIOUS_GLOBAL),
+                      summary="FedLESAM-D (Fan et al. 2024): FedLESAM on FedDyn"),
+        AlgorithmSpec("fedlesam-s", FedLESAMS, FedLESAMSClient, down=(P.CONTROL,), up=(P.CONTROL_DELTA,),
+                      state=(P.CLIENT_CONTROL, P.PREVIOUS_GLOBAL),
+                      summary="FedLESAM-S (Fan et al. 2024): FedLESAM on SCAFFOLD"),
+        AlgorithmSpec("fedacg", FedACG, FedACGClient,
+                      summary="FedACG (Kim et al. 2024): look-ahead server momentum broadcast, prox to it"),
+        AlgorithmSpec("fedasam", FedASAM, FedASAMClient, passes=2,
+                      summary="FedASAM (Caldarola et al. 2022): local adaptive SAM (ASAM), FedAvg server"),
+        AlgorithmSpec("fedadam", FedAdam, FedOptClient,
+                      summary="FedAdam (Reddi et al. 2021): Adam on the server over the mean update"),
+        AlgorithmSpec("fedyogi", FedYogi, FedOptClient,
+                      summary="FedYogi (Reddi et al. 2021): Yogi on the server over the mean update"),
+    )
+}
+register_algorithms({name: spec.params for name, spec in ALGORITHMS.items()})
+
+
+def get(name: str) -> AlgorithmSpec:
+    """The spec of ``name``, or a ValueError listing the valid names."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown algorithm {name!r}; valid names: {', '.join(sorted(ALGORITHMS))}"
+        ) from None
+
+
+def as_data(specs: Sequence[AlgorithmSpec] | None = None) -> list[dict]:
+    """The registry as data (``flatflower algorithms --json``): per algorithm its name, summary,
+    keys (name, default, meaning, which half reads it), records down/up, client state, passes
+    per step and the class of each half."""
+    out = []
+    for spec in specs or ALGORITHMS.values():
+        owners = spec.key_owners()
+        out.append({
+            "name": spec.name, "summary": spec.summary,
+            "keys": [{"name": k, "default": f.default, "meaning": f.metadata["meaning"], "read_by": owners[k]}
+                     for k, f in spec.params.fields().items()],
+            "down": list(spec.down), "up": list(spec.up), "state": list(spec.state),
+            "passes": spec.passes, "forwards": spec.forwards,
+            "server": f"{spec.strategy.__module__}.{spec.strategy.__qualname__}",
+            "client": f"{spec.client.__module__}.{spec.client.__qualname__}",
+        })
+    return out
