@@ -15,10 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from client.batch import Batch
-from client.tensors import Tensors, scale
 from common.params import NONNEGATIVE, Params, key
-
-EPS = 1e-12  # guards ||g|| = 0; the paper has no epsilon (notes §1.2)
+from common.tensors import EPS, Tensors, global_norm, scale
 
 
 @dataclass(frozen=True)
@@ -26,11 +24,6 @@ class SAMParams(Params):
     """The SAM family's radius (every algorithm with a perturbation)."""
 
     rho: float = key("sam.rho", 0.1, "SAM radius: the perturbation's global L2 norm", NONNEGATIVE)
-
-
-def global_norm(tensors: Tensors) -> torch.Tensor:
-    """L2 norm of all tensors taken as one flat vector (a 0-dim float32 tensor)."""
-    return torch.sqrt(sum((t.detach().float() ** 2).sum() for t in tensors))
 
 
 def unit_scaled(direction: Tensors, radius: float) -> Tensors:

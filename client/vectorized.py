@@ -40,7 +40,7 @@ from torch.func import functional_call, vmap
 
 from client.algorithms.base import ClientRule
 from client.batch import ModelBatch, Objective, cross_entropy
-from client.tensors import Tensors, add
+from common.tensors import Tensors, add
 from client.train import LocalResult, autocast, batch_indices
 
 log = logging.getLogger("flwr.flatflower.client")

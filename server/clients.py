@@ -27,14 +27,15 @@ def _flat(tensors) -> torch.Tensor:
 
 def client_rows(strategy: FlatStrategy, server_round: int) -> list[dict[str, Any]]:
     """The round's rows, in the order the partitions were sampled."""
-    start, updates = strategy.accepted
+    record = strategy.round_record()
+    start, updates = record.start, record.updates
     part = strategy.participation
     rows: dict[int, dict[str, Any]] = {}
-    for pid in strategy.stats.sampled_partitions:
+    for pid in record.stats.sampled_partitions:
         rows[pid] = {"round": server_round, "partition": pid, "status": "failed",
-                     "reason": strategy.failure_reasons.get(pid, "no accepted reply"),
+                     "reason": record.failure_reasons.get(pid, "no accepted reply"),
                      "examples": part.num_examples(pid), "steps": part.num_steps(pid)}
-    for refusal in strategy.stats.rejections:
+    for refusal in record.stats.rejections:
         if refusal["stage"] == "train" and refusal["partition"] in rows:
             rows[refusal["partition"]].update(status="rejected", reason=refusal["reason"])
     if updates:

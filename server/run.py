@@ -83,9 +83,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         """The round's flatness fields: FedNSAM's eq. 4 distance (None when the round was
         skipped: no new global model), and every ``flatness-every`` rounds the new global
         model's sharpness and Hessian numbers on the evaluation split, with their cost."""
-        _, updates = strategy.accepted
         row = {"flatness_distance": None if stats.skipped else
-               flatness_distance([u.model for u in updates], strategy.model, trainable)}
+               flatness_distance([u.model for u in strategy.round_record().updates], strategy.model, trainable)}
         if cfg.measures_flatness(rnd):
             t0 = time.monotonic()
             model.load_state_dict(strategy.model)

@@ -1,4 +1,5 @@
-"""Aggregation arithmetic on named tensors (OrderedDict name -> tensor), written once."""
+"""Aggregation of named tensors (OrderedDict name -> tensor): weights, the weighted mean and the
+robust rules; the arithmetic itself is common/tensors.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-Named = "OrderedDict[str, torch.Tensor]"
+from common.tensors import global_norm, scale
 
 
 def client_weights(num_examples: Sequence[int], mode: str) -> list[float]:
@@ -26,30 +27,6 @@ def weighted_sum(items: Sequence[OrderedDict], weights: Sequence[float]) -> Orde
         for k, v in item.items():
             out[k].add_(v, alpha=float(w))
     return out
-
-
-def sub(a: OrderedDict, b: OrderedDict) -> OrderedDict:
-    """a - b."""
-    return OrderedDict((k, a[k] - b[k]) for k in a)
-
-
-def add_scaled(a: OrderedDict, scale: float, b: OrderedDict) -> OrderedDict:
-    """a + scale * b."""
-    return OrderedDict((k, a[k] + scale * b[k]) for k in a)
-
-
-def scale(a: OrderedDict, s: float) -> OrderedDict:
-    """s * a."""
-    return OrderedDict((k, s * v) for k, v in a.items())
-
-
-def zeros_like(a: OrderedDict) -> OrderedDict:
-    return OrderedDict((k, torch.zeros_like(v)) for k, v in a.items())
-
-
-def global_norm(a: OrderedDict) -> float:
-    """L2 norm of all floating-point tensors of ``a`` taken as one flat vector."""
-    return float(torch.sqrt(sum((v.double() ** 2).sum() for v in a.values() if v.is_floating_point())))
 
 
 # ---------------------------------------------------------------------------- robust aggregation
@@ -75,7 +52,7 @@ def norm_clipped(items: Sequence[OrderedDict], bound: float) -> list[OrderedDict
     """Each item scaled down to global norm <= bound (items within it are kept as they are)."""
     out = []
     for item in items:
-        norm = global_norm(item)
+        norm = float(global_norm(item, torch.float64))
         out.append(item if norm <= bound else scale(item, bound / norm))
     return out
 
@@ -207,7 +184,7 @@ class Aggregator:
         if self.name == "mean":
             return weighted_sum(items, weights)
         if self.name == "norm-clip":
-            bound = self.clip or float(np.median([global_norm(i) for i in items]))
+            bound = self.clip or float(np.median([float(global_norm(i, torch.float64)) for i in items]))
             return weighted_sum(norm_clipped(items, bound), weights)
         if self.name == "centered-clip":
             return centered_clip(items, weights, self.clip, self.iterations)

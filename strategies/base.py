@@ -37,7 +37,8 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from common import protocol as P
 from common.config import RunConfig
 from common.params import Params
-from strategies.aggregate import Aggregator, client_weights, global_norm, sub
+from common.tensors import global_norm, sub
+from strategies.aggregate import Aggregator, client_weights
 from strategies.participation import (NoNodesError, Participation, destinations, error_text, exchange,
                                      new_nonce, node_of)
 from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
@@ -45,7 +46,7 @@ from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout
 
 log = logging.getLogger("flwr.flatflower.server")
 
-__all__ = ["FlatStrategy", "NoNodesError", "RoundStats"]
+__all__ = ["FlatStrategy", "NoNodesError", "RoundRecord", "RoundStats"]
 
 
 @dataclass
@@ -70,6 +71,17 @@ class RoundStats:
     # every failed client of the round: {"partition", "node", "reason"} (its error reply, or
     # no reply before the deadline)
     failures: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What the last training round leaves for the run directory (clients.jsonl, flatness):
+    read through :meth:`FlatStrategy.round_record`."""
+
+    stats: RoundStats
+    start: OrderedDict  # the point the clients started from (the global model, or FedACG's look-ahead)
+    updates: list[ClientUpdate]  # the accepted updates, by partition
+    failure_reasons: dict[int, str]  # failed partitions -> why
 
 
 class FlatStrategy(FlowerFedAvg):
@@ -99,12 +111,18 @@ class FlatStrategy(FlowerFedAvg):
         self.aggregator = Aggregator.from_config(cfg)
         self.stats = RoundStats()
         self.failure_reasons: dict[int, str] = {}  # this round's failed partitions -> why
-        self.accepted: tuple[OrderedDict, list[ClientUpdate]] = (self.model, [])  # start point, updates
+        self._accepted: tuple[OrderedDict, list[ClientUpdate]] = (self.model, [])  # start point, updates
         self._messages: list[Message] = []  # this round's train messages (ids map error replies)
         self._content = RecordDict()  # what every train message of this round carries
         self._nonce = 0  # this round's train nonce, echoed by every valid reply
         self._eval_messages: list[Message] = []
         self._eval_nonce = 0
+
+    def round_record(self) -> RoundRecord:
+        """The last training round: its statistics, start point, accepted updates and why
+        clients failed."""
+        start, updates = self._accepted
+        return RoundRecord(self.stats, start, list(updates), dict(self.failure_reasons))
 
     # ------------------------------------------------------------------ algorithm hooks
     def init_records(self) -> None:
@@ -287,7 +305,7 @@ class FlatStrategy(FlowerFedAvg):
         if factor <= 0 or len(updates) < 3:
             return updates
         names = ["update", *self.spec.up]
-        norms = [[global_norm(x) for x in self.uploads(u)] for u in updates]
+        norms = [[float(global_norm(x, torch.float64)) for x in self.uploads(u)] for u in updates]
         medians = [float(np.median(column)) for column in zip(*norms)]
         kept = []
         for u, row in zip(updates, norms):
@@ -336,7 +354,7 @@ class FlatStrategy(FlowerFedAvg):
         the round is skipped: model and server state stay as they were."""
         self.stats.clients_replied = len(updates) + self.stats.clients_rejected
         updates = self.reject_outliers(server_round, updates)
-        self.accepted = (self.start_point(), updates)  # for the per-client record (server/clients.py)
+        self._accepted = (self.start_point(), updates)  # for round_record()
         needed = max(self.cfg.min_replies, self.aggregator.required())
         reason = None
         if len(updates) < needed:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from common.params import FRACTION, Params, key
 from common.protocol import MOMENTUM
-from strategies.aggregate import add_scaled
+from common.tensors import add_scaled
 from strategies.fednsam import FedNSAM
 
 

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from strategies.aggregate import add_scaled, sub
+from common.tensors import add_scaled, sub
 from strategies.base import FlatStrategy
 
 

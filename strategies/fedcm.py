@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from common.params import Params, key, one_of
 from common.protocol import GLOBAL_UPDATE
-from strategies.aggregate import add_scaled, scale, sub, zeros_like
+from common.tensors import add_scaled, scale, sub, zeros_like
 from strategies.fedavg import FedAvg
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from client.algorithms.feddyn import DualParams
 from common.protocol import DUAL
-from strategies.aggregate import add_scaled, zeros_like
+from common.tensors import add_scaled, zeros_like
 from strategies.fedavg import FedAvg
 
 

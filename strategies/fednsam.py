@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from client.algorithms.fednsam import MomentumParams
 from common.protocol import MOMENTUM
-from strategies.aggregate import add_scaled, scale, zeros_like
+from common.tensors import add_scaled, scale, zeros_like
 from strategies.fedavg import FedAvg
 
 

@@ -23,7 +23,7 @@ import torch
 
 from common.params import FRACTION, POSITIVE, Params, key
 from common.protocol import ADAPTIVE_M, ADAPTIVE_V
-from strategies.aggregate import zeros_like
+from common.tensors import zeros_like
 from strategies.fedavg import FedAvg
 
 

@@ -8,12 +8,12 @@ round (s^0 = 0):
 
 from __future__ import annotations
 
+import torch
+
 from client.algorithms.fedsmoo import FedSMOOParams
 from common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION
-from strategies.aggregate import global_norm, scale, zeros_like
+from common.tensors import EPS, global_norm, scale, zeros_like
 from strategies.feddyn import FedDyn
-
-EPS = 1e-12  # as client.sam.EPS: s = 0 when S = 0
 
 
 class FedSMOO(FedDyn):
@@ -26,4 +26,4 @@ class FedSMOO(FedDyn):
     def update(self, server_round, updates, weights):
         super().update(server_round, updates, weights)
         mean = self.aggregate([u.records[PERTURBATION_CORRECTION] for u in updates], weights)
-        self.records[GLOBAL_PERTURBATION] = scale(mean, self.params.rho / (global_norm(mean) + EPS))
+        self.records[GLOBAL_PERTURBATION] = scale(mean, self.params.rho / (float(global_norm(mean, torch.float64)) + EPS))

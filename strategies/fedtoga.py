@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from client.algorithms.fedtoga import DualStepParams
 from common.params import key, one_of
 from common.protocol import GLOBAL_UPDATE
-from strategies.aggregate import zeros_like
+from common.tensors import zeros_like
 from strategies.fedcm import global_update
 from strategies.feddyn import FedDyn
 

@@ -10,7 +10,7 @@ N is the number of clients in the federation, M the number of accepted updates.
 from __future__ import annotations
 
 from common.protocol import CONTROL, CONTROL_DELTA
-from strategies.aggregate import add_scaled, zeros_like
+from common.tensors import add_scaled, zeros_like
 from strategies.fedavg import FedAvg
 
 

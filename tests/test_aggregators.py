@@ -14,7 +14,8 @@ from common.protocol import CONTROL, CONTROL_DELTA
 from strategies.registry import ALGORITHMS
 from strategies.registry import get as get_spec
 from tools.cli import main as cli
-from strategies.aggregate import Aggregator, global_norm, weighted_sum
+from common.tensors import global_norm
+from strategies.aggregate import Aggregator, weighted_sum
 from strategies.validation import ClientUpdate
 from tests.helpers import MODEL, fast_config, run_with_faults
 
@@ -103,9 +104,9 @@ def test_norm_clip_bounds_every_clients_influence():
     gen = torch.Generator().manual_seed(1)
     honest = [OrderedDict(w=torch.randn(20, generator=gen)) for _ in range(6)]
     items = honest + [OrderedDict(w=torch.full((20,), 1e9))]
-    median_norm = float(np.median([global_norm(i) for i in items]))
+    median_norm = float(np.median([float(global_norm(i, torch.float64)) for i in items]))
     out = Aggregator("norm-clip")(items, [1 / 7] * 7)  # bound: the round's median norm
-    assert global_norm(out) <= median_norm + 1e-5
+    assert float(global_norm(out, torch.float64)) <= median_norm + 1e-5
 
 
 # ---------------------------------------------------------------- composition with every algorithm

@@ -43,7 +43,7 @@ from common import protocol as P
 from common.config import RunConfig
 from common.datasets import Split, load_dataset
 from common.models import build_model
-from strategies.aggregate import add_scaled, scale
+from common.tensors import add_scaled, scale
 from strategies.fednsam import FedNSAM
 from strategies.registry import ALGORITHMS
 from strategies.scaffold import Scaffold

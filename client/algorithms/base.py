@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from client.batch import Batch
-from client.tensors import Tensors, clone
+from common.tensors import Tensors, clone
 from common.params import Params
 
 

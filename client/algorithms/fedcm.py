@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from client.algorithms.base import ClientRule
-from client.tensors import add, scale
+from common.tensors import add, scale
 from common.params import UNIT, Params, key
 from common.protocol import GLOBAL_UPDATE
 

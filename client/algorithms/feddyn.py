@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from client.algorithms.base import ClientRule
-from client.tensors import Tensors, add, scale, sub, zeros_like
+from common.tensors import Tensors, add, scale, sub, zeros_like
 from common.params import POSITIVE, Params, key
 from common.protocol import DUAL
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from client.algorithms.feddyn import DualClient
 from client.batch import mean_cross_entropy, mean_kl
-from client.tensors import Tensors, add, scale
+from common.tensors import Tensors, add, scale
 from common.params import FRACTION, NONNEGATIVE, POSITIVE, Params, key, one_of
 from common.protocol import CLIENT_EMA, EMA_MODEL
 

@@ -23,7 +23,7 @@ from client.algorithms.base import ClientRule
 from client.algorithms.feddyn import DualClient, DualParams
 from client.algorithms.scaffold import ScaffoldClient
 from client.sam import SAMParams, unit_scaled
-from client.tensors import sub
+from common.tensors import sub
 from common.params import key, one_of
 from common.protocol import PREVIOUS_GLOBAL
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from client.algorithms.base import ClientRule
 from client.sam import SAMParams, unit_scaled
-from client.tensors import scale, sub
+from common.tensors import scale, sub
 from common.params import FRACTION, Params, key
 from common.protocol import MOMENTUM
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from client.algorithms.base import ClientRule
-from client.tensors import add, scale, sub
+from common.tensors import add, scale, sub
 from common.params import NONNEGATIVE, Params, key
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from client.algorithms.feddyn import DualClient, DualParams
 from client.sam import SAMParams, unit_scaled
-from client.tensors import add, sub, zeros_like
+from common.tensors import add, sub, zeros_like
 from common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION, PERTURBATION_DUAL
 
 

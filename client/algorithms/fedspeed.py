@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from client.algorithms.feddyn import DualParams, FedDynClient
 from client.sam import SAMParams, unit_scaled
-from client.tensors import add, scale
+from common.tensors import add, scale
 from common.params import UNIT, key
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from client.algorithms.feddyn import DualClient
 from client.sam import SAMParams, unit_scaled
-from client.tensors import add, scale
+from common.tensors import add, scale
 from common.params import NONNEGATIVE, POSITIVE, Params, key, one_of
 from common.protocol import GLOBAL_UPDATE
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from client.algorithms.base import ClientRule
-from client.tensors import Tensors, add, scale, sub, zeros_like
+from common.tensors import Tensors, add, scale, sub, zeros_like
 from common.protocol import CLIENT_CONTROL, CONTROL, CONTROL_DELTA
 
 
