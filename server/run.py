@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
 from common import protocol as P
@@ -28,7 +28,6 @@ from server.progress import RoundProgress
 from server.rundir import RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint
 from server.tensorboard import Board
 from strategies.base import RoundStats, all_finite
-from strategies.participation import exchange
 from strategies.registry import get as get_spec
 
 log = logging.getLogger("flwr.flatflower.server")
@@ -127,11 +126,8 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
         if not (run_dir.path / "partition.json").exists():
             run_dir.write_partition(cfg, partitions_for(cfg, strategy.num_partitions))
         row = {"round": rnd}
-        eval_messages = strategy.configure_evaluate(rnd, P.to_record(strategy.model), ConfigRecord(), grid)
-        if eval_messages:
-            client_eval = strategy.aggregate_evaluate(
-                rnd, exchange(grid, eval_messages, cfg.round_timeout))
-            row.update({k.replace("-", "_"): v for k, v in (client_eval or {}).items()})
+        client_eval = strategy.evaluate_round(rnd, grid)
+        row.update({k.replace("-", "_"): v for k, v in (client_eval or {}).items()})
         loss, acc = central_eval()
         row.update({"test_accuracy": acc, "test_loss": finite(loss), **round_fields(stats),
                     "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})

@@ -113,6 +113,7 @@ class FlatStrategy(FlowerFedAvg):
         self.failure_reasons: dict[int, str] = {}  # this round's failed partitions -> why
         self._accepted: tuple[OrderedDict, list[ClientUpdate]] = (self.model, [])  # start point, updates
         self._messages: list[Message] = []  # this round's train messages (ids map error replies)
+        self._grid: Grid | None = None  # the grid this round was sent on
         self._content = RecordDict()  # what every train message of this round carries
         self._nonce = 0  # this round's train nonce, echoed by every valid reply
         self._eval_messages: list[Message] = []
@@ -229,6 +230,7 @@ class FlatStrategy(FlowerFedAvg):
         """Sample clients and send each the model, the round config and the extra records."""
         self.stats = RoundStats()
         self.failure_reasons = {}
+        self._grid = grid  # retries go out on it (receive_train)
         self.model = P.from_record(arrays)
         available = self.available_partitions(grid)
         chosen = self.participation.sample(server_round, list(available), self.fraction_train)
@@ -317,14 +319,27 @@ class FlatStrategy(FlowerFedAvg):
                 kept.append(u)
         return kept
 
+    # ------------------------------------------------------------------ the round drivers
     def train_round(self, server_round: int, grid: Grid) -> RoundStats:
-        """One training round, the one driver (``aggregate_train`` is its adapter for Flower's
-        own ``start`` loop): sample, send, collect, retry (``too-few-replies = retry``), then
-        the algorithm's update, or the round is skipped."""
+        """One training round, as the ServerApp runs it: sample and send (``configure_train``),
+        then :meth:`receive_train`. Flower's own ``start`` loop takes the same path through
+        ``configure_train`` and ``aggregate_train``."""
         msgs = list(self.configure_train(server_round, P.to_record(self.model), ConfigRecord(), grid))
-        updates = self.collect(server_round, exchange(grid, msgs, self.cfg.round_timeout))
-        self.finish_round(server_round, self.retry(server_round, grid, updates) if msgs else updates)
+        self.receive_train(server_round, exchange(grid, msgs, self.cfg.round_timeout))
         return self.stats
+
+    def receive_train(self, server_round: int, replies: Iterable[Message]) -> None:
+        """The round from its replies on, for both drivers: collect, retry
+        (``too-few-replies = retry``, over the grid the round was sent on), then the
+        algorithm's update, or the round is skipped."""
+        updates = self.collect(server_round, replies)
+        self.finish_round(server_round, self.retry(server_round, self._grid, updates) if self._messages else updates)
+
+    def evaluate_round(self, server_round: int, grid: Grid) -> MetricRecord | None:
+        """One federated evaluation round of the global model (``fraction-evaluate`` of the
+        clients; None when none is asked or none replied validly)."""
+        msgs = list(self.configure_evaluate(server_round, P.to_record(self.model), ConfigRecord(), grid))
+        return self.aggregate_evaluate(server_round, exchange(grid, msgs, self.cfg.round_timeout)) if msgs else None
 
     def retry(self, server_round: int, grid: Grid, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """Re-send the round's messages to the sampled clients that gave no accepted reply, at
@@ -383,8 +398,9 @@ class FlatStrategy(FlowerFedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Flower's hook (for ``strategy.start``): validate, weight, apply the server update."""
-        self.finish_round(server_round, self.collect(server_round, replies))
+        """Flower's hook (for ``strategy.start``): :meth:`receive_train`, then what Flower's
+        loop expects back."""
+        self.receive_train(server_round, replies)
         metrics = MetricRecord({k: v for k, v in asdict(self.stats).items()
                                 if isinstance(v, (int, float)) and v == v})  # drop NaN and lists
         return P.to_record(self.model), metrics

@@ -37,7 +37,7 @@ from tools.inprocess import InProcessGrid
 from server.rundir import RunDirError, load_checkpoint
 from server.run import RunFailed, run_server
 from strategies.participation import NoNodesError
-from tests.helpers import (DEPLOYED, RAY_RETRY, ROOT, deployed, fast_config, flower_pids, metrics,
+from tests.helpers import (DEPLOYED, RAY_RETRY, ROOT, deployed, fast_config, flower_pids, make_strategy, metrics,
                            round_deadline, run_with_faults, same, set_flags,
                            startup_seconds)
 
@@ -98,6 +98,21 @@ def test_retry_resends_to_the_clients_that_failed_and_gives_the_clean_result(tmp
     assert same(clean, retried), "a retried round must equal a round without the failure"
     rows, skipped = run_with_faults(tmp_path, "skipped", client=flaky_client({(1, 1): True}), min_replies=3)
     assert [r["skipped"] for r in rows[1:]] == [1, 0]
+
+
+def test_flowers_start_loop_retries_as_the_server_app_does(tmp_path):
+    """One round driver: under Flower's own ``strategy.start`` a failed client is re-sent its
+    message too, and the run ends with the model of a run without the failure."""
+    _, clean = run_with_faults(tmp_path, "clean", algorithm="fedavg")
+    cfg = RunConfig.from_mapping(fast_config(algorithm="fedavg", num_partitions=3, min_replies=3,
+                                             too_few_replies="retry", run_dir=str(tmp_path / "start")))
+    strategy = make_strategy(cfg)
+    grid = InProcessGrid(flaky_client({(1, 1): True, (2, 2): True}), 3, cfg.to_dict())
+    result = strategy.start(grid=grid, initial_arrays=P.to_record(strategy.model),
+                            num_rounds=cfg.num_server_rounds)
+    assert sorted(result.train_metrics_clientapp) == list(range(1, cfg.num_server_rounds + 1))
+    assert all(m["retries"] == 1 for m in result.train_metrics_clientapp.values())
+    assert same(clean, P.from_record(result.arrays))
 
 
 def test_failed_client_keeps_its_state_uncorrupted(tmp_path):
