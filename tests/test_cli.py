@@ -123,7 +123,7 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
     for package in ("client", "common", "server", "strategies", "tools"):
         assert f"{package}/__init__.py" in names, package
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
-    assert b"flatflower = tools.cli:entry" in entry_points and b"flatflower-worker = tools.worker:main" in entry_points
+    assert b"flatflower = tools.cli:entry" in entry_points and b"flatflower-worker = tools.engines.worker:main" in entry_points
 
 
 @pytest.mark.parametrize("command", ["presets", "algorithms"])

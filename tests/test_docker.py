@@ -46,7 +46,7 @@ COMBOS = {
     "gpu": (BASE, GPU),
     "tls+gpu": (BASE, TLS, GPU),
 }
-# Flower's programs, and flatflower's warm ClientApp worker (tools/worker.py), which replaces
+# Flower's programs, and flatflower's warm ClientApp worker (tools/engines/worker.py), which replaces
 # flower-superexec as each SuperNode's ClientApp executor
 WORKER = "flatflower-worker"
 FLOWER_PROGRAMS = ("flower-superlink", "flower-supernode", "flower-superexec", WORKER)
@@ -61,7 +61,7 @@ PARSERS = {
     "flower-superlink": ("flwr.superlink.cli.flower_superlink", "_parse_args_run_superlink"),
     "flower-supernode": ("flwr.supernode.cli.flower_supernode", "_parse_args_run_supernode"),
     "flower-superexec": ("flwr.supercore.cli.flower_superexec", "_parse_args"),
-    WORKER: ("tools.worker", "build_parser"),
+    WORKER: ("tools.engines.worker", "build_parser"),
 }
 APP_UID = "49999"  # user `app` in every Flower image
 
@@ -452,7 +452,7 @@ def test_supernodes_partitions_addresses_and_executors(combo):
         executor_name = f"superexec-clientapp-{i}"
         executor = services[executor_name]
         exe_program, exe = flower[executor_name]
-        assert exe_program == WORKER, "a warm worker runs the node's ClientApps (tools/worker.py)"
+        assert exe_program == WORKER, "a warm worker runs the node's ClientApps (tools/engines/worker.py)"
         runtime_port = int(opts.get("--port") or 9094)
         # A shared network namespace (network_mode: service:supernode-<i>) strands the executor
         # when its SuperNode restarts (tested for real: make test-docker). By name, on a network.

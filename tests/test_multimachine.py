@@ -33,7 +33,7 @@ import pytest
 import tomli_w
 
 from tools.certs import planned_files
-from tools.federation import COMPLETED, LocalFederation, free_port, is_loopback
+from tools.engines.federation import COMPLETED, LocalFederation, free_port, is_loopback
 from tests.helpers import flower_pids, metrics
 
 ROOT = Path(__file__).resolve().parent.parent

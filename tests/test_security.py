@@ -21,7 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from tools.certs import CertError, generate_certs, parse_host, write_node_key
 from tools.cli import main as cli
-from tools.federation import (EXIT_SUPERNODE_REFUSED, FederationError, LocalFederation,
+from tools.engines.federation import (EXIT_SUPERNODE_REFUSED, FederationError, LocalFederation,
                                is_loopback)
 from tests.helpers import flower_pids
 

@@ -17,7 +17,7 @@ from flwr.clientapp import ClientApp
 import client.app as real_client
 from common import protocol as P
 from common.config import RunConfig
-from tools.inprocess import InProcessGrid, run_inprocess
+from tools.engines.inprocess import InProcessGrid, run_inprocess
 from strategies.aggregate import client_weights, weighted_sum
 from strategies.base import NoNodesError
 from strategies.mofedsam import MoFedSAM

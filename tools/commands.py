@@ -1,6 +1,6 @@
 """What each ``flatflower`` command does, as functions of its parsed arguments (the CLI, the
 sweep and the tests call them): prepare the run (tools/prepare.py), run it on an engine
-(tools/engines.py), print its rounds and outcome (tools/progress.py). Each returns the exit code.
+(tools/engines/__init__.py), print its rounds and outcome (tools/progress.py). Each returns the exit code.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     from server.run import RunFailed
     from server.rundir import RunDirError, RunWriteError
     from strategies.participation import NoNodesError
-    from tools.federation import FederationError
+    from tools.engines.federation import FederationError
     from tools.prepare import apply_preset
 
     try:

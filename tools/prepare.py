@@ -321,7 +321,7 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
     if cfg.resume:
         _check_strategy_state(cfg, model.state_dict())
     if engine == "vectorized":
-        from client.vectorized import check_batchable
+        from tools.engines.vectorized import check_batchable
 
         try:
             check_batchable(model, cfg.resolved_model())

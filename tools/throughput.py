@@ -193,7 +193,7 @@ def measure_inprocess(cfg: dict[str, Any], clients: int, vectorized: bool) -> li
     from flwr.app import MessageType
 
     from server.app import app as server_app
-    from tools.inprocess import run_inprocess
+    from tools.engines.inprocess import run_inprocess
 
     stamps: dict[int, tuple[float, float]] = {}
 

@@ -243,7 +243,7 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
     failures = 0
     while not stopping:
         started = time.monotonic()
-        worker[:] = [subprocess.Popen([sys.executable, "-m", "tools.worker", *argv, "--once",
+        worker[:] = [subprocess.Popen([sys.executable, "-m", "tools.engines.worker", *argv, "--once",
                                        "--supervisor-pid", str(os.getpid())])]
         if stopping:  # a signal between the check above and the start
             worker[-1].terminate()

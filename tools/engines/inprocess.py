@@ -209,19 +209,19 @@ class InProcessGrid(Grid):
 
 class VectorizedGrid(InProcessGrid):
     """The in-process grid, with the train messages of a push trained together
-    (client/vectorized.py): each is opened by the ClientApp's own ``TrainCall``, all train in
+    (tools/engines/vectorized.py): each is opened by the ClientApp's own ``TrainCall``, all train in
     batched passes in one worker thread, and each gets the reply its ClientApp would have sent
     (or its error reply). Other messages (query, evaluate) go to the ClientApp one by one.
     Messages are not deep-copied: the client side only reads them and builds new replies."""
 
-    CHOICES = "vectorized.json"  # in the run directory: which models it batched (client.vectorized)
+    CHOICES = "vectorized.json"  # in the run directory: which models it batched (tools.engines.vectorized)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         run_dir = next(iter(self.contexts.values())).run_config.get("run-dir") if self.contexts else ""
         self.choices_file = Path(run_dir) / self.CHOICES if run_dir else None
         if self.choices_file is not None and self.choices_file.is_file():  # a resumed run batches as before
-            from client.vectorized import adopt_batching
+            from tools.engines.vectorized import adopt_batching
 
             try:
                 adopt_batching(json.loads(self.choices_file.read_text()))
@@ -229,7 +229,7 @@ class VectorizedGrid(InProcessGrid):
                 log.warning("%s is unreadable (%s): batching is measured again", self.choices_file, err)
 
     def _record_choices(self) -> None:
-        from client.vectorized import batching_choices
+        from tools.engines.vectorized import batching_choices
 
         choices = batching_choices()
         if self.choices_file is not None and choices:
@@ -260,7 +260,7 @@ class VectorizedGrid(InProcessGrid):
         thread when it opens (the same result: the engines agree), as a hung client stays
         hung alone."""
         from client.app import TrainCall
-        from client.vectorized import train_together
+        from tools.engines.vectorized import train_together
 
         arrived = threading.Condition()
         waiting = list(range(len(messages)))

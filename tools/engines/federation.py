@@ -169,7 +169,7 @@ def _marked(mark: str) -> list[int]:
 
 
 def reap(mark: str, owner: int) -> None:
-    """The reaper a federation starts (``python -m tools.federation MARK OWNER``): once the
+    """The reaper a federation starts (``python -m tools.engines.federation MARK OWNER``): once the
     process ``owner`` that started the federation is gone without stopping it (``kill -9``,
     the OOM killer), SIGKILL every process of it, the runs' ServerApps first (never a round
     against no SuperNodes). A federation its owner stops ends its reaper with the rest."""
@@ -339,7 +339,7 @@ class LocalFederation:
     def start(self, timeout: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        self._spawn("reaper", [sys.executable, "-m", "tools.federation", self.mark, str(os.getpid())])
+        self._spawn("reaper", [sys.executable, "-m", "tools.engines.federation", self.mark, str(os.getpid())])
         cmd = [flower_command("flower-superlink"), *self._superlink_security(),
                "--isolation", "subprocess", "--disable-runtime-dependency-installation",
                # Flower's in-memory state, not an SQLite file: a federation lives as long as
@@ -426,7 +426,7 @@ class LocalFederation:
             *supernode, *security, *isolation, "--grpc-rere",
             "--superlink", f"{self.dial_host}:{self.fleet_port}", "--port", str(port),
             "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())])
-        if self.clientapps == "warm":  # its ClientApps run in one long-lived worker (tools/worker.py)
+        if self.clientapps == "warm":  # its ClientApps run in one long-lived worker (tools/engines/worker.py)
             self._spawn(f"{name}-worker", [
                 flower_command("flatflower-worker"), "--runtime-api-address", f"127.0.0.1:{port}",
                 "--insecure", "--parent-pid", str(proc.pid)])

@@ -1,7 +1,9 @@
-"""The three ways to run a federation, as functions (the CLI, the sweep and the tests call
-them): a real SuperLink and SuperNodes on 127.0.0.1, Flower's Ray simulation engine, and the
-in-process engine (no ports, no Ray). Each runs ``cfg`` to its end and says whether it
-completed; the run directory holds the rest.
+"""The engines: the ways to run a federation, as functions (the CLI, the sweep and the tests
+call them): a real SuperLink and SuperNodes on 127.0.0.1 (federation.py, with the warm
+ClientApp worker of worker.py), Flower's Ray simulation engine, and the in-process engine (no
+ports, no Ray: inprocess.py), whose vectorised form trains many clients in batched passes
+(vectorized.py). Each runs ``cfg`` to its end and says whether it completed; the run directory
+holds the rest.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ class Outcome:
 def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
               on_poll: OnPoll, device: str = "auto", tls: bool = False, clientapps: str = "warm",
               fast_poll: bool = False) -> Outcome:
-    """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (tools/federation.py), each
+    """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (tools/engines/federation.py), each
     with a warm ClientApp worker (or Flower's process per message: ``clientapps="stock"``)."""
-    from tools.federation import COMPLETED, LocalFederation
+    from tools.engines.federation import COMPLETED, LocalFederation
 
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     t0 = time.monotonic()
@@ -61,7 +63,7 @@ def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: f
 def run_ray(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
             on_poll: OnPoll, cpus_per_client: int = 1, gpus_per_client: float = 0.0) -> Outcome:
     """Flower's simulation engine (Ray) with ``clients`` virtual SuperNodes."""
-    from tools.federation import COMPLETED, LocalFederation
+    from tools.engines.federation import COMPLETED, LocalFederation
 
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     try:
@@ -97,10 +99,10 @@ def quiet_flower():
 
 
 def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized: bool = False) -> Outcome:
-    """The real ServerApp and ClientApps in this process (tools/inprocess.py), in a worker
+    """The real ServerApp and ClientApps in this process (tools/engines/inprocess.py), in a worker
     thread while ``on_poll`` runs here; a failure of the run is raised here. ``vectorized``:
-    each round's local training in batched passes (client/vectorized.py)."""
-    from tools.inprocess import run_inprocess
+    each round's local training in batched passes (tools/engines/vectorized.py)."""
+    from tools.engines.inprocess import run_inprocess
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     for name in ("flwr.flatflower.server", "flwr.flatflower.client"):
@@ -122,7 +124,7 @@ def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized:
             on_poll()
             worker.join(0.5)
     except KeyboardInterrupt:  # let the run's threads end before the interpreter does
-        from tools.inprocess import stop_runs
+        from tools.engines.inprocess import stop_runs
 
         stop_runs(worker, STOP_WAIT)
         raise
