@@ -1,8 +1,8 @@
 """What every client half provides, in one vocabulary.
 
 A rule sees parameter tensors (lists aligned with the model's trainable parameters) and a
-:class:`client.batch.Batch`, never a model; it takes its hyperparameters as ``params`` (the
-algorithm's params dataclass), as a torch optimizer does. Per local step the loop calls
+:class:`client.batch.Batch`, never a model; it takes its hyperparameters as ``params`` (an
+instance of its own ``Params``: the keys this half reads), as a torch optimizer does. Per local step the loop calls
 :meth:`ClientRule.direction`; a family (FedDyn's duals, SCAFFOLD's control variates, FedCM's
 mixing, FedProx's prox term) writes ``direction`` once around :meth:`ClientRule.gradient`,
 which each algorithm of the family sets (plain, SAM, FedLESAM's estimate, FedGMT's KL).
