@@ -28,10 +28,6 @@ from common.config import cli_int
 from tools import commands
 from tools.prepare import Parser, add_run_arguments, add_simulate_arguments
 
-OWN_PARSERS = {"report": "tools.report", "landscape": "tools.landscape", "bench": "tools.bench",
-               "sweep": "tools.sweep", "flatness": "tools.flatness_cmd"}
-
-
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
@@ -43,6 +39,37 @@ def version() -> str:
             return "not installed"
 
     return f"flatflower {of('flatflower')} (flwr {of('flwr')}, torch {of('torch')})"
+
+
+# the commands that parse their own arguments (their modules load only when run); the others
+# are tools.commands.COMMANDS, over what build_parser parses: both go through commands.run
+def _report(argv: list[str]) -> int:
+    from tools.report import main
+    return main(argv)
+
+
+def _landscape(argv: list[str]) -> int:
+    from tools.landscape import main
+    return main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from tools.bench import main
+    return main(argv)
+
+
+def _sweep(argv: list[str]) -> int:
+    from tools.sweep import main
+    return main(argv)
+
+
+def _flatness(argv: list[str]) -> int:
+    from tools.flatness_cmd import main
+    return main(argv)
+
+
+OWN_PARSERS = {"report": _report, "landscape": _landscape, "bench": _bench, "sweep": _sweep,
+               "flatness": _flatness}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,18 +146,13 @@ def _stop_on_signals() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in OWN_PARSERS:  # commands that parse their own arguments
-        from importlib import import_module
-
-        _stop_on_signals()  # SIGTERM too ends a sweep's runs, a landscape, ...
-        try:
-            return import_module(OWN_PARSERS[argv[0]]).main(argv[1:])
-        except KeyboardInterrupt:  # what was started is stopped on the way out (finally blocks)
-            print(f"{argv[0]}: interrupted", file=sys.stderr)
-            return commands.EXIT_INTERRUPTED
-    args = build_parser().parse_args(argv)
-    _stop_on_signals()
-    code = commands.run(args.command, args)
+    if argv and argv[0] in OWN_PARSERS:  # it parses its own arguments
+        command, args, handler = argv[0], argv[1:], OWN_PARSERS[argv[0]]
+    else:
+        parsed = build_parser().parse_args(argv)
+        command, args, handler = parsed.command, parsed, None
+    _stop_on_signals()  # SIGTERM too ends a run, a sweep's runs, a landscape, ...
+    code = commands.run(command, args, handler)
     return commands.EXIT_PIPE if commands.stdout_gone() else code
 
 

@@ -10,7 +10,9 @@ import json
 import os
 import select
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tools import engines
 from tools.prepare import UsageError, app_dir, log_dir, preflight, resolve_config
@@ -36,9 +38,11 @@ def stdout_gone() -> bool:
     return gone
 
 
-def run(command: str, args: argparse.Namespace) -> int:
-    """Run ``command`` (a function of this module) and turn its failures into exit codes and one
-    ``error:`` line: bad input 2 (nothing started), a failed run 1, an interrupt 130."""
+def run(command: str, args: argparse.Namespace | list[str], handler: Callable[[Any], int] | None = None) -> int:
+    """Run ``command`` with ``handler`` (default: its function in :data:`COMMANDS`, over the
+    arguments cli.py parsed; a command that parses its own arguments gets its argument list)
+    and turn its failures into exit codes and one ``error:`` line: bad input 2 (nothing
+    started), a failed run 1, an interrupt 130."""
     from common.config import ConfigError
     from common.datasets import DatasetUnavailableError
     from common.partition import PartitionError
@@ -51,7 +55,7 @@ def run(command: str, args: argparse.Namespace) -> int:
     try:
         if command in ("local", "simulate", "check"):
             apply_preset(args)  # before the command: --clients may come from the preset
-        return globals()[command](args)
+        return (handler or COMMANDS[command])(args)
     except BrokenPipeError:
         if stdout_gone():
             return EXIT_PIPE
@@ -64,8 +68,9 @@ def run(command: str, args: argparse.Namespace) -> int:
     except (FederationError, RunFailed, RunWriteError, NoNodesError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("interrupted; all Flower processes were stopped", file=sys.stderr)
+    except KeyboardInterrupt:  # what the command started is stopped on the way out (finally blocks)
+        print(f"{command}: interrupted" if handler else "interrupted; all Flower processes were stopped",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -194,3 +199,9 @@ def certs(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     print(summary(files))
     return EXIT_OK
+
+
+# every command that takes what tools.cli.build_parser parsed -> its function (``check``: the
+# sweep's dry run of simulate); tools/cli.py adds the commands that parse their own arguments
+COMMANDS = {"local": local, "simulate": simulate, "check": check, "presets": presets, "data": data,
+            "algorithms": algorithms, "certs": certs}
