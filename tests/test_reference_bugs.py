@@ -1,4 +1,4 @@
-"""One test per bug of the public reference code (reference-codebases notes, /work/shared/reference).
+"""One test per bug of the public reference code (each cited by repository, commit, file and line).
 
 Each bug is a *variant*: a function below that puts the bug back into our code (monkeypatch).
 Its test first checks that our pipeline follows the paper (the final model equals the float64
