@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-Named = "OrderedDict[str, torch.Tensor]"
 _LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -22,8 +22,7 @@ from client.batch import ModelBatch, trainable
 from client.layout import Layout
 from common.config import RunConfig, local_step_count
 from common.datasets import Split
-
-Named = "OrderedDict[str, torch.Tensor]"
+from common.tensors import Named
 
 
 @dataclass(frozen=True)
