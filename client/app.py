@@ -23,6 +23,7 @@ from client.layout import Layout
 from client.node import NodeSettings
 from client.state import ContextState, StateMirror
 from client.train import LocalResult, build_rule, local_train, round_generator, rule_outputs
+from common import codec
 from common import protocol as P
 from common.config import RunConfig
 from common.data import client_split, client_test_split, dataset_for
@@ -54,7 +55,7 @@ def _model(cfg: RunConfig, node: NodeSettings, arrays: ArrayRecord, device: torc
     data = dataset_for(cfg, node.data_dir)
     key, model = MODEL_POOL.take(cfg.resolved_model(), data.input_shape, data.num_classes, device)
     try:
-        Layout.of(model).load(P.from_record(arrays))
+        Layout.of(model).load(codec.from_record(arrays))
     except BaseException:
         MODEL_POOL.give(key, model)
         raise
@@ -132,7 +133,7 @@ class TrainCall:
             data = data.to(device)  # the whole partition on the GPU (common.datasets.Split.to)
         key, model = _model(cfg, node, msg.content[P.MODEL], device)
         try:
-            broadcast = {name: P.from_record(msg.content[name]) for name in spec.down}
+            broadcast = {name: codec.from_record(msg.content[name]) for name in spec.down}
             store = _store(cfg, node, context)
             accepted = _state_round(msg, server_round) if spec.state else 0
             state = store.load(accepted)
@@ -177,10 +178,10 @@ class TrainCall:
         uploads, new_state = rule_outputs(self.rule, self.layout, model)
         weights = self.layout.weights()
         if self.fault:
-            weights = self.fault.corrupt(server_round, P.from_record(self.msg.content[P.MODEL]), weights)
+            weights = self.fault.corrupt(server_round, codec.from_record(self.msg.content[P.MODEL]), weights)
         content = RecordDict(
             {
-                P.MODEL: P.to_record(weights),
+                P.MODEL: codec.to_record(weights),
                 P.METRICS: MetricRecord(
                     {
                         P.NUM_EXAMPLES: result.num_examples,
@@ -194,7 +195,7 @@ class TrainCall:
             }
         )
         for name, tensors in uploads.items():
-            content[name] = P.to_record(tensors)
+            content[name] = codec.to_record(tensors)
         if new_state:
             self.store.stage(server_round, self.accepted, {**self.state, **new_state})
         context = self.context

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from flwr.app import Context
 
-from common import protocol as P
+from common import codec
 
 log = logging.getLogger("flwr.flatflower.client")
 _FILE = re.compile(r"round-(\d+)\.pt$")
@@ -81,11 +81,11 @@ class ContextState:
             raise MissingState(f"this client's state after round {accepted}, which the server "
                                "accepted, is not in its context (a restarted SuperNode without a "
                                "state-dir?): its duals/control variates are lost")
-        return {_RECORD.match(k).group(1): P.from_record(self.context.state[k]) for k in keys}
+        return {_RECORD.match(k).group(1): codec.from_record(self.context.state[k]) for k in keys}
 
     def stage(self, server_round: int, accepted: int, state: dict) -> None:
         for name, tensors in state.items():
-            self.context.state[f"{name}@{server_round}"] = P.to_record(tensors)
+            self.context.state[f"{name}@{server_round}"] = codec.to_record(tensors)
         for rnd, keys in self._staged().items():
             if rnd not in (server_round, accepted):
                 for key in keys:

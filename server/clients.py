@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from common import protocol as P
-from strategies.aggregate import client_weights
-from strategies.base import FlatStrategy
+from strategies.strategy import RoundRecord
 
 REPORTED_FIELDS = {key: key.replace("-", "_") for key in P.SELF_REPORTS}  # client metric -> clients.jsonl field
 
@@ -25,16 +24,15 @@ def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).double() for t in tensors.values() if t.is_floating_point()])
 
 
-def client_rows(strategy: FlatStrategy, server_round: int) -> list[dict[str, Any]]:
-    """The round's rows, in the order the partitions were sampled."""
-    record = strategy.round_record()
+def client_rows(record: RoundRecord, server_round: int) -> list[dict[str, Any]]:
+    """The rows of a training round (``FlatStrategy.round_record()``), in the order the
+    partitions were sampled."""
     start, updates = record.start, record.updates
-    part = strategy.participation
     rows: dict[int, dict[str, Any]] = {}
     for pid in record.stats.sampled_partitions:
         rows[pid] = {"round": server_round, "partition": pid, "status": "failed",
                      "reason": record.failure_reasons.get(pid, "no accepted reply"),
-                     "examples": part.num_examples(pid), "steps": part.num_steps(pid)}
+                     "examples": record.examples[pid], "steps": record.steps[pid]}
     for refusal in record.stats.rejections:
         if refusal["stage"] == "train" and refusal["partition"] in rows:
             rows[refusal["partition"]].update(status="rejected", reason=refusal["reason"])
@@ -46,7 +44,7 @@ def client_rows(strategy: FlatStrategy, server_round: int) -> list[dict[str, Any
         scale = max(float(d.abs().max()) if d.numel() else 0.0 for d in deltas)
         scale = scale if 1e150 < scale < math.inf else 1.0
         deltas = [d / scale for d in deltas]
-        weights = client_weights([u.num_examples for u in updates], strategy.cfg.aggregation)
+        weights = record.weights
         mean = sum(w * d for w, d in zip(weights, deltas))
         mean_norm = float(mean.norm())
         for u, w, d in zip(updates, weights, deltas):

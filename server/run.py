@@ -17,6 +17,7 @@ import torch
 from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
+from common import codec
 from common import protocol as P
 from common.config import RunConfig
 from common.data import dataset_for, partitions_for
@@ -27,7 +28,8 @@ from server.clients import client_rows
 from server.progress import RoundProgress
 from server.rundir import RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint
 from server.tensorboard import Board
-from strategies.base import RoundStats, all_finite
+from strategies.base import all_finite
+from strategies.strategy import RoundStats
 from strategies.registry import get as get_spec
 
 log = logging.getLogger("flwr.flatflower.server")
@@ -132,7 +134,7 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
         row.update({"test_accuracy": acc, "test_loss": finite(loss), **round_fields(stats),
                     "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})
         row.update(flatness(rnd, stats))  # after "seconds": its cost is flatness_seconds
-        clients = client_rows(strategy, rnd)
+        clients = client_rows(strategy.round_record(), rnd)
         run_dir.append_rows("clients.jsonl", clients)
         run_dir.append_metrics(row)  # before the checkpoint: a resume redoes rows past it
         board.add_round(row, clients)
@@ -152,7 +154,7 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
                            "rounds": cfg.num_server_rounds,
                            "seconds": round(time.monotonic() - t_start, 2),
                            "num_partitions": strategy.num_partitions,
-                           "model_bytes": P.payload_bytes(RecordDict({P.MODEL: P.to_record(strategy.model)})),
+                           "model_bytes": codec.payload_bytes(RecordDict({P.MODEL: codec.to_record(strategy.model)})),
                            "records_down": list(strategy.spec.down),
                            "records_up": list(strategy.spec.up)})
     log.info("flatflower: finished, final test accuracy %.4f, run directory %s", acc, run_dir.path)

@@ -1,129 +1,62 @@
-"""The strategy base every algorithm's server half builds on.
+"""The server rule every algorithm's server half builds on: pure tensor code.
 
-It is a Flower message-based ``FedAvg`` (so ``strategy.start()`` works as in any Flower app)
-that adds what the papers' algorithms need and stock FedAvg lacks:
-
-* participation decided by the server (strategies/participation.py): sampling with a
-  deadline, deterministic in (seed, round) over partition ids learned and checked in a
-  ``query`` handshake;
-* several named ArrayRecords per message (the model plus the algorithm's ``down`` records);
-* validation of every reply (strategies/validation.py): decoded arrays, metrics, the
-  partition's own size and step count, the message's nonce. A bad reply is rejected and
-  logged with its reason; the round goes on with the rest;
-* aggregation by the run's ``aggregator`` (mean, or a robust rule) of every per-client
-  quantity the algorithm combines, with weights from the server's own partition sizes;
-* server state as a checkpointable dict (:meth:`state_dict` / :meth:`load_state_dict`).
+A :class:`ServerRule` holds the global model and the algorithm's server state (``records``:
+duals, control variates, momenta, EMA models) and turns the round's accepted client updates
+into the next model. It sees no grid, no message and no Flower object, so it is tested on
+plain tensors (``spec.new_rule(cfg, model, num_partitions=N)``). The Flower strategy that
+drives the rounds (strategies/strategy.py: sampling, messages, validation, retries,
+checkpoints) owns one rule and calls :meth:`ServerRule.apply` on what it accepted; the
+client half is its mirror, a ``ClientRule`` (client/algorithms/base.py).
 
 An algorithm subclass declares the run-config keys it reads (``Params``, common/params.py),
-sets its records in :meth:`init_records` and implements :meth:`update` (the server half of
-its pseudocode), combining clients with :meth:`aggregate`. Strategies are built from the
-registry (strategies/registry.py: ``spec.new_strategy(cfg, model)``), which says what
-travels with the model.
+allocates its records in :meth:`init_records` and implements :meth:`update` (the server half
+of its pseudocode), combining clients with :meth:`aggregate`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-from common import protocol as P
 from common.config import RunConfig
 from common.params import Params
-from common.tensors import global_norm, sub
-from strategies.aggregate import Aggregator, client_weights
-from strategies.participation import (NoNodesError, Participation, destinations, error_text, exchange,
-                                     new_nonce, node_of)
-from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
-                                   parse_evaluate_reply, parse_train_reply)
+from common.tensors import sub
+from strategies.aggregate import Aggregator
 
-log = logging.getLogger("flwr.flatflower.server")
+if TYPE_CHECKING:  # a data class of the validated reply; the rule never parses messages
+    from strategies.validation import ClientUpdate
 
-__all__ = ["FlatStrategy", "NoNodesError", "RoundRecord", "RoundStats"]
+__all__ = ["ServerRule", "all_finite"]
 
 
-@dataclass
-class RoundStats:
-    """What one training round did (a metrics.jsonl line is built from it)."""
-
-    clients_sampled: int = 0
-    clients_replied: int = 0
-    clients_rejected: int = 0
-    clients_failed: int = 0
-    bytes_down: int = 0
-    bytes_up: int = 0
-    train_loss: float = float("nan")
-    sampled_partitions: list[int] = field(default_factory=list)
-    failed_partitions: list[int] = field(default_factory=list)
-    rejected_partitions: list[int] = field(default_factory=list)
-    retries: int = 0
-    skipped: int = 0  # 1 when the round left the model unchanged (too few accepted replies)
-    # every refused reply of the round: {"stage": train|evaluate|handshake, "partition",
-    # "node", "reason"}
-    rejections: list[dict] = field(default_factory=list)
-    # every failed client of the round: {"partition", "node", "reason"} (its error reply, or
-    # no reply before the deadline)
-    failures: list[dict] = field(default_factory=list)
+def _copy(tensors: Mapping[str, torch.Tensor]) -> OrderedDict:
+    return OrderedDict((k, v.clone()) for k, v in tensors.items())
 
 
-@dataclass(frozen=True)
-class RoundRecord:
-    """What the last training round leaves for the run directory (clients.jsonl, flatness):
-    read through :meth:`FlatStrategy.round_record`."""
+class ServerRule:
+    """Server half of an algorithm (see module docstring).
 
-    stats: RoundStats
-    start: OrderedDict  # the point the clients started from (the global model, or FedACG's look-ahead)
-    updates: list[ClientUpdate]  # the accepted updates, by partition
-    failure_reasons: dict[int, str]  # failed partitions -> why
-
-
-class FlatStrategy(FlowerFedAvg):
-    """Server half shared by all algorithms (see module docstring)."""
+    ``model`` is the global model w^r, ``records`` the server state by record name (those of
+    the spec's ``down`` are broadcast with the model), ``num_partitions`` N, the size of the
+    federation (the driver sets it once the clients' handshake fixed it; None before).
+    """
 
     Params: type[Params] = Params  # no hyperparameters of its own
 
-    def __init__(self, cfg: RunConfig, initial_model: OrderedDict, spec,
-                 partition_sizes: Callable[[int], Sequence[int]] | None = None):
-        super().__init__(
-            fraction_train=cfg.fraction_train,
-            fraction_evaluate=1.0,  # set below: 0 (our default) makes Flower warn at every start
-            min_train_nodes=1,
-            min_evaluate_nodes=0,
-            min_available_nodes=cfg.min_available_nodes,
-        )
-        self.fraction_evaluate = cfg.fraction_evaluate
+    def __init__(self, cfg: RunConfig, initial_model: Mapping[str, torch.Tensor], spec,
+                 num_partitions: int | None = None):
         self.cfg = cfg
         self.params = cfg.params.view(self.Params)  # this half's keys (common/params.py)
         self.spec = spec  # the algorithm's registry entry (strategies/registry.py)
-        self.model: OrderedDict = OrderedDict((k, v.clone()) for k, v in initial_model.items())
-        self.layout = layout_of(self.model)
-        self.round = 0  # last completed training round
+        self.model: OrderedDict = _copy(initial_model)
         self.records: dict[str, OrderedDict] = {}
         self.init_records()
-        self.participation = Participation(cfg, partition_sizes)
         self.aggregator = Aggregator.from_config(cfg)
-        self.stats = RoundStats()
-        self.failure_reasons: dict[int, str] = {}  # this round's failed partitions -> why
-        self._accepted: tuple[OrderedDict, list[ClientUpdate]] = (self.model, [])  # start point, updates
-        self._messages: list[Message] = []  # this round's train messages (ids map error replies)
-        self._grid: Grid | None = None  # the grid this round was sent on
-        self._content = RecordDict()  # what every train message of this round carries
-        self._nonce = 0  # this round's train nonce, echoed by every valid reply
-        self._eval_messages: list[Message] = []
-        self._eval_nonce = 0
-
-    def round_record(self) -> RoundRecord:
-        """The last training round: its statistics, start point, accepted updates and why
-        clients failed."""
-        start, updates = self._accepted
-        return RoundRecord(self.stats, start, list(updates), dict(self.failure_reasons))
+        self.num_partitions = num_partitions
+        self.chosen: list[int] | None = None  # this round's clients under a Krum-family rule (apply)
 
     # ------------------------------------------------------------------ algorithm hooks
     def init_records(self) -> None:
@@ -134,7 +67,7 @@ class FlatStrategy(FlowerFedAvg):
         FedACG: its look-ahead). Client updates are measured from it."""
         return self.model
 
-    def broadcast(self, server_round: int) -> dict[str, OrderedDict]:
+    def broadcast(self) -> dict[str, OrderedDict]:
         """Extra records sent with the model: the spec's ``down`` names, from ``records``."""
         return {name: self.records[name] for name in self.spec.down}
 
@@ -142,26 +75,16 @@ class FlatStrategy(FlowerFedAvg):
         """Server half of the algorithm: new ``self.model`` (and records) from accepted updates."""
         raise NotImplementedError
 
-    chosen: list[int] | None = None  # this round's clients under a Krum-family rule (finish_round)
-
+    # ------------------------------------------------------------------ shared mechanics
     def aggregate(self, items: Sequence[OrderedDict], weights: Sequence[float]) -> OrderedDict:
         """The run's estimate of sum_i p_i items[i] (``aggregator``: the mean, or a robust rule;
         a Krum-family rule combines the clients it picked from all their uploads)."""
         return self.aggregator(items, weights, self.chosen)
 
-    def combine(self, server_round: int, updates: list[ClientUpdate], weights: list[float]) -> None:
-        """:meth:`update`, with a Krum-family rule's picks made once from every client's uploads."""
-        self.chosen = self.aggregator.choose([self.uploads(u) for u in updates])
-        try:
-            self.update(server_round, updates, weights)
-        finally:
-            self.chosen = None
-
-    @property
-    def num_partitions(self) -> int | None:
-        """N, the number of clients in the federation: ``num-partitions``, or fixed at the first
-        handshake (None before it)."""
-        return self.participation.num_partitions
+    def uploads(self, update: ClientUpdate) -> list[OrderedDict]:
+        """Every quantity a client uploads that the server combines: its model update
+        w_i - (start point), then each of the algorithm's ``up`` records."""
+        return [sub(update.model, self.start_point()), *(update.records[n] for n in self.spec.up)]
 
     def federation_size(self) -> int:
         """N, for the server halves that average over all N clients (duals, control
@@ -172,282 +95,34 @@ class FlatStrategy(FlowerFedAvg):
                 "its server state is averaged over all N clients, so it cannot update without it")
         return self.num_partitions
 
-    # ------------------------------------------------------------------ checkpointable state
+    def apply(self, server_round: int, updates: list[ClientUpdate], weights: list[float]) -> bool:
+        """One round of the rule: :meth:`update` on the accepted updates with weights p_i, a
+        Krum-family rule's picks made once from every client's uploads. False, and model and
+        records as they were, when the result is not finite."""
+        before = self.model, self.records
+        self.records = {n: OrderedDict(r) for n, r in self.records.items()}
+        self.chosen = self.aggregator.choose([self.uploads(u) for u in updates])
+        try:
+            self.update(server_round, updates, weights)
+        finally:
+            self.chosen = None
+        if all_finite(self.model, *self.records.values()):
+            return True
+        self.model, self.records = before
+        return False
+
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {
-            "algorithm": self.spec.name,
-            "round": self.round,
-            "model": OrderedDict((k, v.clone()) for k, v in self.model.items()),
-            "records": {n: OrderedDict((k, v.clone()) for k, v in r.items()) for n, r in self.records.items()},
-            "participation": self.participation.state_dict(),
-        }
+        """The rule's state: the model and every record (copies)."""
+        return {"model": _copy(self.model), "records": {n: _copy(r) for n, r in self.records.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a :meth:`state_dict`. ValueError naming the first field that differs from
-        what this run allocates (algorithm, round, the model's and every record's names, shapes
-        and dtypes, finite values; the participation state), and nothing restored then: a
-        damaged checkpoint never resumes to a different model."""
-        from common import schema
-
-        def algorithm(name, where):
-            if name != self.spec.name:
-                raise ValueError(f"{where}: checkpoint is for {str(name)[:40]}, not {self.spec.name}")
-
-        records = {name: schema.tensors(layout_of(r)) for name, r in self.records.items()}
-        schema.table(state, "strategy", algorithm=algorithm, round=schema.whole(0),
-                     model=schema.tensors(self.layout), records=schema.fields(**records),
-                     participation=schema.anything)
-        self.participation.load_state_dict(state["participation"])
-        self.round = state["round"]
-        self.model = OrderedDict((k, v.clone()) for k, v in state["model"].items())
-        self.records = {n: OrderedDict((k, v.clone()) for k, v in r.items()) for n, r in state["records"].items()}
-
-    # ------------------------------------------------------------------ refusals
-    def _refused(self, stage: str, pid: int, node: int, why: str) -> None:
-        """Record and log one refused reply (train rejections also count as rejected clients)."""
-        self.stats.rejections.append({"stage": stage, "partition": pid, "node": node, "reason": why})
-        if stage == "train":
-            self.stats.clients_rejected += 1
-            self.stats.rejected_partitions.append(pid)
-        log.warning("round %d: %s reply of client %d (node %d) refused: %s", self.round + 1, stage,
-                    pid, node, why)
-
-    def _failed(self, server_round: int, pid: int, node: int, why: str) -> None:
-        self.failure_reasons[pid] = why
-        self.stats.clients_failed += 1
-        self.stats.failed_partitions.append(pid)
-        self.stats.failures.append({"partition": pid, "node": node, "reason": why})
-        log.warning("round %d: client %d (node %d) failed: %s", server_round, pid, node, why)
-
-    def available_partitions(self, grid: Grid) -> dict[int, int]:
-        """partition id -> node id of every connected node that passed the handshake."""
-        return self.participation.available(grid, self._refused)
-
-    # ------------------------------------------------------------------ Flower hooks: train
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Sample clients and send each the model, the round config and the extra records."""
-        self.stats = RoundStats()
-        self.failure_reasons = {}
-        self._grid = grid  # retries go out on it (receive_train)
-        self.model = P.from_record(arrays)
-        available = self.available_partitions(grid)
-        chosen = self.participation.sample(server_round, list(available), self.fraction_train)
-        self._nonce = new_nonce()
-        start = self.start_point()
-        self._content = RecordDict({P.MODEL: arrays if start is self.model else P.to_record(start),
-                                    P.CONFIG: ConfigRecord({**dict(config), P.SERVER_ROUND: server_round,
-                                                            P.NONCE: self._nonce})})
-        for name, tensors in self.broadcast(server_round).items():
-            self._content[name] = P.to_record(tensors)
-        msgs = self.train_messages(server_round, {p: available[p] for p in chosen})
-        self._messages = msgs
-        self.stats.clients_sampled = len(msgs)
-        self.stats.sampled_partitions = list(chosen)
-        log.info("round %d: sampled partitions %s", server_round, chosen)
-        return msgs
-
-    def train_messages(self, server_round: int, nodes: dict[int, int]) -> list[Message]:
-        """The round's train message to each partition's node (``nodes``: partition -> node):
-        the round's content, with the partition's ``state-round`` (its last round the server
-        accepted) in the config, which tells the client what state to start from."""
-        msgs = []
-        for pid, node in nodes.items():
-            content = RecordDict(dict(self._content.items()))  # the same arrays, its own config
-            content[P.CONFIG] = ConfigRecord({**dict(self._content[P.CONFIG]),
-                                              P.STATE_ROUND: self.participation.state_round(pid)})
-            msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
-                                group_id=str(server_round)))
-        self.stats.bytes_down += P.payload_bytes(self._content) * len(msgs)
-        return msgs
-
-    def expected(self, pid: int, nonce: int) -> Expected:
-        """What partition ``pid``'s reply to a message with ``nonce`` must say."""
-        part = self.participation
-        return Expected(pid, part.num_examples(pid), nonce, part.num_steps(pid), self.layout, self.spec.up)
-
-    def collect(self, server_round: int, replies: Iterable[Message]) -> list[ClientUpdate]:
-        """Parse and validate the replies to ``self._messages``; log and count failures
-        (error replies, and messages with no reply within ``round-timeout``) and rejections."""
-        updates: dict[int, ClientUpdate] = {}
-        answered = set()
-        sent = destinations(self._messages)
-        for reply in replies:
-            node = node_of(reply, sent)
-            answered.add(reply.metadata.reply_to_message_id)
-            pid = self.participation.partition_of.get(node, -1)
-            if reply.has_error():
-                self._failed(server_round, pid, node, error_text(reply))
-                continue
-            try:
-                self.stats.bytes_up += P.payload_bytes(reply.content)
-                if pid < 0 or pid in updates:
-                    raise RejectedReply("a reply from a node that holds no partition, or a second one")
-                updates[pid] = parse_train_reply(reply, node, self.expected(pid, self._nonce))
-            except Exception as why:  # noqa: BLE001 - one reply's fault, never the run's end
-                self._refused("train", pid, node, str(why))
-        for msg in self._messages:
-            if msg.metadata.message_id not in answered:
-                node = msg.metadata.dst_node_id
-                self._failed(server_round, self.participation.partition_of.get(node, -1), node,
-                             f"no reply within round-timeout={self.cfg.round_timeout:g}s (client lost)")
-        return [updates[p] for p in sorted(updates)]
-
-    def uploads(self, update: ClientUpdate) -> list[OrderedDict]:
-        """Every quantity a client uploads that the server combines: its model update
-        w_i - (start point), then each of the algorithm's ``up`` records."""
-        return [sub(update.model, self.start_point()), *(update.records[n] for n in self.spec.up)]
-
-    def reject_outliers(self, server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
-        """``outlier-norm-factor`` f > 0: reject a client any of whose uploads (the model
-        update, each ``up`` record) has a norm > f * the round's median norm of that quantity
-        (with at least 3 updates; a median itself is never rejected). Norms in float64."""
-        factor = self.cfg.outlier_norm_factor
-        if factor <= 0 or len(updates) < 3:
-            return updates
-        names = ["update", *self.spec.up]
-        norms = [[float(global_norm(x, torch.float64)) for x in self.uploads(u)] for u in updates]
-        medians = [float(np.median(column)) for column in zip(*norms)]
-        kept = []
-        for u, row in zip(updates, norms):
-            over = [f"{name} norm {norm:.4g} > {factor:g} x round median {median:.4g}"
-                    for name, norm, median in zip(names, row, medians) if norm > factor * median]
-            if over:
-                self._refused("train", u.partition_id, u.node_id, "; ".join(over))
-            else:
-                kept.append(u)
-        return kept
-
-    # ------------------------------------------------------------------ the round drivers
-    def train_round(self, server_round: int, grid: Grid) -> RoundStats:
-        """One training round, as the ServerApp runs it: sample and send (``configure_train``),
-        then :meth:`receive_train`. Flower's own ``start`` loop takes the same path through
-        ``configure_train`` and ``aggregate_train``."""
-        msgs = list(self.configure_train(server_round, P.to_record(self.model), ConfigRecord(), grid))
-        self.receive_train(server_round, exchange(grid, msgs, self.cfg.round_timeout))
-        return self.stats
-
-    def receive_train(self, server_round: int, replies: Iterable[Message]) -> None:
-        """The round from its replies on, for both drivers: collect, retry
-        (``too-few-replies = retry``, over the grid the round was sent on), then the
-        algorithm's update, or the round is skipped."""
-        updates = self.collect(server_round, replies)
-        self.finish_round(server_round, self.retry(server_round, self._grid, updates) if self._messages else updates)
-
-    def evaluate_round(self, server_round: int, grid: Grid) -> MetricRecord | None:
-        """One federated evaluation round of the global model (``fraction-evaluate`` of the
-        clients; None when none is asked or none replied validly)."""
-        msgs = list(self.configure_evaluate(server_round, P.to_record(self.model), ConfigRecord(), grid))
-        return self.aggregate_evaluate(server_round, exchange(grid, msgs, self.cfg.round_timeout)) if msgs else None
-
-    def retry(self, server_round: int, grid: Grid, updates: list[ClientUpdate]) -> list[ClientUpdate]:
-        """Re-send the round's messages to the sampled clients that gave no accepted reply, at
-        most ``max-retries`` times, while fewer than ``min-replies`` updates are accepted (only
-        with ``too-few-replies = retry``); the accepted updates, in partition order."""
-        while (len(updates) < self.cfg.min_replies and self.cfg.too_few_replies == "retry"
-               and self.stats.retries < self.cfg.max_retries):
-            self.stats.retries += 1
-            done = {u.partition_id for u in updates}
-            missing = [p for p in self.stats.sampled_partitions if p not in done]
-            log.warning("round %d: %d accepted replies < min-replies=%d; retry %d/%d: waiting for "
-                        "clients %s", server_round, len(updates), self.cfg.min_replies,
-                        self.stats.retries, self.cfg.max_retries, missing)
-            available = self.participation.wait_for_partitions(
-                grid, missing, self.cfg.round_timeout, self._refused)
-            again = [p for p in missing if p in available]
-            if not again:
-                continue
-            self._messages = self.train_messages(server_round, {p: available[p] for p in again})
-            replies = exchange(grid, self._messages, self.cfg.round_timeout)
-            updates = sorted(updates + self.collect(server_round, replies), key=lambda u: u.partition_id)
-        return updates
-
-    def finish_round(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """Apply the algorithm's server update to the accepted updates, if there are enough
-        (``min-replies``, and what the aggregator needs) and the result is finite; otherwise
-        the round is skipped: model and server state stay as they were."""
-        self.stats.clients_replied = len(updates) + self.stats.clients_rejected
-        updates = self.reject_outliers(server_round, updates)
-        self._accepted = (self.start_point(), updates)  # for round_record()
-        needed = max(self.cfg.min_replies, self.aggregator.required())
-        reason = None
-        if len(updates) < needed:
-            reason = (f"{len(updates)} accepted client updates < {needed} (min-replies="
-                      f"{self.cfg.min_replies}, aggregator {self.aggregator.name} needs "
-                      f"{self.aggregator.required()})")
-        else:
-            before = self.model, self.records
-            weights = client_weights([u.num_examples for u in updates], self.cfg.aggregation)
-            losses = [u.train_loss for u in updates]
-            self.stats.train_loss = (float(sum(w * x for w, x in zip(weights, losses)))
-                                     if self.aggregator.name == "mean" else float(np.median(losses)))
-            self.records = {n: OrderedDict(r) for n, r in self.records.items()}
-            self.combine(server_round, updates, weights)
-            if not all_finite(self.model, *self.records.values()):
-                self.model, self.records = before
-                reason = "the server update gave non-finite values"
-            else:  # these clients' states after this round are the ones they go on from
-                self.participation.commit(server_round, [u.partition_id for u in updates])
-        if reason:
-            self.stats.skipped = 1
-            log.warning("round %d skipped: %s; the global model and server state are unchanged",
-                        server_round, reason)
-        self.round = server_round
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Flower's hook (for ``strategy.start``): :meth:`receive_train`, then what Flower's
-        loop expects back."""
-        self.receive_train(server_round, replies)
-        metrics = MetricRecord({k: v for k, v in asdict(self.stats).items()
-                                if isinstance(v, (int, float)) and v == v})  # drop NaN and lists
-        return P.to_record(self.model), metrics
-
-    # ------------------------------------------------------------------ Flower hooks: evaluate
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Federated evaluation on a ``fraction-evaluate`` sample of clients (0 = none)."""
-        if self.fraction_evaluate == 0.0:
-            return []
-        available = self.available_partitions(grid)
-        chosen = self.participation.sample_evaluate(server_round, list(available), self.fraction_evaluate)
-        self._eval_nonce = new_nonce()
-        content = RecordDict({P.MODEL: arrays, P.CONFIG: ConfigRecord(
-            {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._eval_nonce})})
-        self._eval_messages = [Message(content, dst_node_id=available[p], message_type=MessageType.EVALUATE,
-                                       group_id=str(server_round)) for p in chosen]
-        return self._eval_messages
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Sample-weighted mean of the clients' eval-loss and eval-accuracy (invalid replies
-        are refused with their reason)."""
-        rows: dict[int, tuple[float, float]] = {}
-        sent = destinations(self._eval_messages)
-        for reply in replies:
-            node = node_of(reply, sent)
-            pid = self.participation.partition_of.get(node, -1)
-            if reply.has_error():
-                log.warning("round %d: evaluation failed on node %d: %s", server_round, node,
-                            error_text(reply))
-                continue
-            try:
-                if pid < 0 or pid in rows:
-                    raise RejectedReply("a reply from a node that holds no partition, or a second one")
-                rows[pid] = parse_evaluate_reply(reply, self.expected(pid, self._eval_nonce))
-            except Exception as why:  # noqa: BLE001 - one reply's fault, never the run's end
-                self._refused("evaluate", pid, node, str(why))
-        if not rows:
-            return None
-        sizes = {p: self.participation.num_examples(p) for p in rows}
-        total = float(sum(sizes.values()))
-        return MetricRecord({key: sum(rows[p][i] * sizes[p] for p in rows) / total
-                             for i, key in enumerate((P.EVAL_LOSS, P.EVAL_ACCURACY))})
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore a :meth:`state_dict` (checked by the caller: strategies/strategy.py)."""
+        self.model = _copy(state["model"])
+        self.records = {n: _copy(r) for n, r in state["records"].items()}
 
 
-def all_finite(*named: OrderedDict) -> bool:
+def all_finite(*named: Mapping[str, torch.Tensor]) -> bool:
     """True when every floating-point tensor of every set is finite."""
     return all(bool(torch.isfinite(v).all()) for item in named for v in item.values()
                if v.is_floating_point())

@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 from common.tensors import add_scaled, sub
-from strategies.base import FlatStrategy
+from strategies.base import ServerRule
 
 
-class FedAvg(FlatStrategy):
+class FedAvg(ServerRule):
     def mean_delta(self, updates, weights):
         """sum_i p_i (w_i - w^r): the aggregated client update (from the start point; a robust
         estimate of it under a robust ``aggregator``)."""

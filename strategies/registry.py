@@ -39,7 +39,7 @@ from client.algorithms.scaffold import ScaffoldClient
 from common import protocol as P
 from common.config import register_algorithms
 from common.params import Params, combine
-from strategies.base import FlatStrategy
+from strategies.base import ServerRule
 from strategies.fedacg import FedACG
 from strategies.fedasam import FedASAM
 from strategies.fedavg import FedAvg
@@ -57,6 +57,7 @@ from strategies.fedspeed import FedSpeed
 from strategies.fedtoga import FedTOGA
 from strategies.mofedsam import MoFedSAM
 from strategies.scaffold import Scaffold
+from strategies.strategy import FlatStrategy
 
 
 # family file -> the algorithms whose halves it holds (strategies/<file>.py, client/algorithms/<file>.py)
@@ -66,7 +67,8 @@ FAMILIES = {"fedgmt": ("fedgmt", "fedgmt-v2"), "fedlesam": ("fedlesam", "fedlesa
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """One algorithm: its two halves and which records cross the wire.
+    """One algorithm: its two halves (``server``, a ServerRule; ``client``, a ClientRule) and
+    which records cross the wire.
 
     ``down``/``up`` list the records besides the model (``arrays``), the ``config`` and
     ``metrics`` records that every message carries; ``state`` the records a client keeps
@@ -77,7 +79,7 @@ class AlgorithmSpec:
     """
 
     name: str
-    strategy: type[FlatStrategy]
+    server: type[ServerRule]
     client: type[ClientRule]
     down: tuple[str, ...] = ()
     up: tuple[str, ...] = ()
@@ -88,16 +90,21 @@ class AlgorithmSpec:
     params: type[Params] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        keys = combine(f"{self.strategy.__name__}Keys", self.strategy.Params, self.client.Params)
+        keys = combine(f"{self.server.__name__}Keys", self.server.Params, self.client.Params)
         object.__setattr__(self, "params", keys)
 
+    def new_rule(self, cfg, initial_model, num_partitions: int | None = None) -> ServerRule:
+        """The server rule for run config ``cfg`` (its ``algorithm`` is this one), over N =
+        ``num_partitions`` clients: pure tensor code, no Flower."""
+        return self.server(cfg, initial_model, self, num_partitions)
+
     def new_strategy(self, cfg, initial_model, **kwargs: Any) -> FlatStrategy:
-        """The server half for run config ``cfg`` (its ``algorithm`` is this one)."""
-        return self.strategy(cfg, initial_model, self, **kwargs)
+        """The Flower strategy that drives this algorithm's rounds for run config ``cfg``."""
+        return FlatStrategy(cfg, initial_model, self, **kwargs)
 
     def key_owners(self) -> dict[str, str]:
         """Each of this algorithm's run-config keys -> which half reads it: server, client or both."""
-        server, client = self.strategy.Params.fields(), self.client.Params.fields()
+        server, client = self.server.Params.fields(), self.client.Params.fields()
         return {k: "both" if k in server and k in client else "server" if k in server else "client"
                 for k in self.params.fields()}
 
@@ -180,7 +187,7 @@ def as_data(specs: Sequence[AlgorithmSpec] | None = None) -> list[dict]:
                      for k, f in spec.params.fields().items()],
             "down": list(spec.down), "up": list(spec.up), "state": list(spec.state),
             "passes": spec.passes, "forwards": spec.forwards,
-            "server": f"{spec.strategy.__module__}.{spec.strategy.__qualname__}",
+            "server": f"{spec.server.__module__}.{spec.server.__qualname__}",
             "client": f"{spec.client.__module__}.{spec.client.__qualname__}",
         })
     return out

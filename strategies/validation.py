@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from flwr.app import Array, Message
 
+from common import codec
 from common import protocol as P
 
 ArraySpecs = dict[str, tuple[tuple[int, ...], str]]  # array key -> (shape, dtype) a reply must hold
@@ -85,13 +86,13 @@ def guarded(read: Callable[[], T]) -> T:
 # ---------------------------------------------------------------------------- arrays
 def decode_array(where: str, arr: Any, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
     """The array's decoded data as a tensor, if it is exactly ``dtype[shape]`` and finite."""
-    if not isinstance(arr, Array) or arr.stype != P.NUMPY_STYPE:
+    if not isinstance(arr, Array) or arr.stype != codec.NUMPY_STYPE:
         raise RejectedReply(f"{where} is not a numpy array")
     expected = np.dtype(dtype)
     limit = expected.itemsize * math.prod(shape) + NPY_HEADER_BYTES
     if len(arr.data) > limit:
         raise RejectedReply(f"{where} holds {len(arr.data)} bytes, more than {dtype}{list(shape)} needs")
-    value = P.array_data(arr, dtype, shape)  # np.load unless the header is exactly np.save's
+    value = codec.array_data(arr, dtype, shape)  # np.load unless the header is exactly np.save's
     if not isinstance(value, np.ndarray) or value.dtype != expected or value.shape != shape:
         got = f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
         raise RejectedReply(f"{where} is {got}, expected {dtype}{list(shape)}")

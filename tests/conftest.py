@@ -83,18 +83,18 @@ def pytest_collection_finish(session):
 @pytest.fixture
 def server_spy(monkeypatch):
     """Wraps the FedDyn-family server update (FedSpeed, FedGMT, FedTOGA call it through
-    super()) to record the strategy and, per round, u computed independently in float64 with
+    super()) to record the server rule and, per round, u computed independently in float64 with
     uniform weights, and the number of clients M."""
     from strategies.feddyn import FedDyn
     from tests.reference import Problem
 
-    seen = {"strategy": None, "u_uniform": [], "M": []}
+    seen = {"rule": None, "u_uniform": [], "M": []}
     original = FedDyn.update
 
     def spy(self, server_round, updates, weights):
         start = Problem.flat(v.double().numpy() for v in self.model.values())
         models = [Problem.flat(v.double().numpy() for v in up.model.values()) for up in updates]
-        seen["strategy"] = self
+        seen["rule"] = self
         seen["u_uniform"].append(sum(m - start for m in models) / len(models))
         seen["M"].append(len(updates))
         return original(self, server_round, updates, weights)
@@ -106,7 +106,7 @@ def server_spy(monkeypatch):
 @pytest.fixture
 def strategy_spy(monkeypatch):
     """Records the strategy of the last run (to read its server state)."""
-    from strategies.base import FlatStrategy
+    from strategies.strategy import FlatStrategy
 
     seen = {}
     original = FlatStrategy.finish_round

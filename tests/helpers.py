@@ -193,11 +193,11 @@ def assert_differ(a: dict, b: dict, min_diff=1e-4) -> None:
 
 
 def server_dual(seen) -> np.ndarray:
-    return Problem.flat(v.double().numpy() for v in seen["strategy"].records[P.DUAL].values())
+    return Problem.flat(v.double().numpy() for v in seen["rule"].records[P.DUAL].values())
 
 
 def server_record(seen, name: str) -> np.ndarray:
-    return Problem.flat(v.double().numpy() for v in seen["strategy"].records[name].values())
+    return Problem.flat(v.double().numpy() for v in seen["strategy"].rule.records[name].values())
 
 
 def assert_state(result, prob, record, expected):

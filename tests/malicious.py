@@ -32,6 +32,7 @@ from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Message, Messag
 from flwr.clientapp import ClientApp
 
 import client.app as honest
+from common import codec
 from common import protocol as P
 from strategies.validation import MAX_LOSS
 
@@ -101,9 +102,9 @@ def with_record(reply: Message, name: str, record) -> Message:
 
 def scaled_update(reply: Message, msg: Message, factor: float) -> Message:
     """Model w + factor (w_i - w): a well-formed reply whose update is scaled (or flipped)."""
-    start = P.from_record(msg.content[P.MODEL])
-    local = P.from_record(reply.content[P.MODEL])
-    reply.content[P.MODEL] = P.to_record({k: start[k] + factor * (v - start[k]) for k, v in local.items()})
+    start = codec.from_record(msg.content[P.MODEL])
+    local = codec.from_record(reply.content[P.MODEL])
+    reply.content[P.MODEL] = codec.to_record({k: start[k] + factor * (v - start[k]) for k, v in local.items()})
     return reply
 
 
@@ -353,7 +354,7 @@ def collude(pairs, contexts, attack: str, attackers: set[int]) -> None:
         return int(contexts[msg.metadata.dst_node_id].node_config["partition-id"])
 
     def flat_update(msg: Message, reply: Message) -> torch.Tensor:
-        start, local = P.from_record(msg.content[P.MODEL]), P.from_record(reply.content[P.MODEL])
+        start, local = codec.from_record(msg.content[P.MODEL]), codec.from_record(reply.content[P.MODEL])
         return torch.cat([(local[k] - start[k]).reshape(-1).double() for k in start])
 
     good = [(msg, reply) for msg, reply in pairs if not reply.has_error()]
@@ -363,8 +364,8 @@ def collude(pairs, contexts, attack: str, attackers: set[int]) -> None:
         return
     delta = COLLUDING[name](torch.stack(honest), len(pairs), len(bad), float(arg) if arg else None)
     for msg, reply in bad:
-        start, at, model = P.from_record(msg.content[P.MODEL]), 0, OrderedDict()
+        start, at, model = codec.from_record(msg.content[P.MODEL]), 0, OrderedDict()
         for k, v in start.items():
             model[k] = v + delta[at:at + v.numel()].reshape(v.shape).to(v.dtype)
             at += v.numel()
-        reply.content[P.MODEL] = P.to_record(model)
+        reply.content[P.MODEL] = codec.to_record(model)

@@ -110,21 +110,20 @@ def test_norm_clip_bounds_every_clients_influence():
 
 
 # ---------------------------------------------------------------- composition with every algorithm
-def strategy_for(algorithm: str, aggregator: str):
+def rule_for(algorithm: str, aggregator: str):
+    """The algorithm's server rule (pure tensor code, no Flower) over N = 10 clients."""
     cfg = RunConfig.from_mapping(fast_config(algorithm=algorithm, aggregator=aggregator))
-    strategy = get_spec(algorithm).new_strategy(cfg, MODEL)
-    strategy.participation.num_partitions = 10
-    return strategy
+    return get_spec(algorithm).new_rule(cfg, MODEL, num_partitions=10)
 
 
-def updates(strategy, outlier: bool) -> list[ClientUpdate]:
+def updates(rule, outlier: bool) -> list[ClientUpdate]:
     """7 clients with the same update (model and uploads), the last one huge if ``outlier``."""
     out = []
     for i in range(7):
         shift = 1e6 if outlier and i == 6 else 0.1
-        model = OrderedDict((k, v + shift) for k, v in strategy.start_point().items())
+        model = OrderedDict((k, v + shift) for k, v in rule.start_point().items())
         uploads = {name: OrderedDict((k, torch.full_like(v, shift)) for k, v in MODEL.items())
-                   for name in strategy.spec.up}
+                   for name in rule.spec.up}
         out.append(ClientUpdate(1000 + i, i, 100, 2, 1.0, model, uploads))
     return out
 
@@ -134,13 +133,13 @@ def test_robust_rules_compose_with_every_algorithms_server_state(algorithm):
     """Under each robust rule, 6 identical honest clients and one huge one leave the model and
     every piece of server state (duals, control variates, momentum, EMA, global update,
     global perturbation, moments) exactly where 7 honest clients under the mean put them."""
-    reference = strategy_for(algorithm, "mean")
+    reference = rule_for(algorithm, "mean")
     reference.update(1, updates(reference, outlier=False), [1 / 7] * 7)
     for name in ROBUST:
-        strategy = strategy_for(algorithm, name)
-        strategy.update(1, updates(strategy, outlier=True), [1 / 7] * 7)
+        rule = rule_for(algorithm, name)
+        rule.update(1, updates(rule, outlier=True), [1 / 7] * 7)
         for key in ("model", *reference.records):
-            ours = strategy.model if key == "model" else strategy.records[key]
+            ours = rule.model if key == "model" else rule.records[key]
             theirs = reference.model if key == "model" else reference.records[key]
             for k in theirs:
                 assert torch.allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6), (name, key, k)
@@ -162,17 +161,17 @@ def test_the_krum_family_picks_the_same_clients_for_the_model_and_every_record(n
     the most central of all and whose Δc is 1e30. Picked by the model alone, the attacker
     would be kept (and its Δc left to a separate pick); scored on all its uploads together it
     is dropped from every quantity: model and c are those of the honest clients' picks."""
-    strategy = strategy_for("scaffold", name)
-    start = strategy.start_point()
+    rule = rule_for("scaffold", name)
+    start = rule.start_point()
     out = []
     for i, shift in enumerate([-0.31, -0.17, -0.05, 0.08, 0.22, 0.4, 0.0]):
         model = OrderedDict((k, v + shift) for k, v in start.items())
         dc = OrderedDict((k, torch.full_like(v, 1e30 if i == 6 else shift)) for k, v in start.items())
         out.append(ClientUpdate(1000 + i, i, 100, 2, 1.0, model, {CONTROL_DELTA: dc}))
-    strategy.combine(1, out, [1 / 7] * 7)
-    assert 6 not in strategy.aggregator.choose([strategy.uploads(u) for u in out])
-    step = OrderedDict((k, strategy.model[k] - start[k]) for k in start)
-    control = strategy.records[CONTROL]
+    assert rule.apply(1, out, [1 / 7] * 7)
+    assert 6 not in rule.aggregator.choose([rule.uploads(u) for u in out])
+    step = OrderedDict((k, rule.model[k] - start[k]) for k in start)
+    control = rule.records[CONTROL]
     assert bool(torch.isfinite(control["1.weight"]).all())
     assert float(max(v.abs().max() for v in control.values())) <= 0.4
     # the model step and the control step come from the same clients: Δc_i = model shift_i here

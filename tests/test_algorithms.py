@@ -218,7 +218,7 @@ def test_fedgmt_server_ema(tmp_path, server_spy):
     result = run(tmp_path, "fedgmt", algorithm="fedgmt",
                  **{"fedgmt.beta": 2.0, "fedgmt.gamma": 0.7, "fedgmt.tau": 2.0, "fedgmt.alpha": alpha})
     prob = Problem(result)
-    ema = server_spy["strategy"].records[P.EMA_MODEL]  # before the next run replaces the spy's strategy
+    ema = server_spy["rule"].records[P.EMA_MODEL]  # before the next run replaces the spy's strategy
     got = Problem.flat(v.double().numpy() for v in ema.values())
     # theta^1 is the one-round run's final model (same seed, same sampling)
     one = run(tmp_path, "one", algorithm="fedgmt",
@@ -303,7 +303,7 @@ def test_fedtoga_global_update_broadcast(tmp_path, server_spy):
     """The Delta the server keeps (and broadcasts next round) is -sum_i p_i(theta_i - theta^t)/K
     of the last round ('literal' scale, fedtoga notes §1.5)."""
     run(tmp_path, "fedtoga", algorithm="fedtoga", aggregation="uniform", **TOGA)
-    delta = Problem.flat(v.double().numpy() for v in server_spy["strategy"].records[P.GLOBAL_UPDATE].values())
+    delta = Problem.flat(v.double().numpy() for v in server_spy["rule"].records[P.GLOBAL_UPDATE].values())
     np.testing.assert_allclose(delta, -server_spy["u_uniform"][-1] / K, rtol=0, atol=1e-6)
     assert np.abs(delta).max() > 1e-4
 
@@ -458,7 +458,7 @@ def test_fedopt_equals_flowers_own_strategy(algorithm):
         cfg = RunConfig.from_mapping({"algorithm": algorithm, "fedopt.eta": eta * scale, "fedopt.beta1": b1,
                                       "fedopt.beta2": b2, "fedopt.tau": tau})
         if t == 1:
-            ours = ALGORITHMS[algorithm].new_strategy(cfg, {k: torch.from_numpy(v.copy()) for k, v in model.items()})
+            ours = ALGORITHMS[algorithm].new_rule(cfg, {k: torch.from_numpy(v.copy()) for k, v in model.items()})
         ours.cfg = cfg
         aggregated = {k: v + rng.normal(scale=0.1, size=v.shape).astype(np.float32)
                       for k, v in flower.current_arrays.items()}

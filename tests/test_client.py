@@ -17,6 +17,7 @@ from client.app import META
 from client.app import app as client_app
 from client.node import NodeSettings
 from client.train import batch_indices, round_generator
+from common import codec
 from common import protocol as P
 from strategies import registry
 from common.config import RunConfig
@@ -156,10 +157,10 @@ def state_view(context) -> dict:
 
 
 def train_message(strategy, node_id: int, server_round: int = 1) -> Message:
-    content = RecordDict({P.MODEL: P.to_record(strategy.model),
+    content = RecordDict({P.MODEL: codec.to_record(strategy.model),
                           P.CONFIG: ConfigRecord({"server-round": server_round})})
-    for name, tensors in strategy.broadcast(server_round).items():
-        content[name] = P.to_record(tensors)
+    for name, tensors in strategy.rule.broadcast().items():
+        content[name] = codec.to_record(tensors)
     return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN,
                    group_id=str(server_round))
 
@@ -179,7 +180,7 @@ def test_unsampled_nodes_keep_their_state() -> None:
     trained = {n: 0 for n in grid.contexts}
     for rnd in range(1, cfg.num_server_rounds + 1):
         before = {n: state_view(c) for n, c in grid.contexts.items()}
-        messages = list(strategy.configure_train(rnd, P.to_record(strategy.model), ConfigRecord(), grid))
+        messages = list(strategy.configure_train(rnd, codec.to_record(strategy.model), ConfigRecord(), grid))
         sampled = {m.metadata.dst_node_id for m in messages}
         assert sampled == {node_of[p] for p in strategy.participation.sample(rnd, [0, 1, 2, 3], 0.5)}
         assert len(sampled) == 2
@@ -214,7 +215,7 @@ def test_failed_call_is_an_error_reply_and_keeps_state() -> None:
 
     # 2) local training raises: a non-finite global model makes the loss NaN
     grid.contexts[node].node_config["partition-id"] = 0
-    strategy.model = {k: torch.full_like(v, float("nan")) for k, v in strategy.model.items()}
+    strategy.rule.model = {k: torch.full_like(v, float("nan")) for k, v in strategy.model.items()}
     (reply,) = grid.send_and_receive([train_message(strategy, node, 2)])
     assert reply.has_error()
     assert "FloatingPointError" in reply.error.reason and "local loss became nan" in reply.error.reason
@@ -232,7 +233,7 @@ def test_train_reply_follows_the_protocol() -> None:
     metrics = reply.content.metric_records[P.METRICS]
     assert (metrics["partition-id"], metrics["num-examples"], metrics["num-steps"]) == (1, 1000, 3)
     assert metrics["train-loss"] > 0
-    model = P.from_record(reply.content[P.MODEL])
+    model = codec.from_record(reply.content[P.MODEL])
     assert model.keys() == strategy.model.keys()
     assert any(not torch.equal(model[k], strategy.model[k]) for k in model)  # it trained
 

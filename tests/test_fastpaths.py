@@ -14,7 +14,7 @@ import pytest
 import torch
 from flwr.app import Array
 
-from common import protocol as P
+from common import codec
 from common.config import ConfigError, RunConfig
 from common.data import client_split
 from common.models import MODELS, ModelPool, build_model
@@ -26,10 +26,10 @@ ARRAYS = [np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(5), np.full((
 
 @pytest.mark.parametrize("value", ARRAYS, ids=lambda v: f"{v.dtype.str}{list(v.shape)}")
 def test_as_array_writes_the_bytes_flower_writes_and_array_data_reads_them(value):
-    ours, flowers = P.as_array(value), Array(value)
+    ours, flowers = codec.as_array(value), Array(value)
     assert (ours.dtype, tuple(ours.shape), ours.stype, ours.data) == \
         (flowers.dtype, tuple(flowers.shape), flowers.stype, flowers.data)
-    got = P.array_data(flowers)
+    got = codec.array_data(flowers)
     assert got.dtype == value.dtype and got.shape == value.shape and np.array_equal(got, value)
 
 
@@ -37,26 +37,26 @@ def test_other_blobs_take_np_load_and_say_what_they_hold():
     fortran = np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3))
     blob = io.BytesIO()
     np.save(blob, fortran)
-    arr = Array(dtype="float32", shape=(2, 3), stype=P.NUMPY_STYPE, data=blob.getvalue())
-    assert np.array_equal(P.array_data(arr), fortran)  # Fortran order: np.load's path
+    arr = Array(dtype="float32", shape=(2, 3), stype=codec.NUMPY_STYPE, data=blob.getvalue())
+    assert np.array_equal(codec.array_data(arr), fortran)  # Fortran order: np.load's path
     # a blob of another shape, declared as (2, 3): the value is what the blob holds
-    lying = Array(dtype="float32", shape=(2, 3), stype=P.NUMPY_STYPE, data=Array(np.zeros(7, np.float32)).data)
-    assert P.array_data(lying).shape == (7,)
+    lying = Array(dtype="float32", shape=(2, 3), stype=codec.NUMPY_STYPE, data=Array(np.zeros(7, np.float32)).data)
+    assert codec.array_data(lying).shape == (7,)
     # the header np.save writes for (2, 3), with too few bytes after it: np.load refuses it
-    header = P.npy_header("float32", (2, 3))
-    truncated = Array(dtype="float32", shape=(2, 3), stype=P.NUMPY_STYPE, data=header + b"\0" * 8)
+    header = codec.npy_header("float32", (2, 3))
+    truncated = Array(dtype="float32", shape=(2, 3), stype=codec.NUMPY_STYPE, data=header + b"\0" * 8)
     with pytest.raises(ValueError):
-        P.array_data(truncated)
+        codec.array_data(truncated)
 
 
 def test_the_server_still_refuses_what_it_refused():
-    good = P.as_array(np.ones((2, 3), np.float32))
+    good = codec.as_array(np.ones((2, 3), np.float32))
     assert torch.equal(decode_array("x", good, (2, 3), "float32"), torch.ones(2, 3))
-    for bad in (P.as_array(np.ones((3, 2), np.float32)), P.as_array(np.ones((2, 3), np.float64)),
-                P.as_array(np.full((2, 3), np.nan, np.float32))):
+    for bad in (codec.as_array(np.ones((3, 2), np.float32)), codec.as_array(np.ones((2, 3), np.float64)),
+                codec.as_array(np.full((2, 3), np.nan, np.float32))):
         with pytest.raises(RejectedReply):
             decode_array("x", bad, (2, 3), "float32")
-    header_lies = Array(dtype="float32", shape=(6,), stype=P.NUMPY_STYPE, data=good.data)
+    header_lies = Array(dtype="float32", shape=(6,), stype=codec.NUMPY_STYPE, data=good.data)
     with pytest.raises(RejectedReply, match="header says"):
         decode_array("x", header_lies, (2, 3), "float32")
 

@@ -12,6 +12,7 @@ import torch
 from flwr.app import MessageType
 
 from client.app import app as client_app
+from common import codec
 from common import protocol as P
 from common.config import ConfigError, RunConfig
 from common.data import dataset_for
@@ -36,7 +37,7 @@ class ModelGrid(InProcessGrid):
     def push_messages(self, messages):
         messages = list(messages)
         if messages and messages[0].metadata.message_type == MessageType.TRAIN:
-            self.sent.append(P.from_record(messages[0].content[P.MODEL]))
+            self.sent.append(codec.from_record(messages[0].content[P.MODEL]))
             self.returned.append([])
         return super().push_messages(messages)
 
@@ -44,7 +45,7 @@ class ModelGrid(InProcessGrid):
         replies = list(super().pull_messages(message_ids))
         for r in replies:
             if r.metadata.message_type == MessageType.TRAIN and r.has_content():
-                self.returned[-1].append(P.from_record(r.content[P.MODEL]))
+                self.returned[-1].append(codec.from_record(r.content[P.MODEL]))
         return replies
 
 

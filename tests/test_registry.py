@@ -28,7 +28,7 @@ def _file_of(name: str) -> str:
 def test_each_half_lives_in_the_file_named_after_its_algorithm(name):
     spec = ALGORITHMS[name]
     stem = _file_of(name)
-    assert spec.strategy.__module__ == f"strategies.{stem}"
+    assert spec.server.__module__ == f"strategies.{stem}"
     assert spec.client.__module__ == f"client.algorithms.{stem}"
 
 
@@ -36,7 +36,7 @@ def test_every_algorithm_file_holds_a_registered_half():
     """No leftover half: each file of strategies/ and client/algorithms/ (but the shared
     machinery) is some algorithm's or family's."""
     stems = {_file_of(name) for name in ALGORITHMS}
-    shared = {"strategies": {"base", "aggregate", "participation", "validation", "registry"},
+    shared = {"strategies": {"base", "strategy", "aggregate", "participation", "validation", "registry"},
               "client/algorithms": {"base"}}
     for folder, machinery in shared.items():
         files = {p.stem for p in (ROOT / folder).glob("*.py")} - {"__init__"} - machinery
@@ -51,15 +51,15 @@ def test_families_name_registered_algorithms():
 def test_the_run_config_holds_both_halves_keys_and_each_half_sees_only_its_own(name):
     spec = ALGORITHMS[name]
     cfg = RunConfig.from_mapping({"algorithm": name})
-    server_keys, client_keys = spec.strategy.Params.fields(), spec.client.Params.fields()
+    server_keys, client_keys = spec.server.Params.fields(), spec.client.Params.fields()
     assert set(cfg.params.fields()) == set(server_keys) | set(client_keys)
     assert algorithm_params()[name] is spec.params
-    strategy = spec.new_strategy(cfg, initial_model(cfg))
-    assert type(strategy.params) is spec.strategy.Params
-    assert set(strategy.params.fields()) == set(server_keys)
+    rule = spec.new_strategy(cfg, initial_model(cfg)).rule
+    assert type(rule.params) is spec.server.Params
+    assert set(rule.params.fields()) == set(server_keys)
     for k in set(client_keys) - set(server_keys):  # a client-only key is out of the server's reach
         with pytest.raises(AttributeError):
-            getattr(strategy.params, spec.params.fields()[k].name)
+            getattr(rule.params, spec.params.fields()[k].name)
 
 
 def test_keys_read_by_both_halves_are_declared_once():
@@ -67,7 +67,7 @@ def test_keys_read_by_both_halves_are_declared_once():
     meaning and check cannot differ between the halves."""
     both = 0
     for spec in ALGORITHMS.values():
-        server, client = spec.strategy.Params.fields(), spec.client.Params.fields()
+        server, client = spec.server.Params.fields(), spec.client.Params.fields()
         for k in set(server) & set(client):
             assert server[k] is client[k] or server[k].metadata is client[k].metadata, (spec.name, k)
             both += 1
@@ -112,7 +112,7 @@ def test_algorithms_json_is_the_registry_as_data(tmp_path):
     assert [a["name"] for a in data] == list(ALGORITHMS)
     for alg in data:
         spec = ALGORITHMS[alg["name"]]
-        assert alg["server"] == f"{spec.strategy.__module__}.{spec.strategy.__name__}"
+        assert alg["server"] == f"{spec.server.__module__}.{spec.server.__name__}"
         assert alg["client"] == f"{spec.client.__module__}.{spec.client.__name__}"
         assert [k["name"] for k in alg["keys"]] == list(spec.params.fields())
         assert all(k["read_by"] in ("client", "server", "both") and k["meaning"] for k in alg["keys"])

@@ -29,6 +29,7 @@ from client.app import query as client_query
 from client.app import train as client_train
 from client.faults import Fault
 from client.state import MissingState, StateMirror
+from common import codec
 from common import protocol as P
 from common.config import RunConfig
 from tools.cli import main as cli
@@ -108,11 +109,11 @@ def test_flowers_start_loop_retries_as_the_server_app_does(tmp_path):
                                              too_few_replies="retry", run_dir=str(tmp_path / "start")))
     strategy = make_strategy(cfg)
     grid = InProcessGrid(flaky_client({(1, 1): True, (2, 2): True}), 3, cfg.to_dict())
-    result = strategy.start(grid=grid, initial_arrays=P.to_record(strategy.model),
+    result = strategy.start(grid=grid, initial_arrays=codec.to_record(strategy.model),
                             num_rounds=cfg.num_server_rounds)
     assert sorted(result.train_metrics_clientapp) == list(range(1, cfg.num_server_rounds + 1))
     assert all(m["retries"] == 1 for m in result.train_metrics_clientapp.values())
-    assert same(clean, P.from_record(result.arrays))
+    assert same(clean, codec.from_record(result.arrays))
 
 
 def test_failed_client_keeps_its_state_uncorrupted(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from client.app import META
+from common import codec
 from common import protocol as P
 from strategies.registry import ALGORITHMS
 from tests.helpers import assert_states_equal, fast_config, metrics, run_with_snapshots
@@ -75,7 +76,7 @@ def test_client_dual_survives_rounds_and_only_sampled_clients_change_it(tmp_path
             if node not in sent:
                 assert_states_equal(before[node], after[node])
                 continue
-            start, local = P.from_record(sent[node][P.MODEL]), P.from_record(got[node][P.MODEL])
+            start, local = codec.from_record(sent[node][P.MODEL]), codec.from_record(got[node][P.MODEL])
             old = before[node].get(P.DUAL)
             trained_twice |= old is not None
             for k, h in after[node][P.DUAL].items():
@@ -99,7 +100,7 @@ def test_fedgmt_v2_client_ema_folds_in_each_received_global_model(tmp_path):
     alpha = cfg.params.client_alpha
     for before, after, sent, _ in grid.rounds:
         for node in sent:
-            received = P.from_record(sent[node][P.MODEL])
+            received = codec.from_record(sent[node][P.MODEL])
             old = before[node].get(P.CLIENT_EMA, init)
             for k, e in after[node][P.CLIENT_EMA].items():
                 torch.testing.assert_close(e, alpha * old[k] + (1 - alpha) * received[k],
@@ -114,11 +115,11 @@ def test_control_variates_follow_option_ii_and_the_upload_is_their_change(tmp_pa
     cfg, grid = run_with_snapshots(tmp_path, algorithm=algorithm)
     for rnd, (before, after, sent, got) in enumerate(grid.rounds, start=1):
         for node in sent:
-            c = P.from_record(sent[node][P.CONTROL])
-            x, y = P.from_record(sent[node][P.MODEL]), P.from_record(got[node][P.MODEL])
+            c = codec.from_record(sent[node][P.CONTROL])
+            x, y = codec.from_record(sent[node][P.MODEL]), codec.from_record(got[node][P.MODEL])
             steps = got[node].metric_records[P.METRICS]["num-steps"]
             old = before[node].get(P.CLIENT_CONTROL)
-            delta = P.from_record(got[node][P.CONTROL_DELTA])
+            delta = codec.from_record(got[node][P.CONTROL_DELTA])
             for k, new in after[node][P.CLIENT_CONTROL].items():
                 ci = old[k] if old is not None else torch.zeros_like(new)
                 expected = ci - c[k] + (x[k] - y[k]) / (steps * cfg.round_lr(rnd))
@@ -132,7 +133,7 @@ def test_fedlesam_client_remembers_the_global_model_it_received(tmp_path, algori
     _, grid = run_with_snapshots(tmp_path, algorithm=algorithm)
     for _, after, sent, _ in grid.rounds:
         for node in sent:
-            received = P.from_record(sent[node][P.MODEL])
+            received = codec.from_record(sent[node][P.MODEL])
             assert all(torch.equal(v, received[k]) for k, v in after[node][P.PREVIOUS_GLOBAL].items())
 
 
@@ -145,7 +146,7 @@ def test_fedgmt_server_ema_is_broadcast_and_updated_after_aggregation(tmp_path):
     previous = None
     for _, _, sent, _ in grid.rounds:
         content = next(iter(sent.values()))
-        ema, w = P.from_record(content[P.EMA_MODEL]), P.from_record(content[P.MODEL])
+        ema, w = codec.from_record(content[P.EMA_MODEL]), codec.from_record(content[P.MODEL])
         for k in ema:
             expected = init[k] if previous is None else (
                 cfg.params.alpha * previous[k] + (1 - cfg.params.alpha) * w[k])
@@ -157,26 +158,26 @@ def test_fedgmt_server_ema_is_broadcast_and_updated_after_aggregation(tmp_path):
 def test_scaffold_server_control_moves_by_m_over_n_of_the_mean_upload(tmp_path):
     """c^{r+1} = c^r + (M/N) sum_i p_i Delta c_i, broadcast next round; c^1 = 0."""
     cfg, grid = run_with_snapshots(tmp_path, algorithm="scaffold")
-    sent_c = [P.from_record(next(iter(sent.values()))[P.CONTROL]) for _, _, sent, _ in grid.rounds]
+    sent_c = [codec.from_record(next(iter(sent.values()))[P.CONTROL]) for _, _, sent, _ in grid.rounds]
     assert all(float(v.abs().max()) == 0 for v in sent_c[0].values())
     n = len(grid.contexts)
     for r, (_, _, sent, got) in enumerate(grid.rounds[:-1]):
         sizes = {node: got[node].metric_records[P.METRICS]["num-examples"] for node in got}
         total = sum(sizes.values())
         for k, c_next in sent_c[r + 1].items():
-            step = sum(sizes[node] / total * P.from_record(got[node][P.CONTROL_DELTA])[k] for node in got)
+            step = sum(sizes[node] / total * codec.from_record(got[node][P.CONTROL_DELTA])[k] for node in got)
             torch.testing.assert_close(c_next, sent_c[r][k] + len(got) / n * step, rtol=0, atol=1e-6)
 
 
 def test_fedsmoo_global_perturbation_is_the_normalised_mean_correction(tmp_path):
     """s^{r+1} = rho S/||S||, S = sum_i p_i s~_i of round r (global norm); s^1 = 0."""
     cfg, grid = run_with_snapshots(tmp_path, algorithm="fedsmoo")
-    sent_s = [P.from_record(next(iter(sent.values()))[P.GLOBAL_PERTURBATION]) for _, _, sent, _ in grid.rounds]
+    sent_s = [codec.from_record(next(iter(sent.values()))[P.GLOBAL_PERTURBATION]) for _, _, sent, _ in grid.rounds]
     assert all(float(v.abs().max()) == 0 for v in sent_s[0].values())
     for r, (_, _, _, got) in enumerate(grid.rounds[:-1]):
         sizes = {node: got[node].metric_records[P.METRICS]["num-examples"] for node in got}
         total = sum(sizes.values())
-        mean = {k: sum(sizes[nd] / total * P.from_record(got[nd][P.PERTURBATION_CORRECTION])[k] for nd in got)
+        mean = {k: sum(sizes[nd] / total * codec.from_record(got[nd][P.PERTURBATION_CORRECTION])[k] for nd in got)
                 for k in sent_s[0]}
         norm = torch.sqrt(sum((v.double() ** 2).sum() for v in mean.values()))
         for k, s in sent_s[r + 1].items():
@@ -187,7 +188,7 @@ def test_fedacg_sends_the_look_ahead_model_and_evaluates_the_global_one(tmp_path
     """Round r sends x^r = theta^r + lambda m^r; with lambda = 0 it is theta^r itself (m^1 = 0
     in any case), and the clients' updates are measured from what they were sent."""
     cfg, grid = run_with_snapshots(tmp_path, algorithm="fedacg")
-    sent_models = [P.from_record(next(iter(sent.values()))[P.MODEL]) for _, _, sent, _ in grid.rounds]
+    sent_models = [codec.from_record(next(iter(sent.values()))[P.MODEL]) for _, _, sent, _ in grid.rounds]
     init = torch.load(tmp_path / "run" / "model_init.pt")
     assert all(torch.equal(sent_models[0][k], init[k]) for k in init)
     # theta^{r+1} = theta^r + m^{r+1} and x^{r+1} = theta^{r+1} + lambda m^{r+1} (eta_g = 1):
@@ -197,7 +198,7 @@ def test_fedacg_sends_the_look_ahead_model_and_evaluates_the_global_one(tmp_path
         sizes = {node: got[node].metric_records[P.METRICS]["num-examples"] for node in got}
         total = sum(sizes.values())
         for k in theta:
-            delta = sum(sizes[nd] / total * (P.from_record(got[nd][P.MODEL])[k] - sent_models[r][k]) for nd in got)
+            delta = sum(sizes[nd] / total * (codec.from_record(got[nd][P.MODEL])[k] - sent_models[r][k]) for nd in got)
             m[k] = lam * m[k] + delta
             theta[k] = theta[k] + m[k]
             torch.testing.assert_close(sent_models[r + 1][k], theta[k] + lam * m[k], rtol=0, atol=1e-6)

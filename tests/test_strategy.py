@@ -15,11 +15,12 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 import client.app as real_client
+from common import codec
 from common import protocol as P
 from common.config import RunConfig
 from tools.engines.inprocess import InProcessGrid, run_inprocess
 from strategies.aggregate import client_weights, weighted_sum
-from strategies.base import NoNodesError
+from strategies.strategy import NoNodesError
 from strategies.mofedsam import MoFedSAM
 from strategies.registry import ALGORITHMS
 from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
@@ -47,7 +48,7 @@ def reply_content(model: dict | None = None, metrics: dict | None = None, drop: 
             del values[key]
         else:
             values[key] = value
-    content = RecordDict({P.MODEL: P.to_record(tensors), P.METRICS: MetricRecord(values)})
+    content = RecordDict({P.MODEL: codec.to_record(tensors), P.METRICS: MetricRecord(values)})
     for name, record in records.items():
         content[name] = record
     for name in drop:
@@ -73,7 +74,7 @@ REJECTED = [
      "key '1.bias' is float64[10], expected float32[10]"),
     ("missing-key", dict(model={"1.bias": None}), "missing keys ['1.bias']"),
     ("unexpected-key", dict(model={"2.weight": torch.zeros(3)}), "unexpected keys ['2.weight']"),
-    ("extra-record", dict(global_update=P.to_record(MODEL)),
+    ("extra-record", dict(global_update=codec.to_record(MODEL)),
      "array records ['arrays', 'global_update'] do not match the protocol ['arrays']"),
     ("no-model", dict(drop=(P.MODEL,)), "array records [] do not match the protocol ['arrays']"),
     ("no-metrics", dict(drop=(P.METRICS,)), "reply has no 'metrics' record"),
@@ -125,11 +126,11 @@ def test_reported_metrics_are_kept_for_the_record(make_message) -> None:
 
 
 def test_upload_records_are_validated_too(make_message) -> None:
-    content = reply_content(extra=P.to_record(MODEL))
+    content = reply_content(extra=codec.to_record(MODEL))
     expected = dataclasses.replace(EXPECTED, uploads=("extra",))
     update = parse_train_reply(make_message(content), 1001, expected)
     assert update.records["extra"].keys() == MODEL.keys()
-    bad = reply_content(extra=P.to_record({**MODEL, "1.bias": torch.full((10,), float("nan"))}))
+    bad = reply_content(extra=codec.to_record({**MODEL, "1.bias": torch.full((10,), float("nan"))}))
     with pytest.raises(RejectedReply, match="record 'extra' key '1.bias' has NaN"):
         parse_train_reply(make_message(bad), 1001, expected)
 
@@ -138,7 +139,7 @@ def test_real_client_reply_is_accepted() -> None:
     cfg = RunConfig.from_mapping(fast_config())
     strategy = make_strategy(cfg)
     grid = InProcessGrid(real_client.app, 2, cfg.to_dict())
-    messages = list(strategy.configure_train(1, P.to_record(strategy.model), ConfigRecord(), grid))
+    messages = list(strategy.configure_train(1, codec.to_record(strategy.model), ConfigRecord(), grid))
     replies = grid.send_and_receive(messages)
     assert len(replies) == 2
     for reply in replies:
@@ -164,9 +165,9 @@ def poisoning_client(mode: str, partition: int = 1) -> ClientApp:
         if int(context.node_config["partition-id"]) == partition:
             if mode == "raise":
                 raise RuntimeError("simulated client crash")
-            model = P.from_record(reply.content[P.MODEL])
+            model = codec.from_record(reply.content[P.MODEL])
             next(iter(model.values())).view(-1)[0] = float("nan")
-            reply.content[P.MODEL] = P.to_record(model)
+            reply.content[P.MODEL] = codec.to_record(model)
         return reply
 
     @app.query()
@@ -264,7 +265,7 @@ def test_wait_for_nodes_gives_up_when_no_node_connects() -> None:
         strategy.participation.wait_for_nodes(grid)
     assert 0.4 <= time.monotonic() - start < 3.0
     with pytest.raises(NoNodesError):  # configure_train goes through the same wait
-        strategy.configure_train(1, P.to_record(strategy.model), ConfigRecord(), grid)
+        strategy.configure_train(1, codec.to_record(strategy.model), ConfigRecord(), grid)
 
 
 def test_wait_for_nodes_proceeds_with_fewer_nodes_after_the_deadline() -> None:
@@ -278,7 +279,7 @@ def test_wait_for_nodes_proceeds_with_fewer_nodes_after_the_deadline() -> None:
     nodes = strategy.participation.wait_for_nodes(grid)
     assert 0.4 <= time.monotonic() - start < 3.0
     assert nodes == sorted(set(grid.contexts) - {offline})
-    messages = list(strategy.configure_train(1, P.to_record(strategy.model), ConfigRecord(), grid))
+    messages = list(strategy.configure_train(1, codec.to_record(strategy.model), ConfigRecord(), grid))
     assert {m.metadata.dst_node_id for m in messages} == set(nodes)  # the offline node is skipped
 
 
@@ -309,36 +310,38 @@ def test_weighted_sum() -> None:
 
 def test_fedavg_update_is_the_weighted_model_average(make_message) -> None:
     cfg = RunConfig.from_mapping(fast_config())
-    strategy = ALGORITHMS["fedavg"].new_strategy(cfg, MODEL)
+    rule = ALGORITHMS["fedavg"].new_rule(cfg, MODEL)
     locals_ = [OrderedDict((k, v + i + 1) for k, v in MODEL.items()) for i in range(2)]
     updates = [
         parse_train_reply(make_message(RecordDict({
-            P.MODEL: P.to_record(m),
+            P.MODEL: codec.to_record(m),
             P.METRICS: MetricRecord({"num-examples": n, "num-steps": 2, "train-loss": 1.0,
                                      "partition-id": i, "nonce": 7}),
         })), 1000 + i, Expected(i, n, 7, 2, LAYOUT))
         for i, (m, n) in enumerate(zip(locals_, [100, 300]))
     ]
-    strategy.update(1, updates, client_weights([100, 300], "weighted"))
+    assert rule.apply(1, updates, client_weights([100, 300], "weighted"))
     for k in MODEL:  # w + 0.25 * 1 + 0.75 * 2
-        assert torch.allclose(strategy.model[k], MODEL[k] + 1.75)
+        assert torch.allclose(rule.model[k], MODEL[k] + 1.75)
 
 
 @pytest.mark.parametrize("algorithm", ["feddyn", "fedspeed", "fedsmoo", "fedgmt", "scaffold", "fedlesam-s"])
 def test_duals_and_controls_need_the_federation_size(algorithm) -> None:
     """The server dual (FedDyn family) and control variate (SCAFFOLD family) are averaged over
     all N clients; without N (no partition handshake) the update is an error, never a silent
-    division by the M replies. With N it goes through."""
+    division by the M replies. With N (fixed by the handshake) the strategy hands it to the
+    rule and the round goes through."""
     cfg = RunConfig.from_mapping(fast_config(algorithm=algorithm))
     strategy = make_strategy(cfg)
     uploads = {name: OrderedDict((k, torch.ones_like(v)) for k, v in MODEL.items())
                for name in strategy.spec.up}
     update = ClientUpdate(1000, 0, 100, 2, 1.0, OrderedDict((k, v + 1) for k, v in MODEL.items()), uploads)
     with pytest.raises(RuntimeError, match="the federation size N is unknown"):
-        strategy.update(1, [update], [1.0])
-    strategy.participation.num_partitions = 4
-    strategy.update(1, [update], [1.0])
-    assert strategy.federation_size() == 4
+        strategy.finish_round(1, [update])
+    strategy.participation.num_partitions = 4  # what the handshake fixes
+    strategy.finish_round(1, [update])
+    assert strategy.rule.federation_size() == 4 and strategy.stats.skipped == 0
+    assert any(not torch.equal(strategy.model[k], MODEL[k]) for k in MODEL)
 
 
 # ----------------------------------------------------------------------------- checkpointable state
@@ -348,8 +351,8 @@ def test_mofedsam_state_dict_round_trip(tmp_path: Path) -> None:
     grid = InProcessGrid(real_client.app, 2, cfg.to_dict())
     for rnd in (1, 2):
         arrays, _ = strategy.aggregate_train(rnd, grid.send_and_receive(list(
-            strategy.configure_train(rnd, P.to_record(strategy.model), ConfigRecord(), grid))))
-        strategy.model = P.from_record(arrays)
+            strategy.configure_train(rnd, codec.to_record(strategy.model), ConfigRecord(), grid))))
+        strategy.rule.model = codec.from_record(arrays)
     state = strategy.state_dict()
     assert state["algorithm"] == "mofedsam" and state["round"] == 2
     assert set(state["records"]) == {P.GLOBAL_UPDATE}
@@ -360,19 +363,19 @@ def test_mofedsam_state_dict_round_trip(tmp_path: Path) -> None:
     fresh.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
     assert fresh.round == 2
     assert all(torch.equal(fresh.model[k], strategy.model[k]) for k in strategy.model)
-    ours, theirs = fresh.records[P.GLOBAL_UPDATE], strategy.records[P.GLOBAL_UPDATE]
+    ours, theirs = fresh.rule.records[P.GLOBAL_UPDATE], strategy.rule.records[P.GLOBAL_UPDATE]
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    assert fresh.broadcast(3).keys() == {P.GLOBAL_UPDATE}
+    assert fresh.rule.broadcast().keys() == {P.GLOBAL_UPDATE}
 
     # the state dict is a copy: in-place changes to the live strategy do not reach it
     saved_bias = state["records"][P.GLOBAL_UPDATE]["1.bias"].clone()
     saved_weight = state["model"]["1.weight"].clone()
-    strategy.records[P.GLOBAL_UPDATE]["1.bias"].add_(1.0)
+    strategy.rule.records[P.GLOBAL_UPDATE]["1.bias"].add_(1.0)
     strategy.model["1.weight"].add_(1.0)
     assert torch.equal(state["records"][P.GLOBAL_UPDATE]["1.bias"], saved_bias)
     assert torch.equal(state["model"]["1.weight"], saved_weight)
     # ... nor do they reach a strategy loaded from it
-    assert torch.equal(fresh.records[P.GLOBAL_UPDATE]["1.bias"], saved_bias)
+    assert torch.equal(fresh.rule.records[P.GLOBAL_UPDATE]["1.bias"], saved_bias)
 
 
 def test_load_state_dict_rejects_another_algorithm() -> None:
@@ -382,18 +385,18 @@ def test_load_state_dict_rejects_another_algorithm() -> None:
         fedavg.load_state_dict(mofedsam.state_dict())
     with pytest.raises(ValueError, match="checkpoint is for fedavg, not mofedsam"):
         mofedsam.load_state_dict(fedavg.state_dict())
-    assert isinstance(mofedsam, MoFedSAM) and fedavg.round == 0
+    assert isinstance(mofedsam.rule, MoFedSAM) and fedavg.round == 0
 
 
 # ----------------------------------------------------------------------------- Flower's start()
 def test_strategy_runs_under_flowers_start_loop() -> None:
     cfg = RunConfig.from_mapping(fast_config(algorithm="fedavg"))
     strategy = make_strategy(cfg)
-    initial = P.to_record(strategy.model)
+    initial = codec.to_record(strategy.model)
     grid = InProcessGrid(real_client.app, 3, cfg.to_dict())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
     assert isinstance(result.arrays, ArrayRecord)
-    final, start = P.from_record(result.arrays), P.from_record(initial)
+    final, start = codec.from_record(result.arrays), codec.from_record(initial)
     assert final.keys() == start.keys()
     assert any(not torch.equal(final[k], start[k]) for k in final)
     assert all(torch.isfinite(v).all() for v in final.values())
@@ -410,9 +413,9 @@ def test_restarted_node_gets_its_partition_back() -> None:
     strategy = make_strategy(cfg)
     grid = InProcessGrid(real_client.app, 2, cfg.to_dict())
     strategy.aggregate_train(1, grid.send_and_receive(list(
-        strategy.configure_train(1, P.to_record(strategy.model), ConfigRecord(), grid))))
+        strategy.configure_train(1, codec.to_record(strategy.model), ConfigRecord(), grid))))
     grid.contexts[3000] = grid.contexts.pop(1000)  # partition 0 reconnects as node 3000
-    messages = list(strategy.configure_train(2, P.to_record(strategy.model), ConfigRecord(), grid))
+    messages = list(strategy.configure_train(2, codec.to_record(strategy.model), ConfigRecord(), grid))
     assert {m.metadata.dst_node_id for m in messages} == {3000, 1001}
 
 
@@ -420,7 +423,7 @@ def test_malformed_evaluate_reply_is_refused_with_its_reason() -> None:
     cfg = RunConfig.from_mapping(fast_config(fraction_evaluate=1.0))
     strategy = make_strategy(cfg)
     grid = InProcessGrid(real_client.app, 2, cfg.to_dict())
-    messages = strategy.configure_evaluate(1, P.to_record(strategy.model), ConfigRecord(), grid)
+    messages = strategy.configure_evaluate(1, codec.to_record(strategy.model), ConfigRecord(), grid)
     replies = grid.send_and_receive(messages)
     expected = dict(strategy.aggregate_evaluate(1, replies))
     assert 0.0 <= expected["eval-accuracy"] <= 1.0

@@ -33,6 +33,7 @@ from client.batch import ModelBatch, cross_entropy, mean_kl, trainable
 from client.state import latest
 from client.train import build_rule
 from tools.engines.vectorized import FunctionalBatch, check_batchable, groups, padded, sgd_step
+from common import codec
 from common import protocol as P
 from common.config import RunConfig
 from common.models import MODELS, build_model
@@ -144,8 +145,8 @@ def assert_same_client_state(a: InProcessGrid, b: InProcessGrid, tol: float = RE
     """Every node's persistent records (duals, control variates, previous global models...)
     the same in both engines."""
     for node, ctx in a.contexts.items():
-        sa = {n: P.from_record(r) for n, r in ctx.state.array_records.items()}
-        sb = {n: P.from_record(r) for n, r in b.contexts[node].state.array_records.items()}
+        sa = {n: codec.from_record(r) for n, r in ctx.state.array_records.items()}
+        sb = {n: codec.from_record(r) for n, r in b.contexts[node].state.array_records.items()}
         assert sa.keys() == sb.keys(), node
         for name in sa:
             scale = max(1e-3, math.sqrt(sum(float(v.double().norm()) ** 2 for v in sa[name].values())))
