@@ -32,6 +32,7 @@ from client.algorithms.fedopt import FedOptClient
 from client.algorithms.fedprox import FedProxClient
 from client.algorithms.fedsam import FedSAMClient
 from client.algorithms.fedsmoo import FedSMOOClient
+from client.algorithms.fedsol import FedSOLClient
 from client.algorithms.fedspeed import FedSpeedClient
 from client.algorithms.fedtoga import FedTOGAClient
 from client.algorithms.mofedsam import MoFedSAMClient
@@ -53,6 +54,7 @@ from strategies.fedopt import FedAdam, FedYogi
 from strategies.fedprox import FedProx
 from strategies.fedsam import FedSAM
 from strategies.fedsmoo import FedSMOO
+from strategies.fedsol import FedSOL
 from strategies.fedspeed import FedSpeed
 from strategies.fedtoga import FedTOGA
 from strategies.mofedsam import MoFedSAM
@@ -159,6 +161,9 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
                       summary="FedAdam (Reddi et al. 2021): Adam on the server over the mean update"),
         AlgorithmSpec("fedyogi", FedYogi, FedOptClient,
                       summary="FedYogi (Reddi et al. 2021): Yogi on the server over the mean update"),
+        # methods published since the seed papers
+        AlgorithmSpec("fedsol", FedSOL, FedSOLClient, passes=2, forwards=1,
+                      summary="FedSOL (Lee et al. 2024): SAM ascent along a proximal KL to the received model"),
     )
 }
 register_algorithms({name: spec.params for name, spec in ALGORITHMS.items()})

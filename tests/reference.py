@@ -346,6 +346,35 @@ def fedasam_reference(prob, rho, eta):
     return w
 
 
+def fedsol_reference(prob, rho, tau, mode="adaptive"):
+    """FedSOL (fedsol notes §1.1-1.4, §3; Lee-Gihun/FedSOL @ebc3f64): a SAM step whose ascent
+    is the proximal KL's gradient, g_p = grad KL(softmax(z_t/tau) || softmax(z/tau)) (batch
+    mean, no tau^2: kl_grad / tau^2), teacher = the received model w;
+    adaptive eps = rho N(|theta - w|) g_p/||g_p||, N per tensor along dim 0 (each column of W
+    over the classes, b as one vector); fixed eps = rho g_p/||g_p||, 0 while theta = w;
+    d = g(theta + eps). FedAvg server."""
+    def column_unit(a):
+        a = np.abs(a)
+        return a / np.maximum(np.sqrt((a ** 2).sum(axis=0, keepdims=True)), 1e-12)
+
+    def sol(i, w):
+        def d(th):
+            g_p = prob.kl_grad(i, th, w, tau) / tau ** 2
+            unit = rho * g_p / (norm(g_p) + EPS)
+            if mode == "adaptive":
+                eps = unit * prob.flat([column_unit(a) for a in prob.unflat(th - w)])
+            else:
+                eps = unit if norm(th - w) > 0 else prob.zeros()
+            return prob.g(i, th + eps)
+        return d
+
+    w = prob.w0.copy()
+    for r, sampled in enumerate(prob.rounds):
+        models = [local_sgd(prob, i, w, prob.round_lr(r), sol(i, w)) for i in sampled]
+        w = w + prob.server_lr * prob.mean_update(sampled, models, w)
+    return w
+
+
 def fedprox_reference(prob, mu):
     """FedProx (Li et al. 2020): d = g(w_k) + mu (w_k - w^t); server w <- w + eta_g u."""
     w = prob.w0.copy()
@@ -498,4 +527,5 @@ PAPER_PATTERN = {
     "fedprox": (1, 1), "scaffold": (2, 2), "fedgamma": (2, 2), "fedsmoo": (2, 2), "fedlesam": (1, 1),
     "fedlesam-d": (1, 1), "fedlesam-s": (2, 2), "fedacg": (1, 1), "fedadam": (1, 1), "fedyogi": (1, 1),
     "fedasam": (1, 1),  # Caldarola et al. 2022: FedAvg's communication
+    "fedsol": (1, 1),  # fedsol notes §3: the received model down, the local model up
 }

@@ -44,6 +44,7 @@ from tests.reference import (
     fedprox_reference,
     fedsam_family_reference,
     fedsmoo_reference,
+    fedsol_reference,
     fedtoga_reference,
     norm,
     scaffold_reference,
@@ -306,6 +307,31 @@ def test_fedtoga_global_update_broadcast(tmp_path, server_spy):
     delta = Problem.flat(v.double().numpy() for v in server_spy["rule"].records[P.GLOBAL_UPDATE].values())
     np.testing.assert_allclose(delta, -server_spy["u_uniform"][-1] / K, rtol=0, atol=1e-6)
     assert np.abs(delta).max() > 1e-4
+
+
+# ================================================================ FedSOL
+@pytest.mark.parametrize("mode", ["adaptive", "fixed"])
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_fedsol_matches_pseudocode(tmp_path, mode, partial):
+    extra = PARTIAL if partial else {"num-server-rounds": 3, "server-lr": 0.8}
+    result = run(tmp_path, "fedsol", algorithm="fedsol",
+                 **{"fedsol.rho": 0.5, "fedsol.tau": 2.0, "fedsol.mode": mode}, **extra)
+    prob = Problem(result)
+    matches(result, prob, fedsol_reference(prob, rho=0.5, tau=2.0, mode=mode))
+
+
+def test_fedsol_identities(tmp_path):
+    """fedsol notes §3: rho = 0 is FedAvg, and so is one local step (eps = 0 while the model is
+    the received one, in both modes), bit for bit; with more steps the modes differ."""
+    one = {**PARTIAL, "local-steps": 1}
+    fedavg = run(tmp_path, "avg", algorithm="fedavg", **PARTIAL)
+    assert finals_equal(run(tmp_path, "rho0", algorithm="fedsol", **{"fedsol.rho": 0.0}, **PARTIAL), fedavg)
+    for mode in ("adaptive", "fixed"):
+        assert finals_equal(run(tmp_path, f"k1-{mode}", algorithm="fedsol", **{"fedsol.mode": mode}, **one),
+                            run(tmp_path, f"avg1-{mode}", algorithm="fedavg", **one))
+    adaptive = run(tmp_path, "adaptive", algorithm="fedsol", **PARTIAL)
+    assert_differ(adaptive, fedavg)
+    assert_differ(run(tmp_path, "fixed", algorithm="fedsol", **{"fedsol.mode": "fixed"}, **PARTIAL), adaptive)
 
 
 # ---------------------------------------------------------------- FedProx, SCAFFOLD, FedGAMMA

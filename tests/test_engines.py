@@ -25,7 +25,10 @@ BASELINES = ("fedprox", "scaffold", "fedgamma", "fedsmoo", "fedlesam", "fedlesam
              "fedacg", "fedadam", "fedyogi")
 
 
-@pytest.mark.parametrize("algorithm", SEED_ALGORITHMS + BASELINES)
+NEWER = ("fedsol",)  # methods published since the seed papers
+
+
+@pytest.mark.parametrize("algorithm", SEED_ALGORITHMS + BASELINES + NEWER)
 def test_learns_on_digits_with_20_non_iid_clients_at_half_participation(tmp_path, algorithm):
     assert_learns_on_digits(tmp_path, algorithm)
 
