@@ -35,6 +35,7 @@ PERTURBATION_DUAL = "perturbation_dual"  # FedSMOO: the client's perturbation du
 PREVIOUS_GLOBAL = "previous_global"  # FedLESAM: the global model of the client's last round
 ADAPTIVE_M = "adaptive_m"  # FedAdam / FedYogi: server first moment
 ADAPTIVE_V = "adaptive_v"  # FedAdam / FedYogi: server second moment
+PSEUDO_GRADIENT = "pseudo_gradient"  # FedGloSS: the server's last pseudo-gradient, its next ascent direction
 
 # Keys inside the records (a message's wire vocabulary, used by both sides).
 SERVER_ROUND = "server-round"  # config: the round this message belongs to

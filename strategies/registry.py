@@ -25,6 +25,7 @@ from client.algorithms.fedavg import FedAvgClient
 from client.algorithms.fedcm import FedCMClient
 from client.algorithms.feddyn import FedDynClient
 from client.algorithms.fedgamma import FedGAMMAClient
+from client.algorithms.fedgloss import FedGloSSClient
 from client.algorithms.fedgmt import FedGMTClient, FedGMTv2Client
 from client.algorithms.fedlesam import FedLESAMClient, FedLESAMDClient, FedLESAMSClient
 from client.algorithms.fednsam import FedNSAMClient
@@ -47,6 +48,7 @@ from strategies.fedavg import FedAvg
 from strategies.fedcm import FedCM
 from strategies.feddyn import FedDyn
 from strategies.fedgamma import FedGAMMA
+from strategies.fedgloss import FedGloSS
 from strategies.fedgmt import FedGMT, FedGMTv2
 from strategies.fedlesam import FedLESAM, FedLESAMD, FedLESAMS
 from strategies.fednsam import FedNSAM
@@ -164,6 +166,8 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         # methods published since the seed papers
         AlgorithmSpec("fedsol", FedSOL, FedSOLClient, passes=2, forwards=1,
                       summary="FedSOL (Lee et al. 2024): SAM ascent along a proximal KL to the received model"),
+        AlgorithmSpec("fedgloss", FedGloSS, FedGloSSClient, state=(P.DUAL,), passes=2,
+                      summary="FedGloSS (Caldarola et al. 2025): server-side SAM from the last pseudo-gradient, ADMM duals"),
     )
 }
 register_algorithms({name: spec.params for name, spec in ALGORITHMS.items()})

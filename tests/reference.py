@@ -375,6 +375,32 @@ def fedsol_reference(prob, rho, tau, mode="adaptive"):
     return w
 
 
+def fedgloss_reference(prob, beta, rho_l, rho_s, dual="NM"):
+    """FedGloSS (fedgloss notes §1 Alg. 1, §2.3, §4): the clients start from
+    w~ = w + rho_s pg/||pg|| (pg^0 = 0) and run FedDyn steps with a = 1/beta around the SAM
+    gradient (plain when rho_l = 0), sigma_k <- sigma_k - (w_K - w~)/beta;
+    server: u = sum p_k (w_k - w~), sigma <- sigma - sum_k (w_k - w~)/(beta N (M if NM)),
+    w <- w + eta_g u - beta sigma, pg = -u. Returns (w, sigma, client duals)."""
+    a = 1.0 / beta
+    w, sigma, pg = prob.w0.copy(), prob.zeros(), prob.zeros()
+    hc = {i: prob.zeros() for i in range(prob.N)}
+    for r, sampled in enumerate(prob.rounds):
+        eta, start = prob.round_lr(r), w + rho_s * pg / (norm(pg) + EPS)
+        models = []
+        for i in sampled:
+            th = start.copy()
+            for _ in range(prob.K):
+                g = prob.sam(i, th, rho_l) if rho_l > 0 else prob.g(i, th)
+                th = th - eta * (g - hc[i] + a * (th - start))
+            hc[i] = hc[i] - a * (th - start)
+            models.append(th)
+        u = prob.mean_update(sampled, models, start)
+        total = sum(m - start for m in models)
+        sigma = sigma - total / (beta * prob.N * (len(sampled) if dual == "NM" else 1))
+        w, pg = w + prob.server_lr * u - beta * sigma, -u
+    return w, sigma, hc
+
+
 def fedprox_reference(prob, mu):
     """FedProx (Li et al. 2020): d = g(w_k) + mu (w_k - w^t); server w <- w + eta_g u."""
     w = prob.w0.copy()
@@ -528,4 +554,5 @@ PAPER_PATTERN = {
     "fedlesam-d": (1, 1), "fedlesam-s": (2, 2), "fedacg": (1, 1), "fedadam": (1, 1), "fedyogi": (1, 1),
     "fedasam": (1, 1),  # Caldarola et al. 2022: FedAvg's communication
     "fedsol": (1, 1),  # fedsol notes §3: the received model down, the local model up
+    "fedgloss": (1, 1),  # fedgloss notes §4: the perturbed model down (in place of w), w_k up
 }

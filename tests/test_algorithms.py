@@ -19,6 +19,7 @@ from tests.helpers import (
     TOGA,
     K,
     assert_client_duals,
+    assert_close_models,
     assert_differ,
     assert_matches,
     assert_partial,
@@ -37,6 +38,7 @@ from tests.reference import (
     fedasam_reference,
     fedcm_reference,
     feddyn_reference,
+    fedgloss_reference,
     fedgmt_reference,
     fedlesam_reference,
     fednsam_reference,
@@ -332,6 +334,35 @@ def test_fedsol_identities(tmp_path):
     adaptive = run(tmp_path, "adaptive", algorithm="fedsol", **PARTIAL)
     assert_differ(adaptive, fedavg)
     assert_differ(run(tmp_path, "fixed", algorithm="fedsol", **{"fedsol.mode": "fixed"}, **PARTIAL), adaptive)
+
+
+# ================================================================ FedGloSS
+@pytest.mark.parametrize("dual", ["NM", "N"])
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_fedgloss_matches_pseudocode(tmp_path, strategy_spy, dual, partial):
+    """Server SAM from the last pseudo-gradient, the clients' FedDyn steps anchored at the
+    perturbed model, both dual divisors; the model, the server dual and every client dual."""
+    extra = {**PARTIAL, "server-lr": 0.8} if partial else {"num-server-rounds": 3}
+    keys = {"fedgloss.beta": 2.0, "sam.rho": 0.2, "fedgloss.rho-server": 0.3, "fedgloss.dual": dual}
+    result = run(tmp_path, "fedgloss", algorithm="fedgloss", **keys, **extra)
+    prob = Problem(result)
+    if partial:
+        assert_partial(prob)
+    w, sigma, duals = fedgloss_reference(prob, beta=2.0, rho_l=0.2, rho_s=0.3, dual=dual)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_record(strategy_spy, P.DUAL), sigma, rtol=0, atol=1e-6)
+    assert_client_duals(result, prob, duals)
+
+
+def test_fedgloss_identities(tmp_path):
+    """fedgloss notes §4: rho_s = 0, rho_l = 0, the paper's divisor N, eta_g = 1 and uniform
+    weights is FedDyn with a = 1/beta; the server perturbation changes the model."""
+    keys = {**PARTIAL, "aggregation": "uniform"}
+    plain = run(tmp_path, "gloss0", algorithm="fedgloss", **keys, **{
+        "fedgloss.beta": 4.0, "sam.rho": 0.0, "fedgloss.rho-server": 0.0, "fedgloss.dual": "N"})
+    assert_close_models(plain, run(tmp_path, "dyn", algorithm="feddyn", **keys, **{"feddyn.alpha": 0.25}))
+    assert_differ(run(tmp_path, "gloss", algorithm="fedgloss", **keys, **{
+        "fedgloss.beta": 4.0, "sam.rho": 0.0, "fedgloss.rho-server": 0.3, "fedgloss.dual": "N"}), plain)
 
 
 # ---------------------------------------------------------------- FedProx, SCAFFOLD, FedGAMMA

@@ -1,0 +1,42 @@
+"""FedGloSS client (Caldarola et al., CVPR 2025, Alg. 1; pietrocagnasso/fedgloss @cbd6cf5,
+clients/fedgloss_client.py): FedDyn's local step with a = 1/beta around a local SAM gradient,
+anchored at the model received, which is the server's perturbed model w~^t:
+
+    g~ = grad F(w_k + rho_l g/||g||)    (rho_l = ``sam.rho``; 0: the plain gradient, 1 pass)
+    w_{k+1} = w_k - lr ( g~ - sigma_k + (w_k - w~^t)/beta )
+    sigma_k <- sigma_k - (w_K - w~^t)/beta      (kept on the client)
+
+The anchor and the dual update are once per round (Alg. 1; the code re-anchors every local
+epoch, the same for its published E = 1: notes A3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from client.algorithms.feddyn import DualClient
+from client.sam import SAMParams, sam_gradient
+from common.params import POSITIVE, Params, key
+
+
+@dataclass(frozen=True)
+class GloSSDualParams(Params):
+    """beta, read by both halves: the prox weight and both dual steps are 1/beta."""
+
+    beta: float = key("fedgloss.beta", 10.0, "ADMM penalty beta: prox weight and dual step 1/beta "
+                      "(the authors' CIFAR-10 runs: 10)", POSITIVE)
+
+
+@dataclass(frozen=True)
+class FedGloSSParams(SAMParams, GloSSDualParams):
+    pass
+
+
+class FedGloSSClient(DualClient):
+    Params = FedGloSSParams
+
+    def dual_coefficient(self) -> float:
+        return 1.0 / self.params.beta
+
+    def gradient(self, w, batch):
+        return sam_gradient(batch, self.params.rho) if self.params.rho > 0 else batch.grad()
