@@ -2,9 +2,10 @@
 
 Per step: the rule gives a direction d (its gradient, SAM gradient, corrections...) from the
 weights and a :class:`client.batch.ModelBatch`; d becomes the parameters' .grad, is
-optionally clipped (global norm), and one ``torch.optim.SGD`` step applies lr, weight decay
-and client momentum. With momentum and weight decay 0 and no clipping the step is exactly
-w <- w - lr * d.
+optionally clipped (global norm), and one ``torch.optim.SGD`` step applies lr (the round's,
+times the rule's ``lr_factor`` for the step: 1 but for FedSWA's in-round schedule), weight
+decay and client momentum. With momentum and weight decay 0 and no clipping the step is
+exactly w <- w - lr * d.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def local_train(
     )
     model.train()
     losses: list[float] = []
-    for idx in batch_indices(len(data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, generator):
+    steps = cfg.num_steps(len(data))
+    for k, idx in enumerate(batch_indices(len(data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, generator)):
         x, y = data.get(idx)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(cfg, device):
@@ -119,6 +121,7 @@ def local_train(
             p.grad = d.detach()
         if cfg.clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm)
+        optimizer.param_groups[0]["lr"] = lr * rule.lr_factor(k, steps)
         optimizer.step()
         losses.append(loss)
     return LocalResult(len(data), len(losses), float(np.mean(losses)))

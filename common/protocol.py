@@ -22,10 +22,12 @@ EMA_MODEL = "ema_model"  # FedGMT: the server's EMA ("trajectory") model e
 MOMENTUM = "server_momentum"  # FedNSAM: the server's Nesterov momentum m
 CONTROL = "control_variate"  # SCAFFOLD family: the server control variate c
 GLOBAL_PERTURBATION = "global_perturbation"  # FedSMOO: the server's global perturbation s
+MOMENTUM_CONTROL = "momentum_control"  # FedMoSWA: the server's momentum control variate m
 
 # Uploads besides the local model.
 CONTROL_DELTA = "control_delta"  # SCAFFOLD family: c_i^+ - c_i
 PERTURBATION_CORRECTION = "perturbation_correction"  # FedSMOO: s~_i = mu_i - s^_{i,K}
+CONTROL_OFFSET = "control_offset"  # FedMoSWA: c_i^+ - m
 
 # Server-side state (never sent) and client-side state (``context.state``) record names.
 DUAL = "dual"  # FedDyn family: server dual h / client dual h_i (FedGMT: u, u_m)
@@ -35,6 +37,7 @@ PERTURBATION_DUAL = "perturbation_dual"  # FedSMOO: the client's perturbation du
 PREVIOUS_GLOBAL = "previous_global"  # FedLESAM: the global model of the client's last round
 ADAPTIVE_M = "adaptive_m"  # FedAdam / FedYogi: server first moment
 ADAPTIVE_V = "adaptive_v"  # FedAdam / FedYogi: server second moment
+CONTROL_UPDATES = "control_updates"  # FedMoSWA: how many times the server has moved m (one 0-d tensor)
 PSEUDO_GRADIENT = "pseudo_gradient"  # FedGloSS: the server's last pseudo-gradient, its next ascent direction
 
 # Keys inside the records (a message's wire vocabulary, used by both sides).

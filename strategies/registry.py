@@ -34,6 +34,7 @@ from client.algorithms.fedprox import FedProxClient
 from client.algorithms.fedsam import FedSAMClient
 from client.algorithms.fedsmoo import FedSMOOClient
 from client.algorithms.fedsol import FedSOLClient
+from client.algorithms.fedswa import FedMoSWAClient, FedSWAClient
 from client.algorithms.fedspeed import FedSpeedClient
 from client.algorithms.fedtoga import FedTOGAClient
 from client.algorithms.mofedsam import MoFedSAMClient
@@ -57,6 +58,7 @@ from strategies.fedprox import FedProx
 from strategies.fedsam import FedSAM
 from strategies.fedsmoo import FedSMOO
 from strategies.fedsol import FedSOL
+from strategies.fedswa import FedMoSWA, FedSWA
 from strategies.fedspeed import FedSpeed
 from strategies.fedtoga import FedTOGA
 from strategies.mofedsam import MoFedSAM
@@ -66,7 +68,7 @@ from strategies.strategy import FlatStrategy
 
 # family file -> the algorithms whose halves it holds (strategies/<file>.py, client/algorithms/<file>.py)
 FAMILIES = {"fedgmt": ("fedgmt", "fedgmt-v2"), "fedlesam": ("fedlesam", "fedlesam-d", "fedlesam-s"),
-            "fedopt": ("fedadam", "fedyogi")}
+            "fedopt": ("fedadam", "fedyogi"), "fedswa": ("fedswa", "fedmoswa")}
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,11 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
                       summary="FedSOL (Lee et al. 2024): SAM ascent along a proximal KL to the received model"),
         AlgorithmSpec("fedgloss", FedGloSS, FedGloSSClient, state=(P.DUAL,), passes=2,
                       summary="FedGloSS (Caldarola et al. 2025): server-side SAM from the last pseudo-gradient, ADMM duals"),
+        AlgorithmSpec("fedswa", FedSWA, FedSWAClient,
+                      summary="FedSWA (Liu et al. 2025): cyclical in-round lr (SWA), server step alpha = server-lr"),
+        AlgorithmSpec("fedmoswa", FedMoSWA, FedMoSWAClient, down=(P.MOMENTUM_CONTROL,), up=(P.CONTROL_OFFSET,),
+                      state=(P.CLIENT_CONTROL,),
+                      summary="FedMoSWA (Liu et al. 2025): FedSWA with a momentum control variate (SCAFFOLD-like)"),
     )
 }
 register_algorithms({name: spec.params for name, spec in ALGORITHMS.items()})

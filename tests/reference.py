@@ -401,6 +401,53 @@ def fedgloss_reference(prob, beta, rho_l, rho_s, dual="NM"):
     return w, sigma, hc
 
 
+def swa_lr(prob, eta, k, ratio):
+    """FedSWA's in-round lr of step k (fedswa notes §1, §4): eta (1 - k/K + ratio k/K)."""
+    return eta * (1.0 - (1.0 - ratio) * k / prob.K)
+
+
+def fedswa_reference(prob, ratio, momentum=0.0, wd=0.0):
+    """FedSWA (fedswa notes §4): K SGD steps (torch.optim.SGD's momentum and weight decay) at
+    the in-round lr swa_lr; server w <- w + alpha u, alpha = server-lr."""
+    w = prob.w0.copy()
+    for r, sampled in enumerate(prob.rounds):
+        eta, models = prob.round_lr(r), []
+        for i in sampled:
+            th, buf = w.copy(), None
+            for k in range(prob.K):
+                g = prob.g(i, th) + wd * th
+                buf = g if buf is None else momentum * buf + g
+                th = th - swa_lr(prob, eta, k, ratio) * (buf if momentum else g)
+            models.append(th)
+        w = w + prob.server_lr * prob.mean_update(sampled, models, w)
+    return w
+
+
+def fedmoswa_reference(prob, ratio, gamma, first="full", normaliser="sum"):
+    """FedMoSWA (fedswa notes §1, §3-4): w_{k+1} = w_k - eta_k (g - c_i + m);
+    c_i^+ = c_i - m + (w - w_K)/S, S = sum_k eta_k or K eta (1 + ratio)/2; upload c_i^+ - m;
+    server s = sum p_i (c_i^+ - m), m <- m + s (first update, ``full``) or m + gamma s;
+    w <- w + alpha u. Returns (w, m, client control variates)."""
+    w, m, updates = prob.w0.copy(), prob.zeros(), 0
+    ci = {i: prob.zeros() for i in range(prob.N)}
+    for r, sampled in enumerate(prob.rounds):
+        eta, models, offsets = prob.round_lr(r), [], []
+        for i in sampled:
+            th = w.copy()
+            for k in range(prob.K):
+                th = th - swa_lr(prob, eta, k, ratio) * (prob.g(i, th) - ci[i] + m)
+            total = (eta * (prob.K - (1.0 - ratio) * (prob.K - 1) / 2.0) if normaliser == "sum"
+                     else prob.K * eta * (1.0 + ratio) / 2.0)
+            ci[i] = ci[i] - m + (w - th) / total
+            offsets.append(ci[i] - m)
+            models.append(th)
+        s = sum(p * o for p, o in zip(prob.weights(sampled), offsets))
+        m = m + (1.0 if first == "full" and updates == 0 else gamma) * s
+        updates += 1
+        w = w + prob.server_lr * prob.mean_update(sampled, models, w)
+    return w, m, ci
+
+
 def fedprox_reference(prob, mu):
     """FedProx (Li et al. 2020): d = g(w_k) + mu (w_k - w^t); server w <- w + eta_g u."""
     w = prob.w0.copy()
@@ -555,4 +602,5 @@ PAPER_PATTERN = {
     "fedasam": (1, 1),  # Caldarola et al. 2022: FedAvg's communication
     "fedsol": (1, 1),  # fedsol notes §3: the received model down, the local model up
     "fedgloss": (1, 1),  # fedgloss notes §4: the perturbed model down (in place of w), w_k up
+    "fedswa": (1, 1), "fedmoswa": (2, 2),  # fedswa notes §4: FedMoSWA sends m down, c_i^+ - m up
 }

@@ -47,6 +47,8 @@ from tests.reference import (
     fedsam_family_reference,
     fedsmoo_reference,
     fedsol_reference,
+    fedswa_reference,
+    fedmoswa_reference,
     fedtoga_reference,
     norm,
     scaffold_reference,
@@ -363,6 +365,51 @@ def test_fedgloss_identities(tmp_path):
     assert_close_models(plain, run(tmp_path, "dyn", algorithm="feddyn", **keys, **{"feddyn.alpha": 0.25}))
     assert_differ(run(tmp_path, "gloss", algorithm="fedgloss", **keys, **{
         "fedgloss.beta": 4.0, "sam.rho": 0.0, "fedgloss.rho-server": 0.3, "fedgloss.dual": "N"}), plain)
+
+
+# ================================================================ FedSWA, FedMoSWA
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_fedswa_matches_pseudocode(tmp_path, partial):
+    """The in-round lr eta_k = eta (1 - k/K + rho k/K) is SGD's lr: with momentum and weight
+    decay the steps are torch.optim.SGD's at eta_k; the server step alpha = server-lr."""
+    extra = PARTIAL if partial else {"num-server-rounds": 3}
+    sgd = {"momentum": 0.5, "weight-decay": 0.01} if partial else {}
+    result = run(tmp_path, "fedswa", algorithm="fedswa", **{"fedswa.lr-ratio": 0.2, "server-lr": 1.5,
+                                                           "local-steps": 4}, **sgd, **extra)
+    prob = Problem(result)
+    matches(result, prob, fedswa_reference(prob, ratio=0.2, momentum=sgd.get("momentum", 0.0),
+                                           wd=sgd.get("weight-decay", 0.0)))
+
+
+def test_fedswa_ratio_1_is_fedavg_and_the_schedule_changes_the_model(tmp_path):
+    keys = {**PARTIAL, "server-lr": 1.5}
+    assert finals_equal(run(tmp_path, "swa1", algorithm="fedswa", **{"fedswa.lr-ratio": 1.0}, **keys),
+                        run(tmp_path, "avg", algorithm="fedavg", **keys))
+    assert_differ(run(tmp_path, "swa", algorithm="fedswa", **keys), run(tmp_path, "avg2", algorithm="fedavg", **keys))
+
+
+@pytest.mark.parametrize("first,normaliser", [("full", "sum"), ("gamma", "mean")])
+def test_fedmoswa_matches_pseudocode(tmp_path, strategy_spy, first, normaliser):
+    """Partial participation, so c_i persists per client and m moves with gamma: the model,
+    the server's m and every client's c_i."""
+    keys = {"fedswa.lr-ratio": 0.3, "fedmoswa.gamma": 0.4, "fedmoswa.first": first,
+            "fedmoswa.normaliser": normaliser, "server-lr": 1.2}
+    result = run(tmp_path, "fedmoswa", algorithm="fedmoswa", **keys, **PARTIAL)
+    prob = Problem(result)
+    assert_partial(prob)
+    w, m, ci = fedmoswa_reference(prob, ratio=0.3, gamma=0.4, first=first, normaliser=normaliser)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_record(strategy_spy, P.MOMENTUM_CONTROL), m, rtol=0, atol=1e-6)
+    assert_state(result, prob, P.CLIENT_CONTROL, ci)
+
+
+def test_fedmoswa_with_a_constant_lr_and_gamma_1_is_scaffold_at_full_participation(tmp_path):
+    """fedswa notes §4: rho = 1, gamma = 1, every client every round: m stays the mean of the
+    c_i, as SCAFFOLD's c (to rounding: the two servers compute it differently)."""
+    keys = {"num-server-rounds": 3, "local-steps": 4}
+    moswa = run(tmp_path, "moswa", algorithm="fedmoswa", **{"fedswa.lr-ratio": 1.0, "fedmoswa.gamma": 1.0}, **keys)
+    assert_close_models(moswa, run(tmp_path, "scaffold", algorithm="scaffold", **keys))
+    assert_differ(run(tmp_path, "moswa-g", algorithm="fedmoswa", **{"fedswa.lr-ratio": 1.0}, **keys), moswa)
 
 
 # ---------------------------------------------------------------- FedProx, SCAFFOLD, FedGAMMA

@@ -185,7 +185,7 @@ def test_vectorised_run_equals_inprocess_run(tmp_path, spy, algorithm):
 
 
 # ---------------------------------------------------------------- 2. ragged clients
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedsam", "scaffold", "fedtoga", "fedlesam-s"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedsam", "scaffold", "fedtoga", "fedlesam-s", "fedswa", "fedmoswa"])
 @pytest.mark.parametrize("budget", [vec.PADDING_BUDGET, 1.0], ids=["masked", "one-step-count"])
 def test_ragged_dirichlet_clients_equal_inprocess(tmp_path, spy, monkeypatch, algorithm, budget):
     """Dirichlet(0.3) over 10 clients: 79 to 247 samples, 3 to 8 steps per epoch. With the
@@ -210,7 +210,7 @@ def test_ragged_dirichlet_clients_equal_inprocess(tmp_path, spy, monkeypatch, al
     {"local-steps": 7, "momentum": 0.9},  # 7 steps of 180-sample clients: an epoch rolls over
     {"clip-norm": 0.05, "lr": 0.3},  # clipping active in every step
 ], ids=["momentum-wd-clip", "local-steps", "tight-clip"])
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedsam", "scaffold", "feddyn"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedsam", "scaffold", "feddyn", "fedswa"])
 def test_optimizer_options_equal_inprocess(tmp_path, spy, algorithm, options):
     assert_equal_runs(both_engines(tmp_path, {**BASE, "algorithm": algorithm, "num-server-rounds": 2,
                                               **options}))

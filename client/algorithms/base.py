@@ -49,6 +49,14 @@ class ClientRule:
         """(loss at w, the gradient this algorithm steps with): plain by default."""
         return batch.grad()
 
+    def lr_factor(self, step: int, steps: int) -> float:
+        """Local step ``step``'s learning rate (0-based, of this client's ``steps`` this round)
+        as a multiple of the round's lr: the loop steps with lr * lr_factor, so weight decay
+        and momentum see it as torch.optim.SGD's lr. 1 (a constant lr) by default; FedSWA's
+        cyclical schedule. A function of its arguments and ``params`` only (one value per
+        client in a batched engine)."""
+        return 1.0
+
     def direction(self, w: Tensors, batch: Batch) -> tuple[torch.Tensor, Tensors]:
         """(loss at w, the local step's direction d): w <- w - lr d (the loop adds weight
         decay, momentum and clipping). Plain: the gradient itself."""

@@ -20,9 +20,11 @@ from common.protocol import CLIENT_CONTROL, CONTROL, CONTROL_DELTA
 
 
 class ScaffoldClient(ClientRule):
+    SERVER_CONTROL = CONTROL  # the broadcast record that holds c
+
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)
-        self.c = broadcast[CONTROL]
+        self.c = broadcast[self.SERVER_CONTROL]
         self.c_i = state.get(CLIENT_CONTROL) or zeros_like(self.start)
         self.c_minus_ci = sub(self.c, self.c_i)  # fixed for the round
         # K, the steps taken: a tensor, so an engine that batches clients counts per client
@@ -38,10 +40,14 @@ class ScaffoldClient(ClientRule):
         self.steps = self.steps + 1
         return loss, add(g, self.correction())
 
+    def step_sum(self) -> torch.Tensor:
+        """The sum of the round's step sizes: K lr (a constant lr)."""
+        return self.steps * self.lr
+
     def new_control(self, w) -> Tensors:
         """Option II: c_i^+ = c_i - c + (x - y_K) / (K lr)."""
         if self._new_control is None:
-            self._new_control = add(sub(self.c_i, self.c), scale(sub(self.start, w), 1.0 / (self.steps * self.lr)))
+            self._new_control = add(sub(self.c_i, self.c), scale(sub(self.start, w), 1.0 / self.step_sum()))
         return self._new_control
 
     def uploads(self, w):

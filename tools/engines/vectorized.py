@@ -282,10 +282,11 @@ def masked(active: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) ->
     return torch.where(per_client(active, new), new, old)
 
 
-def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: float,
+def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: float | torch.Tensor,
              active: torch.Tensor | None = None) -> list | None:
     """torch.optim.SGD's step (with clip_grad_norm_ first) on stacked tensors, per client (the
-    inactive ones, if ``active`` is given, unchanged); returns the momentum buffers."""
+    inactive ones, if ``active`` is given, unchanged); returns the momentum buffers. ``lr``:
+    one for the group, or a tensor with each client's."""
     if cfg.clip_norm > 0:
         norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
         total = torch.linalg.vector_norm(norms, dim=1)
@@ -300,7 +301,8 @@ def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: flo
             buffers = [masked(active, buf * cfg.momentum + g, buf) for buf, g in zip(buffers, grads)]
         grads = buffers
     for p, g in zip(params, grads):
-        p.copy_(masked(active, torch.add(p, g, alpha=-lr), p))
+        step = p - per_client(lr, g) * g if isinstance(lr, torch.Tensor) else torch.add(p, g, alpha=-lr)
+        p.copy_(masked(active, step, p))
     return buffers
 
 
@@ -330,6 +332,13 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
         changed, layouts = rules.changes(rule, built)
         return loss, list(d), changed
 
+    def step_lr(k: int) -> float | torch.Tensor:
+        """Step k's lr: the round's times the rule's factor, per client when they differ."""
+        factors = [first.rule.lr_factor(k, n) if k < n else 1.0 for n in steps]
+        if all(f == 1.0 for f in factors):
+            return lr
+        return torch.tensor([lr * f for f in factors], dtype=params[0].dtype, device=params[0].device)
+
     before = self_reports(calls, params, "before")
     model.train()
     failed: dict[int, Exception] = {}
@@ -351,7 +360,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
             if not np.isfinite(loss[i]):
                 failed.setdefault(int(i), FloatingPointError(f"local loss became {loss[i]} at step {k + 1}"))
             losses[i].append(float(loss[i]))
-        buffers = sgd_step(params, [d.detach() for d in direction], buffers, cfg, lr, active)
+        buffers = sgd_step(params, [d.detach() for d in direction], buffers, cfg, step_lr(k), active)
     after = self_reports(calls, params, "after")
     # each client's trained weights, rule and self-reports back into its own call
     results: list[LocalResult | Exception] = []
