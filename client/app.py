@@ -30,6 +30,7 @@ from common.data import client_split, client_test_split, dataset_for
 from common.datasets import Split
 from common.evaluate import evaluate as evaluate_model
 from common.models import ModelPool, build_model
+from common.privacy import privatize
 from strategies import registry  # the algorithms (both halves); also registers their keys
 
 log = logging.getLogger("flwr.flatflower.client")
@@ -93,6 +94,16 @@ def _state_round(msg: Message, server_round: int) -> int:
     return accepted
 
 
+def _sampled_clients(msg: Message) -> int:
+    """M, the clients the server sampled this round (``sampled-clients``): the DP noise's scale."""
+    config = msg.content[P.CONFIG]
+    sampled = config[P.SAMPLED_CLIENTS] if P.SAMPLED_CLIENTS in config else None
+    if isinstance(sampled, bool) or not isinstance(sampled, int) or sampled < 1:
+        raise ValueError(f"dp.clip > 0, but the train message's {P.SAMPLED_CLIENTS}={sampled!r} is not a "
+                         "number of clients >= 1: the noise cannot be calibrated")
+    return sampled
+
+
 @dataclass
 class TrainCall:
     """One ``train`` message, opened: the data, model and client rule its local training
@@ -124,6 +135,9 @@ class TrainCall:
         """``self_report=False``: the engine makes the self-reports (``reported`` and ``after``)."""
         cfg, node, device = _setup(context)
         spec = registry.get(cfg.algorithm)
+        if cfg.dp_clip > 0 and spec.up:
+            raise ValueError(f"dp.clip > 0: {spec.name} uploads {', '.join(spec.up)} besides the model; "
+                             "client-level DP clips and noises the model update only")
         server_round = int(msg.content[P.CONFIG][P.SERVER_ROUND])
         fault = Fault.parse(node.inject_fault)
         if fault:
@@ -177,6 +191,9 @@ class TrainCall:
         reported = {**(self.reported or {}), **after}
         uploads, new_state = rule_outputs(self.rule, self.layout, model)
         weights = self.layout.weights()
+        if cfg.dp_clip > 0:  # client-level DP: clip and noise the round's update (common/privacy.py)
+            weights = privatize(weights, codec.from_record(self.msg.content[P.MODEL]), self.layout.names,
+                                cfg.dp_clip, cfg.dp_noise_multiplier, _sampled_clients(self.msg), cfg.dp_clip_mode)
         if self.fault:
             weights = self.fault.corrupt(server_round, codec.from_record(self.msg.content[P.MODEL]), weights)
         content = RecordDict(

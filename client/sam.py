@@ -31,6 +31,15 @@ def unit_scaled(direction: Tensors, radius: float) -> Tensors:
     return scale(direction, radius / (global_norm(direction).double() + EPS))
 
 
+def asam_gradient(batch: Batch, w: Tensors, rho: float, eta: float) -> tuple[torch.Tensor, Tensors]:
+    """ASAM (Kwon et al. 2021, eq. 8; T_w = |w| + eta element-wise): g~ = grad F(w + rho T (T g)/||T g||).
+    Returns (loss at w, g~)."""
+    loss, g = batch.grad()
+    t = [p.abs() + eta for p in w]
+    shift = unit_scaled([ti * gi for ti, gi in zip(t, g)], rho)
+    return loss, batch.grad([ti * si for ti, si in zip(t, shift)])[1]
+
+
 def sam_gradient(batch: Batch, rho: float) -> tuple[torch.Tensor, Tensors]:
     """FedSAM eq. (4): g = grad F(w); g~ = grad F(w + rho g/||g||). Returns (loss at w, g~)."""
     loss, g = batch.grad()

@@ -83,6 +83,12 @@ class RunConfig:
     amp: str = "off"
     eval_batch_size: int = 512
     client_eval: bool = True  # clients report loss/accuracy before and after training (clients.jsonl)
+    # client-level differential privacy (common/privacy.py): each client clips its round update
+    # to dp.clip and adds Gaussian noise; 0 = off
+    dp_clip: float = dataclasses.field(default=0.0, metadata={"key": "dp.clip"})
+    dp_noise_multiplier: float = dataclasses.field(default=0.0, metadata={"key": "dp.noise-multiplier"})
+    dp_delta: float = dataclasses.field(default=1e-5, metadata={"key": "dp.delta"})
+    dp_clip_mode: str = dataclasses.field(default="global", metadata={"key": "dp.clip-mode"})
     # output
     run_dir: str = ""
     tensorboard: bool = True  # TensorBoard event files in the run directory (when installed)
@@ -232,6 +238,21 @@ class RunConfig:
         check(_nonneg(self.weight_decay), "weight-decay must be a finite number >= 0")
         check(0.0 <= self.momentum < 1.0, "momentum must be in [0, 1)")
         check(_nonneg(self.clip_norm), "clip-norm must be a finite number >= 0 (0 = no clipping)")
+        choice("dp_clip_mode", ("global", "per-tensor"))
+        check(_nonneg(self.dp_clip), "dp.clip must be a finite number >= 0 (0 = no differential privacy)")
+        check(_nonneg(self.dp_noise_multiplier), "dp.noise-multiplier must be a finite number >= 0")
+        check(0.0 < self.dp_delta < 1.0, f"dp.delta must be in (0, 1) (got {self.dp_delta})")
+        if self.dp_noise_multiplier > 0 and self.dp_clip == 0:
+            problems.append("dp.noise-multiplier > 0 needs dp.clip > 0: the noise's scale is "
+                            "noise-multiplier * clip")
+        if self.dp_clip > 0:
+            check(self.aggregation == "uniform", "dp.clip > 0 needs aggregation = uniform: the noise "
+                  "is calibrated to the uniform mean of the clipped updates (noise-multiplier * clip / M)")
+            check(self.aggregator == "mean", f"dp.clip > 0 needs aggregator = mean, not {self.aggregator!r}: "
+                  "the privacy analysis is of the mean of the clipped, noised updates")
+            check(self.too_few_replies == "skip", "dp.clip > 0 needs too-few-replies = skip: a retried "
+                  "client would release a second noised update of its round, which the accountant "
+                  "does not count")
         check(self.flatness_every >= 0, "flatness-every must be >= 0 (0 = no flatness measures; "
               "K = every K rounds and the last)")
         check(_pos(self.flatness_rho), f"flatness-rho must be a finite number > 0 (got {self.flatness_rho})")
@@ -293,7 +314,9 @@ def did_you_mean(word: str, options) -> str:
 
 
 def _key(field_name: str) -> str:
-    return field_name.replace("_", "-")
+    """The run-config key of RunConfig field ``field_name``."""
+    meta = next((f.metadata for f in fields(RunConfig) if f.name == field_name), {})
+    return meta.get("key", field_name.replace("_", "-"))
 
 
 def _other_algorithms_problems(values: Mapping[str, Any], cfg: RunConfig) -> list[str]:
@@ -353,8 +376,9 @@ def algorithm_keys() -> dict[str, Any]:
 
 
 def general_fields() -> dict[str, dataclasses.Field]:
-    """Run-config key -> field of the general keys (not the algorithm's params)."""
-    return {_key(f.name): f for f in fields(RunConfig) if not f.metadata.get("internal")}
+    """Run-config key -> field of the general keys (not the algorithm's params): ``foo_bar``
+    is ``foo-bar``, or the key its metadata names (``dp.clip``)."""
+    return {f.metadata.get("key", _key(f.name)): f for f in fields(RunConfig) if not f.metadata.get("internal")}
 
 
 def _relative(path: str) -> bool:

@@ -44,6 +44,7 @@ PSEUDO_GRADIENT = "pseudo_gradient"  # FedGloSS: the server's last pseudo-gradie
 SERVER_ROUND = "server-round"  # config: the round this message belongs to
 NONCE = "nonce"  # config: a fresh random number per round; every reply's metrics echo it
 STATE_ROUND = "state-round"  # config of a train message: the client's last round the server accepted
+SAMPLED_CLIENTS = "sampled-clients"  # config of a train message under DP: M, the clients sampled this round
 NUM_EXAMPLES = "num-examples"  # metrics: the client's examples (the server checks it against its own)
 NUM_STEPS = "num-steps"  # metrics of a train reply: local steps run
 TRAIN_LOSS = "train-loss"  # metrics of a train reply: mean local training loss

@@ -7,6 +7,7 @@ test split and one metrics.jsonl line is written.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -24,6 +25,7 @@ from common.data import dataset_for, partitions_for
 from common.evaluate import evaluate
 from common.flatness import flatness_distance, measure, seed_of
 from common.models import build_model
+from common.privacy import PrivacyLedger
 from server.clients import client_rows
 from server.progress import RoundProgress
 from server.rundir import RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint
@@ -115,6 +117,7 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
         board.add_round({"round": 0, "test_accuracy": acc, "test_loss": finite(loss)})
         log.info("round 0: test accuracy %.4f, loss %.4f", acc, loss)
     RoundProgress(grid, run_dir.path, cfg.num_server_rounds)  # progress.json inside each round
+    ledger = privacy_ledger(cfg, run_dir, strategy) if cfg.dp_clip > 0 else None
     skipped = 0
     for rnd in range(first, cfg.num_server_rounds + 1):
         t_round = time.monotonic()
@@ -134,6 +137,9 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
         row.update({"test_accuracy": acc, "test_loss": finite(loss), **round_fields(stats),
                     "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})
         row.update(flatness(rnd, stats))  # after "seconds": its cost is flatness_seconds
+        if ledger is not None:  # the clients released noised updates this round, skipped or not
+            ledger.add_round(stats.clients_sampled / strategy.num_partitions)
+            row["dp_epsilon"] = finite(ledger.epsilon(cfg.dp_delta))
         clients = client_rows(strategy.round_record(), rnd)
         run_dir.append_rows("clients.jsonl", clients)
         run_dir.append_metrics(row)  # before the checkpoint: a resume redoes rows past it
@@ -159,6 +165,18 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
                            "records_up": list(strategy.spec.up)})
     log.info("flatflower: finished, final test accuracy %.4f, run directory %s", acc, run_dir.path)
     return run_dir.path
+
+
+def privacy_ledger(cfg: RunConfig, run_dir: RunDir, strategy) -> PrivacyLedger:
+    """The privacy spent by the rounds before this one (a resumed run's kept rows: each
+    round's q = clients sampled / N)."""
+    ledger = PrivacyLedger(cfg.dp_noise_multiplier)
+    path = run_dir.path / "metrics.jsonl"
+    for line in path.read_text().splitlines() if cfg.resume and path.exists() else []:
+        row = json.loads(line)
+        if row.get("round", 0) >= 1:
+            ledger.add_round(row["clients_sampled"] / strategy.num_partitions)
+    return ledger
 
 
 ENGINES = {"InProcessGrid": "inprocess", "VectorizedGrid": "vectorized", "InMemoryGrid": "ray"}

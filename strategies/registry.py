@@ -31,7 +31,7 @@ from client.algorithms.fedlesam import FedLESAMClient, FedLESAMDClient, FedLESAM
 from client.algorithms.fednsam import FedNSAMClient
 from client.algorithms.fedopt import FedOptClient
 from client.algorithms.fedprox import FedProxClient
-from client.algorithms.fedsam import FedSAMClient
+from client.algorithms.fedsam import DPFedSAMClient, FedSAMClient
 from client.algorithms.fedsmoo import FedSMOOClient
 from client.algorithms.fedsol import FedSOLClient
 from client.algorithms.fedswa import FedMoSWAClient, FedSWAClient
@@ -55,7 +55,7 @@ from strategies.fedlesam import FedLESAM, FedLESAMD, FedLESAMS
 from strategies.fednsam import FedNSAM
 from strategies.fedopt import FedAdam, FedYogi
 from strategies.fedprox import FedProx
-from strategies.fedsam import FedSAM
+from strategies.fedsam import DPFedSAM, FedSAM
 from strategies.fedsmoo import FedSMOO
 from strategies.fedsol import FedSOL
 from strategies.fedswa import FedMoSWA, FedSWA
@@ -68,7 +68,8 @@ from strategies.strategy import FlatStrategy
 
 # family file -> the algorithms whose halves it holds (strategies/<file>.py, client/algorithms/<file>.py)
 FAMILIES = {"fedgmt": ("fedgmt", "fedgmt-v2"), "fedlesam": ("fedlesam", "fedlesam-d", "fedlesam-s"),
-            "fedopt": ("fedadam", "fedyogi"), "fedswa": ("fedswa", "fedmoswa")}
+            "fedopt": ("fedadam", "fedyogi"), "fedswa": ("fedswa", "fedmoswa"),
+            "fedsam": ("fedsam", "dp-fedsam")}
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,8 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec("fedmoswa", FedMoSWA, FedMoSWAClient, down=(P.MOMENTUM_CONTROL,), up=(P.CONTROL_OFFSET,),
                       state=(P.CLIENT_CONTROL,),
                       summary="FedMoSWA (Liu et al. 2025): FedSWA with a momentum control variate (SCAFFOLD-like)"),
+        AlgorithmSpec("dp-fedsam", DPFedSAM, DPFedSAMClient, passes=2,
+                      summary="DP-FedSAM (Shi et al. 2023): local SAM/ASAM with client-level DP (the dp.* keys)"),
     )
 }
 register_algorithms({name: spec.params for name, spec in ALGORITHMS.items()})

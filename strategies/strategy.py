@@ -37,7 +37,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from common import codec
 from common import protocol as P
-from common.config import RunConfig
+from common.config import ConfigError, RunConfig
 from common.tensors import global_norm
 from strategies.aggregate import client_weights
 from strategies.base import ServerRule
@@ -105,6 +105,10 @@ class FlatStrategy(FlowerFedAvg):
         self.fraction_evaluate = cfg.fraction_evaluate
         self.cfg = cfg
         self.spec = spec  # the algorithm's registry entry (strategies/registry.py)
+        if cfg.dp_clip > 0 and spec.up:
+            raise ConfigError(f"dp.clip > 0: {spec.name} uploads {', '.join(spec.up)} besides the model, and "
+                              "client-level DP here clips and noises the model update only; use an algorithm "
+                              "whose only upload is the model (FedAvg, FedSAM, FedProx, ...)")
         self.rule: ServerRule = spec.new_rule(cfg, initial_model)
         self.layout = layout_of(self.rule.model)
         self.round = 0  # last completed training round
@@ -204,9 +208,11 @@ class FlatStrategy(FlowerFedAvg):
         chosen = self.participation.sample(server_round, list(available), self.fraction_train)
         self._nonce = new_nonce()
         start = self.rule.start_point()
+        values = {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._nonce}
+        if self.cfg.dp_clip > 0:  # M: each client's DP noise is noise-multiplier * clip / sqrt(M)
+            values[P.SAMPLED_CLIENTS] = len(chosen)
         self._content = RecordDict({P.MODEL: arrays if start is self.rule.model else codec.to_record(start),
-                                    P.CONFIG: ConfigRecord({**dict(config), P.SERVER_ROUND: server_round,
-                                                            P.NONCE: self._nonce})})
+                                    P.CONFIG: ConfigRecord(values)})
         for name, tensors in self.rule.broadcast().items():
             self._content[name] = codec.to_record(tensors)
         msgs = self.train_messages(server_round, {p: available[p] for p in chosen})

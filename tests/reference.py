@@ -603,4 +603,5 @@ PAPER_PATTERN = {
     "fedsol": (1, 1),  # fedsol notes §3: the received model down, the local model up
     "fedgloss": (1, 1),  # fedgloss notes §4: the perturbed model down (in place of w), w_k up
     "fedswa": (1, 1), "fedmoswa": (2, 2),  # fedswa notes §4: FedMoSWA sends m down, c_i^+ - m up
+    "dp-fedsam": (1, 1),  # dp-fedsam notes §4: the model down, the clipped and noised model up
 }

@@ -99,7 +99,7 @@ def check_cli(argv: list[str], tmp: Path, capfd, caplog, code: int, message: str
 CONFIG_CASES = [
     # names
     pytest.param(["--algorithm", "fedfoo"], "algorithm='fedfoo' is not one of:", id="algorithm-unknown"),
-    pytest.param(["--algorithm", "fedsma"], "(did you mean 'fedsam'?)", id="algorithm-misspelt"),
+    pytest.param(["--algorithm", "fedsamm"], "(did you mean 'fedsam'?)", id="algorithm-misspelt"),
     pytest.param(["--set", "sam.roh=0.1"], "unknown run-config key(s): sam.roh (did you mean 'sam.rho'?)",
                  id="key-misspelt"),
     pytest.param(["--preset", "digits-quik"], "unknown preset 'digits-quik' (did you mean 'digits-quick'?)",

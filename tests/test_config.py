@@ -57,7 +57,7 @@ def test_a_key_a_family_shares_has_one_declaration() -> None:
 
 # ----------------------------------------------------------------------------- validation
 INVALID = [
-    ({"algorithm": "fedprox2"}, "algorithm='fedprox2' is not one of: fedacg, fedadam, fedasam, fedavg"),
+    ({"algorithm": "fedprox2"}, "algorithm='fedprox2' is not one of: dp-fedsam, fedacg, fedadam, fedasam, fedavg"),
     ({"lr": 0.0}, "lr must be a finite number > 0"),
     ({"lr": -0.1}, "lr must be a finite number > 0"),
     ({"lr": float("nan")}, "lr must be a finite number > 0 (got nan)"),
@@ -80,7 +80,7 @@ INVALID = [
     ({"lr": "abc"}, "lr='abc' is not a valid float"),
     ({"num-server-rounds": 1.5}, "num-server-rounds=1.5 is not a valid int"),
     ({"download": "maybe"}, "download='maybe' is not a valid bool"),
-    ({"algorithm": 3}, "algorithm='3' is not one of: fedacg, fedadam, fedasam, fedavg"),
+    ({"algorithm": 3}, "algorithm='3' is not one of: dp-fedsam, fedacg, fedadam, fedasam, fedavg"),
     ({"fedprox.mu": -0.1}, "fedprox.mu must be a finite number >= 0"),
     ({"fedspeed.alpha": 1.5}, "fedspeed.alpha must be in [0, 1]"),
     ({"fedlesam.first": "global"}, "fedlesam.first must be one of: initial, none (got 'global')"),

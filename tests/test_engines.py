@@ -25,7 +25,7 @@ BASELINES = ("fedprox", "scaffold", "fedgamma", "fedsmoo", "fedlesam", "fedlesam
              "fedacg", "fedadam", "fedyogi")
 
 
-NEWER = ("fedsol", "fedgloss", "fedswa", "fedmoswa")  # methods published since the seed papers
+NEWER = ("fedsol", "fedgloss", "fedswa", "fedmoswa", "dp-fedsam")  # methods published since the seed papers
 
 
 @pytest.mark.parametrize("algorithm", SEED_ALGORITHMS + BASELINES + NEWER)

@@ -122,7 +122,7 @@ def test_an_algorithms_table_applies_over_config_for_its_algorithm_only(tmp_path
 
 
 @pytest.mark.parametrize("table, message", [
-    ('[algorithms.fedsom]\nlr = 0.1', "unknown algorithm 'fedsom' (did you mean 'fedsam'?)"),
+    ('[algorithms.fedsamm]\nlr = 0.1', "unknown algorithm 'fedsamm' (did you mean 'fedsam'?)"),
     ('[algorithms.fedsam]\nalgorithm = "fedavg"', "cannot set algorithm"),
     ('[algorithms.fedsam]\nsam.rho = -1', "[algorithms.fedsam]: invalid run config: sam.rho"),
     ('[algorithms]\nfedsam = 3', "algorithms.fedsam must be a table"),

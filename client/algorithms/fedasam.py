@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from client.algorithms.base import ClientRule
-from client.sam import SAMParams, unit_scaled
+from client.sam import SAMParams, asam_gradient
 from common.params import NONNEGATIVE, key
 
 
@@ -29,7 +29,4 @@ class FedASAMClient(ClientRule):
     Params = FedASAMParams
 
     def gradient(self, w, batch):
-        loss, g = batch.grad()
-        t = [p.abs() + self.params.eta for p in w]
-        shift = unit_scaled([ti * gi for ti, gi in zip(t, g)], self.params.rho)
-        return loss, batch.grad([ti * si for ti, si in zip(t, shift)])[1]
+        return asam_gradient(batch, w, self.params.rho, self.params.eta)

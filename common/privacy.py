@@ -1,0 +1,102 @@
+"""Client-level differential privacy (DP-FedAvg's mechanism; DP-FedSAM, Shi et al., CVPR 2023).
+
+Each sampled client clips its round update Delta = w_K - w^t to L2 norm C (``dp.clip``) and adds
+Gaussian noise of standard deviation sigma C / sqrt(M) per coordinate (sigma =
+``dp.noise-multiplier``, M = the clients the server sampled this round, sent in the train
+config). The uniform mean of the M noised updates then carries noise of standard deviation
+sigma C / M per coordinate: the sampled Gaussian mechanism with sensitivity C on the mean's sum.
+
+Where the noise is added: on the client, so the server never holds an un-noised update. Each
+single update carries only noise multiplier sigma / sqrt(M), so the guarantee is for what the
+aggregate releases (the global models), against anyone who sees only it: the usual trusted-
+aggregator / secure-aggregation reading. A server that inspects single updates learns more.
+
+The noise comes from the operating system's entropy, never from the run's seed: a seed the
+server knows would let it subtract the noise. DP runs with sigma > 0 are therefore not
+reproducible bit for bit (their clipping is).
+
+``dp.clip-mode = per-tensor`` clips each trainable tensor to C on its own, as DP-FedSAM's code
+does (for reproducing it): the update's norm is then bounded by C sqrt(L) for L tensors, not C,
+and the reported epsilon understates the loss of privacy by that factor.
+
+The privacy spent is accounted by Renyi DP of the sampled Gaussian mechanism (Mironov et al.
+2019; Opacus's implementation) with each round's sampling rate q = M/N, composed over the
+rounds and converted to (epsilon, delta). The analysis assumes Poisson sampling; the server
+samples a fixed number of clients, as the papers' code does.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+
+import torch
+
+# Renyi orders: DP-FedSAM's accountant's grid (its eps_computer.py), whose published values
+# Opacus's functions reproduce on it.
+ORDERS = tuple(1.01 + 0.05 * i for i in range(1980))
+
+
+def privatize(trained: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor],
+              trainable: Iterable[str], clip: float, noise_multiplier: float, sampled: int,
+              mode: str = "global", generator: torch.Generator | None = None) -> OrderedDict:
+    """The model a client uploads under DP: received + clip(trained - received) + noise, over
+    the trainable tensors; every other tensor (buffers) as received, so nothing else leaks."""
+    names = set(trainable)
+    delta = {k: (trained[k].detach().cpu().double() - received[k].double()) for k in trained if k in names}
+    if mode == "global":
+        norm = math.sqrt(sum(float(d.pow(2).sum()) for d in delta.values()))
+        factors = dict.fromkeys(delta, min(1.0, clip / norm) if norm > 0 else 1.0)
+    else:  # per-tensor: DP-FedSAM's code
+        factors = {k: min(1.0, clip / n) if (n := float(d.norm())) > 0 else 1.0 for k, d in delta.items()}
+    std = noise_multiplier * clip / math.sqrt(sampled)
+    if generator is None and std > 0:
+        generator = torch.Generator().manual_seed(secrets.randbits(63))
+    out = OrderedDict()
+    for k, w in received.items():
+        if k not in delta:
+            out[k] = w.clone()
+            continue
+        d = delta[k] * factors[k]
+        if std > 0:
+            d = d + std * torch.randn(d.shape, generator=generator, dtype=torch.float64)
+        out[k] = (received[k].double() + d).to(w.dtype)
+    return out
+
+
+class PrivacyLedger:
+    """The privacy spent so far: Renyi DP of the sampled Gaussian mechanism, one composition
+    per round with that round's sampling rate."""
+
+    def __init__(self, noise_multiplier: float):
+        self.noise_multiplier = noise_multiplier
+        self.rdp = [0.0] * len(ORDERS)
+        self.rounds = 0
+        self._per_round: dict[float, list[float]] = {}  # q -> one round's RDP (a few seconds each)
+
+    def add_round(self, rate: float) -> None:
+        """One round that released the mean of the sampled clients' noised updates (rate: q = M/N)."""
+        from opacus.accountants.analysis.rdp import compute_rdp
+
+        q = min(1.0, max(0.0, rate))
+        step = self._per_round.get(q)
+        if step is None:
+            step = ([math.inf] * len(ORDERS) if self.noise_multiplier == 0 else
+                    [float(x) for x in compute_rdp(q=q, noise_multiplier=self.noise_multiplier, steps=1,
+                                                   orders=list(ORDERS))])
+            self._per_round[q] = step
+        self.rdp = [a + b for a, b in zip(self.rdp, step)]
+        self.rounds += 1
+
+    def epsilon(self, delta: float) -> float:
+        """epsilon of (epsilon, delta)-DP after the rounds added (inf without noise; 0 before any)."""
+        from opacus.accountants.analysis.rdp import get_privacy_spent
+
+        if self.rounds == 0:
+            return 0.0
+        if any(math.isinf(r) for r in self.rdp):
+            return math.inf
+        eps, _ = get_privacy_spent(orders=list(ORDERS), rdp=self.rdp, delta=delta)
+        return float(eps)
