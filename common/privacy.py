@@ -34,6 +34,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from common.tensors import global_norm
+
 # Renyi orders: DP-FedSAM's accountant's grid (its eps_computer.py), whose published values
 # Opacus's functions reproduce on it.
 ORDERS = tuple(1.01 + 0.05 * i for i in range(1980))
@@ -47,7 +49,7 @@ def privatize(trained: Mapping[str, torch.Tensor], received: Mapping[str, torch.
     names = set(trainable)
     delta = {k: (trained[k].detach().cpu().double() - received[k].double()) for k in trained if k in names}
     if mode == "global":
-        norm = math.sqrt(sum(float(d.pow(2).sum()) for d in delta.values()))
+        norm = float(global_norm(delta, torch.float64))
         factors = dict.fromkeys(delta, min(1.0, clip / norm) if norm > 0 else 1.0)
     else:  # per-tensor: DP-FedSAM's code
         factors = {k: min(1.0, clip / n) if (n := float(d.norm())) > 0 else 1.0 for k, d in delta.items()}
