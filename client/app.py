@@ -94,6 +94,15 @@ def _state_round(msg: Message, server_round: int) -> int:
     return accepted
 
 
+def _down_value(msg: Message, name: str) -> float:
+    """A scalar the server sends in the train config (the algorithm's ``values``): a finite number."""
+    config = msg.content[P.CONFIG]
+    value = config[name] if name in config else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"the train message's {name}={value!r} is not a finite number")
+    return float(value)
+
+
 def _sampled_clients(msg: Message) -> int:
     """M, the clients the server sampled this round (``sampled-clients``): the DP noise's scale."""
     config = msg.content[P.CONFIG]
@@ -148,6 +157,7 @@ class TrainCall:
         key, model = _model(cfg, node, msg.content[P.MODEL], device)
         try:
             broadcast = {name: codec.from_record(msg.content[name]) for name in spec.down}
+            broadcast.update({name: _down_value(msg, name) for name in spec.values})
             store = _store(cfg, node, context)
             accepted = _state_round(msg, server_round) if spec.state else 0
             state = store.load(accepted)

@@ -37,12 +37,14 @@ def build_rule(spec, cfg: RunConfig, model: nn.Module, broadcast: Mapping[str, N
                state: Mapping[str, Named], lr: float,
                initial: Callable[[], Named] | None = None) -> tuple[ClientRule, Layout]:
     """The client rule of ``spec`` (the run's algorithm, strategies/registry.py) for ``model``
-    (its weights: w^t), with the broadcast records and this client's stored state (named
-    tensors), and the layout that maps both ways. The rule sees its own keys only."""
+    (its weights: w^t), with the broadcast records (named tensors) and scalars (the spec's
+    ``values``) and this client's stored state (named tensors), and the layout that maps both
+    ways. The rule sees its own keys only."""
     layout = Layout.of(model)
     rule = spec.client(
         cfg.params.view(spec.client.Params), [p.detach() for p in layout.params],
-        {name: layout.aligned(broadcast[name]) for name in spec.down},
+        {**{name: layout.aligned(broadcast[name]) for name in spec.down},
+         **{name: float(broadcast[name]) for name in spec.values}},
         {name: layout.aligned(tensors) for name, tensors in state.items()}, lr,
         initial=(lambda: layout.aligned(initial())) if initial else None)
     return rule, layout

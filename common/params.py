@@ -51,6 +51,27 @@ def key(name: str, default: Any, meaning: str, check: Check | None = None) -> An
     return dataclasses.field(default=default, metadata={"key": name, "meaning": meaning, "check": check})
 
 
+UNSET = float("nan")  # the value of a required key the run did not set (pyproject: ``nan``)
+
+
+def required_key(name: str, meaning: str, check: Check, example: float) -> Any:
+    """A float params field with no default: a run of the algorithm must set it (FedGF's T_D,
+    whose authors' value is unknown). Its placeholder is :data:`UNSET` (NaN, which TOML and
+    Flower's run config carry), so every other algorithm's run config stays valid. ``example``:
+    a value that runs every path of the algorithm, for what runs every algorithm (``flatflower
+    bench``, the tests); not a recommendation."""
+    return dataclasses.field(default=UNSET, metadata={"key": name, "meaning": meaning, "check": check,
+                                                      "required": True, "example": example})
+
+
+def is_required(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get("required"))
+
+
+def is_unset(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
 @dataclass(frozen=True)
 class Params:
     """Base of every algorithm's params (an algorithm with no hyperparameter uses it as is)."""
@@ -65,6 +86,11 @@ class Params:
         return {k: f.default for k, f in cls.fields().items()}
 
     @classmethod
+    def examples(cls) -> dict[str, Any]:
+        """Each required key -> its example value (:func:`required_key`)."""
+        return {k: f.metadata["example"] for k, f in cls.fields().items() if is_required(f)}
+
+    @classmethod
     def parse(cls, values: Mapping[str, Any], coerce: Callable[[str, Any, str], Any]) -> Params:
         """Params from run-config ``values`` (missing keys keep their defaults); values are
         converted to the field types with ``coerce(key, value, type name)``."""
@@ -76,7 +102,9 @@ class Params:
     def problems(self, cfg: Any) -> list[str]:
         """What is wrong with these values (``cfg``: the general run config, for checks that
         involve its keys). Subclasses extend it for checks that span fields."""
-        return [p for k, f in self.fields().items() if (p := field_problem(k, f, getattr(self, f.name)))]
+        out = [p for k, f in self.fields().items() if (p := field_problem(k, f, getattr(self, f.name)))]
+        return out + [f"{k} is required and has no default: {f.metadata['meaning']}"
+                      for k, f in self.fields().items() if is_required(f) and is_unset(getattr(self, f.name))]
 
     def to_dict(self) -> dict[str, Any]:
         """Run-config key -> value."""
@@ -117,8 +145,11 @@ def _combined(parts: tuple, values: dict[str, Any]) -> Params:
 
 
 def field_problem(name: str, field: dataclasses.Field, value: Any) -> str | None:
-    """The message if ``value`` fails the field's check (None if it passes)."""
+    """The message if ``value`` fails the field's check (None if it passes; a required key left
+    unset passes here: :meth:`Params.problems` asks for it when its algorithm runs)."""
     check = field.metadata["check"]
+    if is_required(field) and is_unset(value):
+        return None
     if check is not None and not check.ok(value):
         return f"{name} must be {check.text} (got {value!r})"
     return None

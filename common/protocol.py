@@ -4,7 +4,8 @@ become records is common/codec.py).
 Every train message carries ``arrays`` (the model the clients start from: the global model,
 or the strategy's ``start_point``, e.g. FedACG's look-ahead theta + lambda m) and ``config``
 (``server-round``, ``nonce``, ``state-round``: the client's last accepted round), plus the
-extra ArrayRecords its algorithm declares in strategies/registry.py (``down``). Every train reply
+extra ArrayRecords its algorithm declares in strategies/registry.py (``down``) and its scalars
+in ``config`` (``values``: FedGF's c, FedWMSAM's alpha). Every train reply
 carries ``arrays`` (the local model after training), ``metrics`` (num-examples, num-steps,
 train-loss, partition-id, the echoed nonce, and optional self-reports) and the algorithm's
 ``up`` records. Learning rates are not sent: each client derives the round's lr from the run
@@ -23,6 +24,7 @@ MOMENTUM = "server_momentum"  # FedNSAM: the server's Nesterov momentum m
 CONTROL = "control_variate"  # SCAFFOLD family: the server control variate c
 GLOBAL_PERTURBATION = "global_perturbation"  # FedSMOO: the server's global perturbation s
 MOMENTUM_CONTROL = "momentum_control"  # FedMoSWA: the server's momentum control variate m
+PERTURBED_GLOBAL = "perturbed_global"  # FedGF: the perturbed global model w~ = w + rho_g unit(w_prev - w)
 
 # Uploads besides the local model.
 CONTROL_DELTA = "control_delta"  # SCAFFOLD family: c_i^+ - c_i
@@ -39,6 +41,14 @@ ADAPTIVE_M = "adaptive_m"  # FedAdam / FedYogi: server first moment
 ADAPTIVE_V = "adaptive_v"  # FedAdam / FedYogi: server second moment
 CONTROL_UPDATES = "control_updates"  # FedMoSWA: how many times the server has moved m (one 0-d tensor)
 PSEUDO_GRADIENT = "pseudo_gradient"  # FedGloSS: the server's last pseudo-gradient, its next ascent direction
+DIVERGENCE_WINDOW = "divergence_window"  # FedGF: 1 per recent round whose divergence D > T_D, else 0 (-1: empty)
+GRADIENT_WEIGHT = "gradient_weight"  # FedWMSAM: the server's alpha (one 0-d tensor)
+
+# Scalars a train message's config carries down for the algorithms that declare them
+# (registry ``values``): the client rule reads them as Python floats.
+MIX_WEIGHT = "mix-weight"  # FedGF: c, the weight of the perturbed global model in the gradient point
+LOCAL_WEIGHT = "local-weight"  # FedWMSAM: alpha, the weight of the local gradient against the momentum
+LOCAL_RADIUS = "local-radius"  # FedGloSS: this round's client SAM radius (its warm-up schedule)
 
 # Keys inside the records (a message's wire vocabulary, used by both sides).
 SERVER_ROUND = "server-round"  # config: the round this message belongs to

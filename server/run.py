@@ -208,4 +208,5 @@ def round_fields(stats: RoundStats) -> dict:
     """The metrics.jsonl fields of a training round."""
     row = asdict(stats)
     row["train_loss"] = row["train_loss"] if math.isfinite(row["train_loss"]) else None
+    row.update({k: finite(v) for k, v in row.pop("rule").items()})  # the algorithm's own columns
     return row

@@ -57,6 +57,10 @@ class ServerRule:
         self.aggregator = Aggregator.from_config(cfg)
         self.num_partitions = num_partitions
         self.chosen: list[int] | None = None  # this round's clients under a Krum-family rule (apply)
+        self.metrics: dict[str, float] = {}  # what the last applied round measured (metrics.jsonl)
+        # the round being played (1-based): the driver sets it before it asks for the start
+        # point, the broadcast and the values, and apply() before the update (FedGloSS's warm-up)
+        self.round = 1
 
     # ------------------------------------------------------------------ algorithm hooks
     def init_records(self) -> None:
@@ -71,8 +75,14 @@ class ServerRule:
         """Extra records sent with the model: the spec's ``down`` names, from ``records``."""
         return {name: self.records[name] for name in self.spec.down}
 
+    def broadcast_values(self) -> dict[str, float]:
+        """The scalars sent with the model, by the spec's ``values`` names (default: none;
+        FedGF's mixing weight c, FedWMSAM's alpha)."""
+        return {}
+
     def update(self, server_round: int, updates: list[ClientUpdate], weights: list[float]) -> None:
-        """Server half of the algorithm: new ``self.model`` (and records) from accepted updates."""
+        """Server half of the algorithm: new ``self.model`` (and records) from accepted updates;
+        numbers worth a metrics.jsonl column go in ``self.metrics`` (``<algorithm>_<name>``)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ shared mechanics
@@ -97,10 +107,12 @@ class ServerRule:
 
     def apply(self, server_round: int, updates: list[ClientUpdate], weights: list[float]) -> bool:
         """One round of the rule: :meth:`update` on the accepted updates with weights p_i, a
-        Krum-family rule's picks made once from every client's uploads. False, and model and
-        records as they were, when the result is not finite."""
+        Krum-family rule's picks made once from every client's uploads; ``metrics`` holds what
+        the update measured. False, and model and records as they were (no metrics), when the
+        result is not finite."""
         before = self.model, self.records
         self.records = {n: OrderedDict(r) for n, r in self.records.items()}
+        self.metrics, self.round = {}, server_round
         self.chosen = self.aggregator.choose([self.uploads(u) for u in updates])
         try:
             self.update(server_round, updates, weights)
@@ -108,7 +120,7 @@ class ServerRule:
             self.chosen = None
         if all_finite(self.model, *self.records.values()):
             return True
-        self.model, self.records = before
+        self.model, self.records, self.metrics = *before, {}
         return False
 
     # ------------------------------------------------------------------ state

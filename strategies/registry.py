@@ -25,6 +25,7 @@ from client.algorithms.fedavg import FedAvgClient
 from client.algorithms.fedcm import FedCMClient
 from client.algorithms.feddyn import FedDynClient
 from client.algorithms.fedgamma import FedGAMMAClient
+from client.algorithms.fedgf import FedGFClient
 from client.algorithms.fedgloss import FedGloSSClient
 from client.algorithms.fedgmt import FedGMTClient, FedGMTv2Client
 from client.algorithms.fedlesam import FedLESAMClient, FedLESAMDClient, FedLESAMSClient
@@ -37,11 +38,12 @@ from client.algorithms.fedsol import FedSOLClient
 from client.algorithms.fedswa import FedMoSWAClient, FedSWAClient
 from client.algorithms.fedspeed import FedSpeedClient
 from client.algorithms.fedtoga import FedTOGAClient
+from client.algorithms.fedwmsam import FedWMSAMClient
 from client.algorithms.mofedsam import MoFedSAMClient
 from client.algorithms.scaffold import ScaffoldClient
 from common import protocol as P
 from common.config import register_algorithms
-from common.params import Params, combine
+from common.params import Params, combine, is_required
 from strategies.base import ServerRule
 from strategies.fedacg import FedACG
 from strategies.fedasam import FedASAM
@@ -49,6 +51,7 @@ from strategies.fedavg import FedAvg
 from strategies.fedcm import FedCM
 from strategies.feddyn import FedDyn
 from strategies.fedgamma import FedGAMMA
+from strategies.fedgf import FedGF
 from strategies.fedgloss import FedGloSS
 from strategies.fedgmt import FedGMT, FedGMTv2
 from strategies.fedlesam import FedLESAM, FedLESAMD, FedLESAMS
@@ -61,6 +64,7 @@ from strategies.fedsol import FedSOL
 from strategies.fedswa import FedMoSWA, FedSWA
 from strategies.fedspeed import FedSpeed
 from strategies.fedtoga import FedTOGA
+from strategies.fedwmsam import FedWMSAM
 from strategies.mofedsam import MoFedSAM
 from strategies.scaffold import Scaffold
 from strategies.strategy import FlatStrategy
@@ -78,8 +82,9 @@ class AlgorithmSpec:
     which records cross the wire.
 
     ``down``/``up`` list the records besides the model (``arrays``), the ``config`` and
-    ``metrics`` records that every message carries; ``state`` the records a client keeps
-    between its rounds. ``passes`` is the number of gradient (forward + backward) passes per
+    ``metrics`` records that every message carries; ``values`` the scalars the server sends in
+    a train message's config (FedGF's c); ``state`` the records a client keeps between its
+    rounds. ``passes`` is the number of gradient (forward + backward) passes per
     local step with the default config, ``forwards`` the extra forward-only passes (FedGMT's
     teacher): what ``flatflower bench`` measures against. ``params`` (derived) holds the keys
     of both halves.
@@ -90,6 +95,7 @@ class AlgorithmSpec:
     client: type[ClientRule]
     down: tuple[str, ...] = ()
     up: tuple[str, ...] = ()
+    values: tuple[str, ...] = ()
     state: tuple[str, ...] = ()
     passes: int = 1
     forwards: int = 0
@@ -108,6 +114,11 @@ class AlgorithmSpec:
     def new_strategy(self, cfg, initial_model, **kwargs: Any) -> FlatStrategy:
         """The Flower strategy that drives this algorithm's rounds for run config ``cfg``."""
         return FlatStrategy(cfg, initial_model, self, **kwargs)
+
+    def example_config(self) -> dict[str, Any]:
+        """The run config of this algorithm with its required keys (FedGF's T_D) set to their
+        example values: what runs every algorithm (``flatflower bench``, the tests) uses."""
+        return {"algorithm": self.name, **self.params.examples()}
 
     def key_owners(self) -> dict[str, str]:
         """Each of this algorithm's run-config keys -> which half reads it: server, client or both."""
@@ -169,13 +180,18 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         # methods published since the seed papers
         AlgorithmSpec("fedsol", FedSOL, FedSOLClient, passes=2, forwards=1,
                       summary="FedSOL (Lee et al. 2024): SAM ascent along a proximal KL to the received model"),
-        AlgorithmSpec("fedgloss", FedGloSS, FedGloSSClient, state=(P.DUAL,), passes=2,
+        AlgorithmSpec("fedgloss", FedGloSS, FedGloSSClient, values=(P.LOCAL_RADIUS,), state=(P.DUAL,), passes=2,
                       summary="FedGloSS (Caldarola et al. 2025): server-side SAM from the last pseudo-gradient, ADMM duals"),
         AlgorithmSpec("fedswa", FedSWA, FedSWAClient,
                       summary="FedSWA (Liu et al. 2025): cyclical in-round lr (SWA), server step alpha = server-lr"),
         AlgorithmSpec("fedmoswa", FedMoSWA, FedMoSWAClient, down=(P.MOMENTUM_CONTROL,), up=(P.CONTROL_OFFSET,),
                       state=(P.CLIENT_CONTROL,),
                       summary="FedMoSWA (Liu et al. 2025): FedSWA with a momentum control variate (SCAFFOLD-like)"),
+        AlgorithmSpec("fedgf", FedGF, FedGFClient, down=(P.PERTURBED_GLOBAL,), values=(P.MIX_WEIGHT,), passes=2,
+                      summary="FedGF (Lee & Yoon 2024): local SAM point pulled towards a perturbed global model"),
+        AlgorithmSpec("fedwmsam", FedWMSAM, FedWMSAMClient, down=(P.GLOBAL_UPDATE, P.CONTROL),
+                      values=(P.LOCAL_WEIGHT,), state=(P.CLIENT_CONTROL,),
+                      summary="FedWMSAM (Li et al. 2025): momentum + SCAFFOLD correction, one-pass SAM to a momentum target"),
         AlgorithmSpec("dp-fedsam", DPFedSAM, DPFedSAMClient, passes=2,
                       summary="DP-FedSAM (Shi et al. 2023): local SAM/ASAM with client-level DP (the dp.* keys)"),
     )
@@ -202,9 +218,11 @@ def as_data(specs: Sequence[AlgorithmSpec] | None = None) -> list[dict]:
         owners = spec.key_owners()
         out.append({
             "name": spec.name, "summary": spec.summary,
-            "keys": [{"name": k, "default": f.default, "meaning": f.metadata["meaning"], "read_by": owners[k]}
+            "keys": [{"name": k, "default": None if is_required(f) else f.default,
+                      "required": is_required(f), "meaning": f.metadata["meaning"], "read_by": owners[k]}
                      for k, f in spec.params.fields().items()],
-            "down": list(spec.down), "up": list(spec.up), "state": list(spec.state),
+            "down": list(spec.down), "values": list(spec.values), "up": list(spec.up),
+            "state": list(spec.state),
             "passes": spec.passes, "forwards": spec.forwards,
             "server": f"{spec.server.__module__}.{spec.server.__qualname__}",
             "client": f"{spec.client.__module__}.{spec.client.__qualname__}",

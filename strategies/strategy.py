@@ -9,7 +9,8 @@ papers' algorithms need and stock FedAvg lacks:
 * participation decided by the server (strategies/participation.py): sampling with a
   deadline, deterministic in (seed, round) over partition ids learned and checked in a
   ``query`` handshake;
-* several named ArrayRecords per message (the model plus the algorithm's ``down`` records);
+* several named ArrayRecords per message (the model plus the algorithm's ``down`` records),
+  and the algorithm's scalars (``values``) in the config;
 * validation of every reply (strategies/validation.py): decoded arrays, metrics, the
   partition's own size and step count, the message's nonce. A bad reply is rejected and
   logged with its reason; the round goes on with the rest;
@@ -73,6 +74,8 @@ class RoundStats:
     # every failed client of the round: {"partition", "node", "reason"} (its error reply, or
     # no reply before the deadline)
     failures: list[dict] = field(default_factory=list)
+    # what the algorithm's server update measured (FedGF's divergence): metrics.jsonl columns
+    rule: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -207,10 +210,16 @@ class FlatStrategy(FlowerFedAvg):
         available = self.available_partitions(grid)
         chosen = self.participation.sample(server_round, list(available), self.fraction_train)
         self._nonce = new_nonce()
+        self.rule.round = server_round
         start = self.rule.start_point()
         values = {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._nonce}
         if self.cfg.dp_clip > 0:  # M: each client's DP noise is noise-multiplier * clip / sqrt(M)
             values[P.SAMPLED_CLIENTS] = len(chosen)
+        scalars = self.rule.broadcast_values()
+        if sorted(scalars) != sorted(self.spec.values):
+            raise RuntimeError(f"{self.spec.name}: the rule sends values {sorted(scalars)}, the registry "
+                               f"declares {sorted(self.spec.values)}")
+        values.update({name: float(v) for name, v in scalars.items()})
         self._content = RecordDict({P.MODEL: arrays if start is self.rule.model else codec.to_record(start),
                                     P.CONFIG: ConfigRecord(values)})
         for name, tensors in self.rule.broadcast().items():
@@ -356,6 +365,7 @@ class FlatStrategy(FlowerFedAvg):
                 reason = "the server update gave non-finite values"
             else:  # these clients' states after this round are the ones they go on from
                 self.participation.commit(server_round, [u.partition_id for u in updates])
+                self.stats.rule = dict(self.rule.metrics)
         if reason:
             self.stats.skipped = 1
             log.warning("round %d skipped: %s; the global model and server state are unchanged",

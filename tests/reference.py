@@ -375,22 +375,25 @@ def fedsol_reference(prob, rho, tau, mode="adaptive"):
     return w
 
 
-def fedgloss_reference(prob, beta, rho_l, rho_s, dual="NM"):
+def fedgloss_reference(prob, beta, rho_l, rho_s, dual="NM", schedule=None):
     """FedGloSS (fedgloss notes §1 Alg. 1, §2.3, §4): the clients start from
     w~ = w + rho_s pg/||pg|| (pg^0 = 0) and run FedDyn steps with a = 1/beta around the SAM
     gradient (plain when rho_l = 0), sigma_k <- sigma_k - (w_K - w~)/beta;
     server: u = sum p_k (w_k - w~), sigma <- sigma - sum_k (w_k - w~)/(beta N (M if NM)),
-    w <- w + eta_g u - beta sigma, pg = -u. Returns (w, sigma, client duals)."""
+    w <- w + eta_g u - beta sigma, pg = -u. ``schedule(r)``: round r's (rho_l, rho_s) (0-based;
+    the warm-up), constant by default. Returns (w, sigma, client duals)."""
     a = 1.0 / beta
+    schedule = schedule or (lambda r: (rho_l, rho_s))
     w, sigma, pg = prob.w0.copy(), prob.zeros(), prob.zeros()
     hc = {i: prob.zeros() for i in range(prob.N)}
     for r, sampled in enumerate(prob.rounds):
-        eta, start = prob.round_lr(r), w + rho_s * pg / (norm(pg) + EPS)
+        local, server = schedule(r)
+        eta, start = prob.round_lr(r), w + server * pg / (norm(pg) + EPS)
         models = []
         for i in sampled:
             th = start.copy()
             for _ in range(prob.K):
-                g = prob.sam(i, th, rho_l) if rho_l > 0 else prob.g(i, th)
+                g = prob.sam(i, th, local) if local > 0 else prob.g(i, th)
                 th = th - eta * (g - hc[i] + a * (th - start))
             hc[i] = hc[i] - a * (th - start)
             models.append(th)
@@ -604,4 +607,77 @@ PAPER_PATTERN = {
     "fedgloss": (1, 1),  # fedgloss notes §4: the perturbed model down (in place of w), w_k up
     "fedswa": (1, 1), "fedmoswa": (2, 2),  # fedswa notes §4: FedMoSWA sends m down, c_i^+ - m up
     "dp-fedsam": (1, 1),  # dp-fedsam notes §4: the model down, the clipped and noised model up
+    "fedgf": (2, 1),  # fedgf notes §4: w and w~ down (c is a config scalar), the model up
+    "fedwmsam": (3, 1),  # fedwmsam notes §4: x, m and c down (alpha a config scalar), the model up
 }
+
+
+# ---------------------------------------------------------------- FedGF, FedWMSAM
+def fedgf_reference(prob, rho, rho_g, threshold, window):
+    """FedGF (fedgf notes §1.3, §4): each step's gradient at c w~ + (1 - c)(w_k + rho g/||g||)
+    (FedSAM while c = 0, round 1 always); server D = mean ||w_i - w||, window of
+    1(D > T_D), c = its mean, w <- w + eta_g u, w~ = w_new + rho_g unit(w - w_new).
+    Returns (w, the D of each round, the c after each round)."""
+    w, wt, bits, c, ds, cs = prob.w0.copy(), prob.w0.copy(), [], 0.0, [], []
+    for r, sampled in enumerate(prob.rounds):
+        eta, models = prob.round_lr(r), []
+        for i in sampled:
+            def d(th, i=i):
+                g = prob.g(i, th)
+                point = c * wt + (1 - c) * (th + rho * g / (norm(g) + EPS))
+                return prob.g(i, point)
+            models.append(local_sgd(prob, i, w, eta, d))
+        ds.append(float(np.mean([norm(m - w) for m in models])))
+        bits = (bits + [1.0 if ds[-1] > threshold else 0.0])[-window:]
+        c = float(np.mean(bits))
+        cs.append(c)
+        new = w + prob.server_lr * prob.mean_update(sampled, models, w)
+        wt = new + rho_g * (w - new) / (norm(w - new) + EPS)
+        w = new
+    return w, ds, cs
+
+
+def wmsam_perturbation(prob, delta, rho, mode):
+    """FedWMSAM's eps (fedwmsam notes A1, A3): the paper's, the code's negated one, or the
+    code's flat-index bug (tensor j shifted by -delta[j] rho/(sum_{j<P}|delta[j]| + 1e-7))."""
+    if mode == "paper":
+        return rho * delta / (norm(delta) + EPS)
+    if mode == "code-sign":
+        return -rho * delta / (norm(delta) + 1e-7)
+    head = delta[:len(prob.shapes)]
+    shift = -head * rho / (np.abs(head).sum() + 1e-7)
+    return prob.flat([np.full(shape, s) for shape, s in zip(prob.shapes, shift)])
+
+
+def fedwmsam_reference(prob, rho, alpha0, lam, perturbation="paper", correction=True):
+    """FedWMSAM (fedwmsam notes §4): m_k = m + alpha/(1 - alpha)(c - c_k); per step
+    g = grad F(x_b + eps((x_r + b m_k) - x_b)), x <- x - eta (alpha g + (1 - alpha) m_k);
+    c_k <- c_k - c - (x_K - x_r)/(K eta); server s = mean(1 + cos(Delta_k, m)) (0 for a zero
+    norm), alpha <- (1 - lam) alpha + lam clip(s, 0.1, 0.9), c <- c + (M/N) sum p_k
+    (-c - Delta_k/(K eta)), m <- -sum p_k Delta_k/(K eta) lr_decay, x <- x + eta_g u.
+    Returns (x, m, c, {client: c_k}, [alpha after each round])."""
+    w, m, c, alpha, alphas = prob.w0.copy(), prob.zeros(), prob.zeros(), alpha0, []
+    ck = {i: prob.zeros() for i in range(prob.N)}
+    for r, sampled in enumerate(prob.rounds):
+        eta, models = prob.round_lr(r), []
+        for i in sampled:
+            mk = m + (alpha / (1 - alpha) * (c - ck[i]) if alpha < 1 else c - ck[i])
+            th = w.copy()
+            for b in range(prob.K):
+                eps = wmsam_perturbation(prob, w + b * mk - th, rho, perturbation) if rho > 0 else 0.0
+                g = prob.g(i, th + eps)
+                v = alpha * g + (1 - alpha) * m + alpha * (c - ck[i])
+                th = th - eta * v
+            if correction:
+                ck[i] = ck[i] - c - (th - w) / (prob.K * eta)
+            models.append(th)
+        p = prob.weights(sampled)
+        deltas = [x - w for x in models]
+        sims = [0.0 if norm(dl) == 0 or norm(m) == 0 else 1.0 + dl @ m / (norm(dl) * norm(m)) for dl in deltas]
+        alpha = (1 - lam) * alpha + lam * min(max(float(np.mean(sims)), 0.1), 0.9)
+        alphas.append(alpha)
+        if correction:
+            c = c + len(sampled) / prob.N * sum(pk * (-c - dl / (prob.K * eta)) for pk, dl in zip(p, deltas))
+        m = -sum(pk * dl / (prob.K * eta) for pk, dl in zip(p, deltas)) * prob.lr_decay
+        w = w + prob.server_lr * sum(pk * dl for pk, dl in zip(p, deltas))
+    return w, m, c, ck, alphas

@@ -112,7 +112,7 @@ def test_norm_clip_bounds_every_clients_influence():
 # ---------------------------------------------------------------- composition with every algorithm
 def rule_for(algorithm: str, aggregator: str):
     """The algorithm's server rule (pure tensor code, no Flower) over N = 10 clients."""
-    cfg = RunConfig.from_mapping(fast_config(algorithm=algorithm, aggregator=aggregator))
+    cfg = RunConfig.from_mapping(fast_config(aggregator=aggregator, **get_spec(algorithm).example_config()))
     return get_spec(algorithm).new_rule(cfg, MODEL, num_partitions=10)
 
 

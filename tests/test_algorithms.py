@@ -49,7 +49,9 @@ from tests.reference import (
     fedsol_reference,
     fedswa_reference,
     fedmoswa_reference,
+    fedgf_reference,
     fedtoga_reference,
+    fedwmsam_reference,
     norm,
     scaffold_reference,
 )
@@ -356,6 +358,29 @@ def test_fedgloss_matches_pseudocode(tmp_path, strategy_spy, dual, partial):
     assert_client_duals(result, prob, duals)
 
 
+# the warm-up's radii by hand (fedgloss notes §2.1 item 4, A4): T_s = 4, rho0 = 0.01, rho_l = 0.2,
+# rho_s = 0.3, rounds 1..6; the code's server radius is rho_l + (rho_s - rho0)/T_s = 0.2725 in it
+GLOSS_WARMUP = {"linear": ([0.01, 0.0575, 0.105, 0.1525, 0.2, 0.2], [0.01, 0.0825, 0.155, 0.2275, 0.3, 0.3]),
+                "code": ([0.01, 0.0575, 0.105, 0.1525, 0.2, 0.2], [0.01, 0.2725, 0.2725, 0.2725, 0.2725, 0.3])}
+
+
+@pytest.mark.parametrize("warmup", ["linear", "code"])
+def test_fedgloss_warmup_matches_its_schedule(tmp_path, warmup):
+    """Both radii follow the warm-up by hand, the server's start point and the clients' SAM
+    radius (sent as ``local-radius``) included: the model after 6 rounds is the reference's."""
+    keys = {"fedgloss.beta": 2.0, "sam.rho": 0.2, "fedgloss.rho-server": 0.3, "fedgloss.warmup-rounds": 4,
+            "fedgloss.rho0": 0.01, "fedgloss.warmup": warmup}
+    params = RunConfig.from_mapping({"algorithm": "fedgloss", **keys}).params
+    local, server = zip(*(params.radii(r) for r in range(1, 7)))
+    np.testing.assert_allclose(local, GLOSS_WARMUP[warmup][0], rtol=1e-12)
+    np.testing.assert_allclose(server, GLOSS_WARMUP[warmup][1], rtol=1e-12)
+    result = run(tmp_path, "warm", algorithm="fedgloss", **keys, **{**PARTIAL, "num-server-rounds": 6})
+    prob = Problem(result)
+    w, _, _ = fedgloss_reference(prob, beta=2.0, rho_l=0.2, rho_s=0.3,
+                                 schedule=lambda r: (GLOSS_WARMUP[warmup][0][r], GLOSS_WARMUP[warmup][1][r]))
+    matches(result, prob, w)
+
+
 def test_fedgloss_identities(tmp_path):
     """fedgloss notes §4: rho_s = 0, rho_l = 0, the paper's divisor N, eta_g = 1 and uniform
     weights is FedDyn with a = 1/beta; the server perturbation changes the model."""
@@ -410,6 +435,110 @@ def test_fedmoswa_with_a_constant_lr_and_gamma_1_is_scaffold_at_full_participati
     moswa = run(tmp_path, "moswa", algorithm="fedmoswa", **{"fedswa.lr-ratio": 1.0, "fedmoswa.gamma": 1.0}, **keys)
     assert_close_models(moswa, run(tmp_path, "scaffold", algorithm="scaffold", **keys))
     assert_differ(run(tmp_path, "moswa-g", algorithm="fedmoswa", **{"fedswa.lr-ratio": 1.0}, **keys), moswa)
+
+
+# ================================================================ FedGF
+GF = {"sam.rho": 0.2, "fedgf.window": 2, "lr": 0.3}
+GF_ROUNDS = {**PARTIAL, "num-server-rounds": 5}
+
+
+def gf_threshold(prob, rho_g) -> float:
+    """A T_D between the reference's divergences, so c takes a fraction of 1 (window 2), and
+    far (5%) from every D the reference meets with it: the decisions cannot flip on rounding."""
+    _, ds, _ = fedgf_reference(prob, 0.2, rho_g, float("inf"), 2)
+    for t in sorted(ds)[1:-1] + [float(np.mean(ds))]:
+        t *= 1.001
+        _, got, cs = fedgf_reference(prob, 0.2, rho_g, t, 2)
+        if any(0 < c < 1 for c in cs) and all(abs(d - t) > 0.05 * t for d in got):
+            return t
+    raise AssertionError(f"no usable threshold among the divergences {ds}")
+
+
+@pytest.mark.parametrize("rho_global", [-1.0, 0.5])
+def test_fedgf_matches_pseudocode(tmp_path, rho_global):
+    """The perturbed global model and c (window 2, a T_D that the divergences cross both
+    ways) at partial participation: the final model, and each round's D and c in
+    metrics.jsonl (fedgf_divergence, fedgf_mix); rho_g = -1 follows sam.rho."""
+    rho_g = 0.2 if rho_global == -1 else rho_global
+    keys = {**GF, **GF_ROUNDS, "fedgf.rho-global": rho_global}
+    probe = Problem(run(tmp_path, "probe", algorithm="fedgf", **keys, **{"fedgf.threshold": float("inf")}))
+    threshold = gf_threshold(probe, rho_g)
+    result = run(tmp_path, "fedgf", algorithm="fedgf", **keys, **{"fedgf.threshold": threshold})
+    prob = Problem(result)
+    assert_partial(prob)
+    w, ds, cs = fedgf_reference(prob, 0.2, rho_g, threshold, 2)
+    matches(result, prob, w)
+    np.testing.assert_allclose([r["fedgf_divergence"] for r in result["rows"]], ds, rtol=1e-6)
+    assert [r["fedgf_mix"] for r in result["rows"]] == cs
+    assert 0 < min(c for c in cs if c > 0) < 1  # the blend, not just FedSAM or w~ alone
+
+
+def test_fedgf_thresholds_inf_and_negative(tmp_path):
+    """fedgf notes §4: T_D = inf is FedSAM bit for bit (c = 0 every round); T_D < 0 makes
+    c = 1 from round 2 (every step's gradient at w~), the reference's too."""
+    keys = {**GF, **GF_ROUNDS}
+    never = run(tmp_path, "inf", algorithm="fedgf", **keys, **{"fedgf.threshold": float("inf")})
+    assert finals_equal(never, run(tmp_path, "fedsam", algorithm="fedsam", **keys))
+    assert {r["fedgf_mix"] for r in never["rows"]} == {0.0}
+    always = run(tmp_path, "neg", algorithm="fedgf", **keys, **{"fedgf.threshold": -1.0})
+    prob = Problem(always)
+    assert [r["fedgf_mix"] for r in always["rows"]] == [1.0] * 5
+    matches(always, prob, fedgf_reference(prob, 0.2, 0.2, -1.0, 2)[0])
+    assert_differ(always, never)
+
+
+def test_fedgf_threshold_is_required():
+    """No silent default for T_D (fedgf notes B1): a run without it is refused with what to
+    do; other algorithms' configs stay valid with its placeholder."""
+    with pytest.raises(ConfigError, match="fedgf.threshold is required and has no default.*fedgf_divergence"):
+        RunConfig.from_mapping({"algorithm": "fedgf"})
+    with pytest.raises(ConfigError, match="fedgf.threshold is required"):  # nan is the placeholder
+        RunConfig.from_mapping({"algorithm": "fedgf", "fedgf.threshold": "nan"})
+    with pytest.raises(ConfigError, match="fedgf.threshold=.* is not a valid float"):
+        RunConfig.from_mapping({"algorithm": "fedgf", "fedgf.threshold": "high"})
+    assert RunConfig.from_mapping({"algorithm": "fedgf", "fedgf.threshold": "inf"}).params.threshold == float("inf")
+    assert RunConfig.from_mapping({"algorithm": "fedsam", "fedgf.threshold": float("nan")}).algorithm == "fedsam"
+
+
+# ================================================================ FedWMSAM
+WM = {"sam.rho": 0.3, "fedwmsam.alpha0": 0.4, "fedwmsam.lambda": 0.3, "lr-decay": 0.9, "server-lr": 1.1}
+
+
+@pytest.mark.parametrize("perturbation,correction", [("paper", True), ("code-sign", True),
+                                                     ("code-literal", True), ("paper", False)])
+def test_fedwmsam_matches_pseudocode(tmp_path, strategy_spy, perturbation, correction):
+    """Partial participation and a decaying lr: the model, the server's m and c, every
+    client's c_k and each round's alpha (fedwmsam_alpha), for each perturbation reading and
+    without the correction."""
+    keys = {**WM, "fedwmsam.perturbation": perturbation, "fedwmsam.correction": correction}
+    result = run(tmp_path, "fedwmsam", algorithm="fedwmsam", **keys, **{**PARTIAL, "num-server-rounds": 4})
+    prob = Problem(result)
+    assert_partial(prob)
+    w, m, c, ck, alphas = fedwmsam_reference(prob, rho=0.3, alpha0=0.4, lam=0.3, perturbation=perturbation,
+                                             correction=correction)
+    matches(result, prob, w)
+    np.testing.assert_allclose(server_record(strategy_spy, P.GLOBAL_UPDATE), m, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(server_record(strategy_spy, P.CONTROL), c, rtol=0, atol=1e-6)
+    assert_state(result, prob, P.CLIENT_CONTROL, ck)
+    np.testing.assert_allclose([r["fedwmsam_alpha"] for r in result["rows"]], alphas, rtol=1e-9)
+    assert len(set(np.round(alphas, 9))) == len(alphas)  # alpha moves every round
+    assert (np.abs(c).max() > 1e-3) == correction
+
+
+def test_fedwmsam_identities(tmp_path):
+    """fedwmsam notes §4: rho = 0, alpha0 = 1, lambda = 0 is SCAFFOLD (option II, c over all
+    N); rho = 0, lambda = 0 without the correction is FedCM with alpha = alpha0 and the delta
+    server step (to rounding: the servers compute c and m differently)."""
+    keys = {**PARTIAL, "lr-decay": 1.0}
+    scaffold = run(tmp_path, "scaffold", algorithm="scaffold", **keys)
+    assert_close_models(run(tmp_path, "wm-scaffold", algorithm="fedwmsam", **keys, **{
+        "sam.rho": 0.0, "fedwmsam.alpha0": 1.0, "fedwmsam.lambda": 0.0}), scaffold)
+    fedcm = run(tmp_path, "fedcm", algorithm="fedcm", **keys, **{"fedcm.alpha": 0.4})
+    assert_close_models(run(tmp_path, "wm-fedcm", algorithm="fedwmsam", **keys, **{
+        "sam.rho": 0.0, "fedwmsam.alpha0": 0.4, "fedwmsam.lambda": 0.0, "fedwmsam.correction": False}), fedcm)
+    assert_differ(fedcm, scaffold)
+    with pytest.raises(ConfigError, match="fedwmsam.alpha0 = 1 needs sam.rho = 0"):
+        RunConfig.from_mapping({"algorithm": "fedwmsam", "fedwmsam.alpha0": 1.0, "sam.rho": 0.01})
 
 
 # ---------------------------------------------------------------- FedProx, SCAFFOLD, FedGAMMA

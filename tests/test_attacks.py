@@ -262,7 +262,7 @@ FUZZER = 2  # node 1002
 
 def one_run(tmp_path, name: str, algorithm: str, app, offline=()) -> tuple[list[dict], dict]:
     cfg = RunConfig.from_mapping(fast_config(
-        algorithm=algorithm, run_dir=str(tmp_path / name), num_partitions=3,
+        **ALGORITHMS[algorithm].example_config(), run_dir=str(tmp_path / name), num_partitions=3,
         num_server_rounds=ROUNDS, fraction_evaluate=1.0, checkpoint_every=0))
     grid = InProcessGrid(app, 3, cfg.to_dict())
     grid.offline = {1000 + p for p in offline}

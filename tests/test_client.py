@@ -282,3 +282,24 @@ def test_the_self_report_names_are_one_vocabulary_on_both_sides():
     assert report_of("after", (float("inf"), 0.5), None) == {"accuracy-after": 0.5}
     with pytest.raises(ValueError, match="no self-report 'loss-during'"):
         P.self_report_key("loss", "during")
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), "0.5", True])
+def test_a_scalar_the_algorithm_needs_is_checked_before_training(value) -> None:
+    """FedGF's c travels in the train config (the registry's ``values``): missing, non-finite
+    or not a number is an error reply naming it, and the client's state is untouched."""
+    cfg = RunConfig.from_mapping(fast_config(algorithm="fedgf", **{"fedgf.threshold": 1.0}))
+    strategy = make_strategy(cfg)
+    grid = InProcessGrid(client_app, 2, cfg.to_dict())
+    node = min(grid.contexts)
+    msg = train_message(strategy, node)
+    if value is not None:
+        msg.content[P.CONFIG][P.MIX_WEIGHT] = value
+    before = state_view(grid.contexts[node])
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.has_error() and f"{P.MIX_WEIGHT}=" in reply.error.reason
+    assert state_view(grid.contexts[node]) == before
+    msg = train_message(strategy, node)
+    msg.content[P.CONFIG][P.MIX_WEIGHT] = 0.5
+    (reply,) = grid.send_and_receive([msg])
+    assert not reply.has_error()

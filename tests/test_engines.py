@@ -25,7 +25,10 @@ BASELINES = ("fedprox", "scaffold", "fedgamma", "fedsmoo", "fedlesam", "fedlesam
              "fedacg", "fedadam", "fedyogi")
 
 
-NEWER = ("fedsol", "fedgloss", "fedswa", "fedmoswa", "dp-fedsam")  # methods published since the seed papers
+NEWER = ("fedsol", "fedgloss", "fedswa", "fedmoswa", "fedgf", "fedwmsam", "dp-fedsam")  # published since the seed papers
+# FedGF's T_D has no default: near the typical divergence D of FedSAM in this setting (0.5-0.8
+# over the 30 rounds, fedgf_divergence of a run with T_D = inf), so c takes fractions of 1
+LEARN_KEYS = {"fedgf": {"fedgf.threshold": 0.8}}
 
 
 @pytest.mark.parametrize("algorithm", SEED_ALGORITHMS + BASELINES + NEWER)
@@ -36,7 +39,8 @@ def test_learns_on_digits_with_20_non_iid_clients_at_half_participation(tmp_path
 def assert_learns_on_digits(tmp_path, algorithm: str) -> None:
     """The issues' bar, in-process: digits, 20 clients, Dirichlet 0.1, 50% participation."""
     run_dir, _ = run_inprocess({
-        "algorithm": algorithm, "dataset": "digits", "partition": "dirichlet", "dirichlet-alpha": 0.1,
+        "algorithm": algorithm, **LEARN_KEYS.get(algorithm, {}),
+        "dataset": "digits", "partition": "dirichlet", "dirichlet-alpha": 0.1,
         "fraction-train": 0.5, "local-epochs": 2, "num-server-rounds": 30,
         "run-dir": str(tmp_path / "run")}, 20)
     rows = metrics(run_dir)
@@ -72,8 +76,9 @@ def same_flatness(a: list[dict], b: list[dict]) -> None:
 def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path):
     """Client state (FedTOGA's and FedSMOO's duals, FedSMOO's mu_i; FedLESAM-S's c_i and
     previous global model) persists in Ray's node contexts exactly as in-process; uploads
-    (s~_i, Delta c_i) and broadcasts (FedTOGA's Delta, FedSMOO's s, FedLESAM-S's c) travel
-    through Ray's runtime as extra records. One Ray simulation federation (the one
+    (s~_i, Delta c_i) and broadcasts (FedTOGA's Delta, FedSMOO's s, FedLESAM-S's c, FedWMSAM's
+    m and c) travel through Ray's runtime as extra records, FedWMSAM's alpha as a config
+    scalar, its c_k as client state. One Ray simulation federation (the one
     `flatflower simulate` starts) runs the three algorithms one after the other. FedGMT-v2's
     client EMA (whose w^0 a Ray worker rebuilds from the seed) and its broadcast EMA go
     through Ray in tests/test_reliability.py's stop-and-resume test, via the CLI."""
@@ -81,7 +86,7 @@ def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path)
     from tools.engines.federation import COMPLETED, LocalFederation
 
     before = flower_pids()
-    algorithms = ("fedtoga", "fedsmoo", "fedlesam-s")
+    algorithms = ("fedtoga", "fedsmoo", "fedlesam-s", "fedwmsam")
     fed = LocalFederation(0, tmp_path / "work", tmp_path / "logs", simulation=True)
     # Ray's socket paths must stay under 108 bytes: a short directory, not tmp_path
     fed.env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="ray-")

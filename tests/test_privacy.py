@@ -16,6 +16,7 @@ from common.config import ConfigError, RunConfig
 from common.privacy import PrivacyLedger, privatize
 from tests.helpers import PARTIAL, assert_differ, fast_config, finals_equal, metrics, run
 from tools.engines.inprocess import run_inprocess
+from tools.report import main as report_main
 
 
 @pytest.mark.parametrize("sigma,rounds,q,delta,epsilon", [
@@ -131,6 +132,13 @@ def test_epsilon_is_reported_every_round_and_survives_a_resume(tmp_path):
     run_dir, _ = run_inprocess(config, PARTIAL["num_clients"])
     run_inprocess({**config, "num-server-rounds": 3, "resume": True}, PARTIAL["num_clients"])
     assert metrics(run_dir)[-1]["dp_epsilon"] == pytest.approx(expected[2], rel=1e-12)
+    # `flatflower report` shows the privacy spent by the last round, per run and per algorithm
+    report = tmp_path / "report.json"
+    assert report_main([str(whole["run_dir"]), str(run_dir), "--out", str(tmp_path / "r.png"),
+                        "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert [r["dp_epsilon"] for r in data["runs"]] == pytest.approx([expected[2]] * 2, rel=1e-12)
+    assert data["by_algorithm"][0]["dp_epsilon_mean"] == pytest.approx(expected[2], rel=1e-12)
 
 
 def test_an_algorithm_that_uploads_more_than_the_model_is_refused(tmp_path):

@@ -50,7 +50,7 @@ def test_families_name_registered_algorithms():
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_the_run_config_holds_both_halves_keys_and_each_half_sees_only_its_own(name):
     spec = ALGORITHMS[name]
-    cfg = RunConfig.from_mapping({"algorithm": name})
+    cfg = RunConfig.from_mapping(spec.example_config())
     server_keys, client_keys = spec.server.Params.fields(), spec.client.Params.fields()
     assert set(cfg.params.fields()) == set(server_keys) | set(client_keys)
     assert algorithm_params()[name] is spec.params

@@ -43,7 +43,7 @@ def _update(rule, pid: int, shift: float) -> ClientUpdate:
 def test_a_non_finite_result_leaves_the_rule_as_it_was(name):
     """One round whose result holds NaN: apply says so, and the model and every record are
     the ones from before the round, value for value; a finite round then moves the model."""
-    rule = ALGORITHMS[name].new_rule(RunConfig.from_mapping({"algorithm": name}), MODEL, num_partitions=4)
+    rule = ALGORITHMS[name].new_rule(RunConfig.from_mapping(ALGORITHMS[name].example_config()), MODEL, num_partitions=4)
     before = rule.state_dict()
     assert rule.apply(1, [_update(rule, 0, 0.1), _update(rule, 1, float("nan"))], [0.5, 0.5]) is False
     after = rule.state_dict()

@@ -26,7 +26,7 @@ def test_every_registered_algorithm_has_a_stated_pattern():
 
 @pytest.mark.parametrize("algorithm", sorted(PAPER_PATTERN))
 def test_bytes_per_round_follow_the_papers_communication_pattern(tmp_path, algorithm):
-    run_dir, _ = run_inprocess(fast_config(algorithm=algorithm, fraction_train=0.5,
+    run_dir, _ = run_inprocess(fast_config(**ALGORITHMS[algorithm].example_config(), fraction_train=0.5,
                                            num_server_rounds=2, run_dir=str(tmp_path / "r")), 4)
     model_bytes = json.loads((run_dir / "summary.json").read_text())["model_bytes"]
     down, up = PAPER_PATTERN[algorithm]

@@ -173,7 +173,7 @@ def test_vectorised_run_equals_inprocess_run(tmp_path, spy, algorithm):
     """Final global model, metric rows, client reports and every client's persistent state
     equal the in-process run's, with groups of several clients, padded last batches and (for
     stateful algorithms) clients with and without state in one round."""
-    runs = both_engines(tmp_path, {**BASE, "algorithm": algorithm})
+    runs = both_engines(tmp_path, {**BASE, **ALGORITHMS[algorithm].example_config()})
     rows, _ = assert_equal_runs(runs)
     assert max(g["size"] for g in spy["groups"]) > 1, spy["groups"]
     assert spy["padded"] > 0 and spy["unpadded"] > 0, spy  # some step padded, most not
@@ -185,7 +185,7 @@ def test_vectorised_run_equals_inprocess_run(tmp_path, spy, algorithm):
 
 
 # ---------------------------------------------------------------- 2. ragged clients
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedsam", "scaffold", "fedtoga", "fedlesam-s", "fedswa", "fedmoswa"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedsam", "scaffold", "fedtoga", "fedlesam-s", "fedswa", "fedmoswa", "fedwmsam"])
 @pytest.mark.parametrize("budget", [vec.PADDING_BUDGET, 1.0], ids=["masked", "one-step-count"])
 def test_ragged_dirichlet_clients_equal_inprocess(tmp_path, spy, monkeypatch, algorithm, budget):
     """Dirichlet(0.3) over 10 clients: 79 to 247 samples, 3 to 8 steps per epoch. With the

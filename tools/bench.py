@@ -207,11 +207,12 @@ def _algorithm_seconds(name: str, overrides: dict, settings: Settings, x, y, ini
     warm-up round that gives the client its state; and the passes counted in the timed round."""
     from client.train import build_rule, local_train, rule_outputs
 
-    cfg = RunConfig.from_mapping({"algorithm": name, "local-steps": settings.steps,
+    cfg = RunConfig.from_mapping({**get_spec(name).example_config(), "local-steps": settings.steps,
                                   "batch-size": settings.batch_size, "local-epochs": 1, **overrides})
     spec = get_spec(name)
     # non-zero broadcasts (as after round 1), so every perturbation/correction path runs
     broadcast = {rec: _noise_like(init) for rec in spec.down}
+    broadcast.update({name: 0.5 for name in spec.values})  # mixing weights strictly inside (0, 1)
     data = Split(x, y)  # already on the device, as a GPU client's partition is
     model = build_model(settings.model, settings.input_shape, settings.num_classes, seed=0).to(device)
     state: dict = {}
@@ -427,7 +428,7 @@ def bench_overhead(settings: Settings, workdir: Path, say=_silent) -> dict[str, 
 def _fast_run(workdir: Path, name: str, clients: int, **overrides) -> tuple[Path, Any]:
     from tools.engines.inprocess import run_inprocess
 
-    cfg = {"algorithm": name, "dataset": "synthetic", "model": "mlp", "partition": "iid",
+    cfg = {**get_spec(name).example_config(), "dataset": "synthetic", "model": "mlp", "partition": "iid",
            "local-steps": 2, "batch-size": 64, "num-server-rounds": 2,
            "run-dir": str(workdir / f"{name}-{clients}-{next(_RUN_IDS)}"), **overrides}
     return run_inprocess(cfg, clients)
@@ -474,7 +475,7 @@ def bench_communication(workdir: Path, say=_silent) -> list[dict[str, Any]]:
     clients = 4
     for name, spec in ALGORITHMS.items():
         say(f"communication: {name}")
-        cfg = RunConfig.from_mapping({"algorithm": name, "dataset": "synthetic", "model": "mlp",
+        cfg = RunConfig.from_mapping({**spec.example_config(), "dataset": "synthetic", "model": "mlp",
                                       "partition": "iid", "local-steps": 2, "batch-size": 64,
                                       "num-server-rounds": 2, "fraction-train": 0.5,
                                       "run-dir": str(workdir / f"comm-{name}")})

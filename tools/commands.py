@@ -169,9 +169,10 @@ def algorithm_table(markdown: bool = False) -> str:
 
     rows = []
     for alg in as_data():
-        keys = [f"{k['name']} = {k['default']!r}" for k in alg["keys"]]
+        keys = [f"{k['name']} (required)" if k["required"] else f"{k['name']} = {k['default']!r}"
+                for k in alg["keys"]]
         passes = f"{alg['passes']}" + (f" + {alg['forwards']} forward" if alg["forwards"] else "")
-        rows.append((alg["name"], alg["summary"], ", ".join(alg["down"]) or "-", ", ".join(alg["up"]) or "-",
+        rows.append((alg["name"], alg["summary"], ", ".join(alg["down"] + alg["values"]) or "-", ", ".join(alg["up"]) or "-",
                      ", ".join(alg["state"]) or "-", passes, keys, alg["keys"]))
     if markdown:
         out = ["| algorithm | records down | up | client state | passes per step | keys (default; read by) |",

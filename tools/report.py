@@ -237,10 +237,16 @@ def flatness_summary(run: RunSummary, last_k: int) -> dict[str, float | None]:
     return out
 
 
+def has_privacy(run: RunSummary) -> bool:
+    return any(row.get("dp_epsilon") is not None for row in run.rows)
+
+
 def summarize(run: RunSummary, last_k: int = 5, target: float | None = None,
-              flatness: bool = False) -> dict[str, Any]:
+              flatness: bool = False, privacy: bool = False) -> dict[str, Any]:
     """Headline numbers of one run; last-k statistics ignore round 0. ``flatness``: with
-    :func:`flatness_summary`'s columns."""
+    :func:`flatness_summary`'s columns; ``privacy``: with ``dp_epsilon``, the privacy the run
+    spent by its last round (client-level DP, metrics.jsonl; None for a run without DP)."""
+    _, epsilon = curve(run, "dp_epsilon")
     trained = [acc for r, acc in zip(run.rounds, run.accuracy) if r >= 1]
     tail = np.asarray(trained[-last_k:] if last_k > 0 else [], dtype=float)
     return {
@@ -255,6 +261,7 @@ def summarize(run: RunSummary, last_k: int = 5, target: float | None = None,
         "rounds_to_target": rounds_to_target(run, target),
         "bytes_total": run.bytes_total,
         **(flatness_summary(run, last_k) if flatness else {}),
+        **({"dp_epsilon": epsilon[-1] if epsilon else None} if privacy else {}),
     }
 
 
@@ -326,7 +333,7 @@ def group_by_algorithm(summaries: Sequence[dict[str, Any]]) -> list[dict[str, An
                 "bytes_total_mean": float(np.mean([run["bytes_total"] for run in runs])),
             }
         )
-        for key in FLATNESS_SUMMARY:
+        for key in (*FLATNESS_SUMMARY, "dp_epsilon"):
             if key in runs[0]:
                 values = [run[key] for run in runs if run.get(key) is not None]
                 rows[-1][f"{key}_mean"] = float(np.mean(values)) if values else None
@@ -649,7 +656,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: the runs ran different or locally modified flatflower code (git commit): {code}",
               file=sys.stderr)
     flatness = any(has_flatness(run) for run in runs)
-    summaries = [summarize(run, last_k=args.last_k, target=args.target, flatness=flatness) for run in runs]
+    privacy = any(has_privacy(run) for run in runs)
+    summaries = [summarize(run, last_k=args.last_k, target=args.target, flatness=flatness, privacy=privacy)
+                 for run in runs]
     print(render_table(summaries, title=f"Runs (last {args.last_k} rounds)"))
     grouped = group_by_algorithm(summaries)
     show_groups = args.by_algorithm or any(row["num_seeds"] > 1 for row in grouped)

@@ -101,8 +101,10 @@ class ThroughputSettings:
 
 def run_config(algorithm: str, model: str, run_dir: Path, rounds: int,
                settings: ThroughputSettings | None = None) -> dict[str, Any]:
+    from strategies.registry import get as get_spec
+
     settings = settings or ThroughputSettings()
-    return {"algorithm": algorithm, "dataset": MODEL_DATA[model], "model": model, "partition": "iid",
+    return {**get_spec(algorithm).example_config(), "dataset": MODEL_DATA[model], "model": model, "partition": "iid",
             "local-epochs": settings.local_epochs, "local-steps": 0, "batch-size": settings.batch_size,
             "fraction-train": settings.fraction, "fraction-evaluate": 0.0,
             "client-eval": False, "tensorboard": False, "checkpoint-every": 0,

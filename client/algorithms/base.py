@@ -27,7 +27,8 @@ class ClientRule:
 
     ``start`` is w^t, the model received this round (trainable parameters); ``broadcast`` the
     extra records the server sent, ``state`` this client's records from earlier rounds (empty
-    before its first), both aligned with the parameters; ``lr`` this round's local learning
+    before its first), both aligned with the parameters (and in ``broadcast`` the scalars the
+    server sent, as Python floats: FedGF's c); ``lr`` this round's local learning
     rate (SCAFFOLD's control variates are in gradient units); ``initial()`` rebuilds the run's
     initial model w^0 (aligned) on demand. ``Params`` declares the run-config keys this half
     reads; ``params`` is an instance of it (common/params.py).

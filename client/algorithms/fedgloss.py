@@ -2,7 +2,8 @@
 clients/fedgloss_client.py): FedDyn's local step with a = 1/beta around a local SAM gradient,
 anchored at the model received, which is the server's perturbed model w~^t:
 
-    g~ = grad F(w_k + rho_l g/||g||)    (rho_l = ``sam.rho``; 0: the plain gradient, 1 pass)
+    g~ = grad F(w_k + rho_l g/||g||)    (rho_l: this round's radius, sent by the server: ``sam.rho``
+                                         after the warm-up; 0: the plain gradient, 1 pass)
     w_{k+1} = w_k - lr ( g~ - sigma_k + (w_k - w~^t)/beta )
     sigma_k <- sigma_k - (w_K - w~^t)/beta      (kept on the client)
 
@@ -15,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from client.algorithms.feddyn import DualClient
-from client.sam import SAMParams, sam_gradient
+from client.sam import sam_gradient
 from common.params import POSITIVE, Params, key
+from common.protocol import LOCAL_RADIUS
 
 
 @dataclass(frozen=True)
@@ -27,16 +29,12 @@ class GloSSDualParams(Params):
                       "(the authors' CIFAR-10 runs: 10)", POSITIVE)
 
 
-@dataclass(frozen=True)
-class FedGloSSParams(SAMParams, GloSSDualParams):
-    pass
-
-
 class FedGloSSClient(DualClient):
-    Params = FedGloSSParams
+    Params = GloSSDualParams
 
     def dual_coefficient(self) -> float:
         return 1.0 / self.params.beta
 
     def gradient(self, w, batch):
-        return sam_gradient(batch, self.params.rho) if self.params.rho > 0 else batch.grad()
+        rho = self.broadcast[LOCAL_RADIUS]  # a Python float, the same for every client of the round
+        return sam_gradient(batch, rho) if rho > 0 else batch.grad()
