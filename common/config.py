@@ -323,14 +323,14 @@ def _other_algorithms_problems(values: Mapping[str, Any], cfg: RunConfig) -> lis
     """Bad values given for keys the run's algorithm does not use are still reported."""
     from typing import get_type_hints
 
-    from common.params import field_problem
+    from common.params import field_problem, parse_value
 
     own = cfg.params.fields() if cfg.params is not None else {}
     out = []
     for k, (cls, f) in algorithm_fields().items():
         if k in values and k not in own:
             try:
-                value = _coerce(k, values[k], get_type_hints(cls)[f.name].__name__)
+                value = parse_value(k, f, values[k], get_type_hints(cls)[f.name].__name__, _coerce)
             except ConfigError as err:
                 out.append(str(err))
                 continue

@@ -51,15 +51,18 @@ def key(name: str, default: Any, meaning: str, check: Check | None = None) -> An
     return dataclasses.field(default=default, metadata={"key": name, "meaning": meaning, "check": check})
 
 
-UNSET = float("nan")  # the value of a required key the run did not set (pyproject: ``nan``)
+UNSET = float("nan")  # the value of a required key the run did not set
+PLACEHOLDER = ""  # a required key's value in pyproject.toml: Flower's run config must hold every key
+# (it refuses overrides of keys it lacks) and cannot hold NaN (Flower compares a Context's run
+# config before and after a ClientApp call, and NaN != NaN reads as a modification)
 
 
 def required_key(name: str, meaning: str, check: Check, example: float) -> Any:
     """A float params field with no default: a run of the algorithm must set it (FedGF's T_D,
-    whose authors' value is unknown). Its placeholder is :data:`UNSET` (NaN, which TOML and
-    Flower's run config carry), so every other algorithm's run config stays valid. ``example``:
-    a value that runs every path of the algorithm, for what runs every algorithm (``flatflower
-    bench``, the tests); not a recommendation."""
+    whose authors' value is unknown). Unset it is :data:`UNSET`, and the run config (Flower's,
+    pyproject.toml) holds :data:`PLACEHOLDER` for it, so every other algorithm's run config stays
+    valid. ``example``: a value that runs every path of the algorithm, for what runs every
+    algorithm (``flatflower bench``, the tests); not a recommendation."""
     return dataclasses.field(default=UNSET, metadata={"key": name, "meaning": meaning, "check": check,
                                                       "required": True, "example": example})
 
@@ -70,6 +73,15 @@ def is_required(field: dataclasses.Field) -> bool:
 
 def is_unset(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
+
+
+def parse_value(name: str, field: dataclasses.Field, raw: Any, type_name: str,
+                coerce: Callable[[str, Any, str], Any]) -> Any:
+    """A run-config value as the field's type (``coerce``); a required key's placeholder
+    (:data:`PLACEHOLDER`) is :data:`UNSET`."""
+    if is_required(field) and raw == PLACEHOLDER:
+        return UNSET
+    return coerce(name, raw, type_name)
 
 
 @dataclass(frozen=True)
@@ -95,7 +107,7 @@ class Params:
         """Params from run-config ``values`` (missing keys keep their defaults); values are
         converted to the field types with ``coerce(key, value, type name)``."""
         hints = get_type_hints(cls)
-        kwargs = {f.name: coerce(k, values[k], hints[f.name].__name__)
+        kwargs = {f.name: parse_value(k, f, values[k], hints[f.name].__name__, coerce)
                   for k, f in cls.fields().items() if k in values}
         return cls(**kwargs)
 
