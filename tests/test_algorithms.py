@@ -28,10 +28,12 @@ from tests.helpers import (
     count_gradient_passes,
     finals_equal,
     matches,
+    metrics,
     run,
     server_dual,
     server_record,
 )
+from tools.cli import main as cli
 from tests.reference import (
     Problem,
     fedacg_reference,
@@ -540,6 +542,28 @@ def test_fedwmsam_identities(tmp_path):
     assert_differ(fedcm, scaffold)
     with pytest.raises(ConfigError, match="fedwmsam.alpha0 = 1 needs sam.rho = 0"):
         RunConfig.from_mapping({"algorithm": "fedwmsam", "fedwmsam.alpha0": 1.0, "sam.rho": 0.01})
+
+
+@pytest.mark.parametrize("algorithm,keys", [
+    ("fedgf", {**GF, "fedgf.threshold": 0.0}), ("fedwmsam", WM),
+    ("fedgloss", {"fedgloss.warmup-rounds": 3, "sam.rho": 0.2, "fedgloss.rho-server": 0.3})])
+def test_a_stopped_and_resumed_run_keeps_the_servers_scalars(tmp_path, algorithm, keys):
+    """FedGF's window and w~, FedWMSAM's alpha (server records) and FedGloSS's warm-up (the
+    round being played) survive a stop after round 2 (`flatflower simulate --resume`, which
+    also restores the clients' state): the model and the rule columns of the uninterrupted run."""
+    sets = [x for k, v in keys.items() for x in ("--set", f"{k}={v}")]
+    common = ["simulate", "--engine", "inprocess", "-a", algorithm, "-n", "4", "--fraction", "0.5",
+              "--dataset", "synthetic", "--seed", "3", *sets]
+    assert cli([*common, "-r", "4", "--run-dir", str(tmp_path / "whole")]) == 0
+    assert cli([*common, "-r", "2", "--run-dir", str(tmp_path / "cut")]) == 0
+    assert cli(["simulate", "--engine", "inprocess", "--resume", str(tmp_path / "cut"), "--rounds", "4",
+                "-n", "4"]) == 0
+    whole, cut = (torch.load(tmp_path / d / "model_final.pt") for d in ("whole", "cut"))
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    rows = [metrics(tmp_path / d)[1:] for d in ("whole", "cut")]
+    columns = [k for k in rows[0][-1] if k.startswith(algorithm + "_")]
+    assert all(r["clients_failed"] == 0 for r in rows[1])
+    assert [[r.get(k) for k in columns] for r in rows[1]] == [[r.get(k) for k in columns] for r in rows[0]]
 
 
 # ---------------------------------------------------------------- FedProx, SCAFFOLD, FedGAMMA
