@@ -72,3 +72,27 @@ def test_runs_are_kept_for_rows_of_this_study():
     for run_dir in RUNS:
         algorithm, _, seed = run_dir.name.rpartition("-s")
         assert (algorithm, int(seed)) in rows, run_dir.name
+
+
+def test_the_three_seed_table_in_the_docs_is_the_csvs_mean_and_std():
+    """docs/benchmarks.md "Three seeds": each method's final and last-10 accuracy (mean ± std
+    over the seeds, numpy's ddof 0) and its top eigenvalue are the CSV's, and every method of
+    the CSV is in the table with all its seeds."""
+    import numpy as np
+
+    doc = (RESULTS.parent / "benchmarks.md").read_text()
+    section = doc[doc.index("### Three seeds"):doc.index("### Seed 0 alone")]
+    table = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| fed") or
+             line.startswith("| scaffold") or line.startswith("| mofedsam")]
+    rows = _csv_rows()
+    methods = {a for a, _ in rows}
+    assert {cells[0].strip() for cells in table} == methods
+    for cells in table:
+        name, seeds = cells[0].strip(), [int(s) for s in cells[1].split(",")]
+        assert seeds == sorted(s for a, s in rows if a == name)
+        for column, key, scale, digits in ((2, "final_accuracy", 100, 2), (3, "last_k_mean", 100, 2),
+                                           (7, "hessian_max_eig", 1, 1)):
+            values = [float(rows[name, s][key]) * scale for s in seeds]
+            mean, std = (float(x) for x in cells[column].split("±"))
+            assert mean == round(float(np.mean(values)), digits), (name, key)
+            assert std == round(float(np.std(values)), digits), (name, key)
