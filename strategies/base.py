@@ -128,6 +128,11 @@ class ServerRule:
         """The rule's state: the model and every record (copies)."""
         return {"model": _copy(self.model), "records": {n: _copy(r) for n, r in self.records.items()}}
 
+    def check_records(self, records: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """ValueError if checkpointed ``records`` (names, shapes and finiteness already
+        checked by the caller) hold values this rule never makes (FedGF's window, FedWMSAM's
+        alpha); default: anything finite goes."""
+
     def load_state_dict(self, state: Mapping) -> None:
         """Restore a :meth:`state_dict` (checked by the caller: strategies/strategy.py)."""
         self.model = _copy(state["model"])

@@ -71,6 +71,11 @@ class FedGF(FedAvg):
     def broadcast_values(self):
         return {MIX_WEIGHT: self.mix_weight()}
 
+    def check_records(self, records):
+        window = records[DIVERGENCE_WINDOW]["exceeded"]
+        if not bool(((window == -1) | (window == 0) | (window == 1)).all()):
+            raise ValueError(f"records.{DIVERGENCE_WINDOW}: entries other than -1, 0 and 1")
+
     def update(self, server_round, updates, weights):
         w = self.model
         divergence = sum(float(global_norm(sub(u.model, w), torch.float64)) for u in updates) / len(updates)

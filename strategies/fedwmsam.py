@@ -65,6 +65,12 @@ class FedWMSAM(FedAvg):
     def broadcast_values(self):
         return {LOCAL_WEIGHT: self.alpha()}
 
+    def check_records(self, records):
+        alpha = float(records[GRADIENT_WEIGHT]["alpha"])
+        if not 0 <= alpha <= 1 or (alpha == 1 and self.params.rho > 0):
+            raise ValueError(f"records.{GRADIENT_WEIGHT}: alpha = {alpha!r} is not in [0, 1) "
+                             "(1 only with sam.rho = 0)")
+
     def update(self, server_round, updates, weights):
         p, w, m, c = self.params, self.model, self.records[GLOBAL_UPDATE], self.records[CONTROL]
         lr = self.cfg.round_lr(server_round)

@@ -173,6 +173,7 @@ class FlatStrategy(FlowerFedAvg):
         schema.table(state, "strategy", algorithm=algorithm, round=schema.whole(0),
                      model=schema.tensors(self.layout), records=schema.fields(**records),
                      participation=schema.anything)
+        self.rule.check_records(state["records"])
         self.participation.load_state_dict(state["participation"])
         self.round = state["round"]
         self.rule.load_state_dict(state)

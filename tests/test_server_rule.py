@@ -54,3 +54,23 @@ def test_a_non_finite_result_leaves_the_rule_as_it_was(name):
         assert all(torch.equal(after["records"][n][k], r[k]) for k in r), (name, n)
     assert rule.apply(1, [_update(rule, 0, 0.1), _update(rule, 1, 0.2)], [0.5, 0.5]) is True
     assert any(not torch.equal(rule.model[k], before["model"][k]) for k in MODEL)
+
+
+@pytest.mark.parametrize("name,record,key,value", [
+    ("fedgf", "divergence_window", "exceeded", 0.5), ("fedwmsam", "gradient_weight", "alpha", 1.5)])
+def test_a_checkpoint_whose_server_scalars_the_rule_never_makes_is_refused(name, record, key, value):
+    """A damaged checkpoint (finite, right shapes) with a window entry other than -1/0/1 or an
+    alpha outside [0, 1) is refused naming the record, and the strategy keeps its own state."""
+    from tests.helpers import fast_config, make_strategy
+
+    cfg = RunConfig.from_mapping(fast_config(**ALGORITHMS[name].example_config()))
+    state = make_strategy(cfg).state_dict()
+    damaged = state["records"][record][key].clone()
+    damaged.view(-1)[-1] = value
+    state["records"][record][key] = damaged
+    fresh = make_strategy(cfg)
+    before = fresh.state_dict()
+    with pytest.raises(ValueError, match=record):
+        fresh.load_state_dict({**state, "round": 3})
+    assert fresh.round == 0 and fresh.participation.state_dict() == before["participation"]
+    assert all(torch.equal(fresh.rule.records[record][k], before["records"][record][k]) for k in before["records"][record])
