@@ -238,7 +238,7 @@ def flatness_summary(run: RunSummary, last_k: int) -> dict[str, float | None]:
 
 
 def has_privacy(run: RunSummary) -> bool:
-    return any(row.get("dp_epsilon") is not None for row in run.rows)
+    return bool(curve(run, "dp_epsilon")[0])
 
 
 def summarize(run: RunSummary, last_k: int = 5, target: float | None = None,
@@ -246,7 +246,6 @@ def summarize(run: RunSummary, last_k: int = 5, target: float | None = None,
     """Headline numbers of one run; last-k statistics ignore round 0. ``flatness``: with
     :func:`flatness_summary`'s columns; ``privacy``: with ``dp_epsilon``, the privacy the run
     spent by its last round (client-level DP, metrics.jsonl; None for a run without DP)."""
-    _, epsilon = curve(run, "dp_epsilon")
     trained = [acc for r, acc in zip(run.rounds, run.accuracy) if r >= 1]
     tail = np.asarray(trained[-last_k:] if last_k > 0 else [], dtype=float)
     return {
@@ -261,7 +260,7 @@ def summarize(run: RunSummary, last_k: int = 5, target: float | None = None,
         "rounds_to_target": rounds_to_target(run, target),
         "bytes_total": run.bytes_total,
         **(flatness_summary(run, last_k) if flatness else {}),
-        **({"dp_epsilon": epsilon[-1] if epsilon else None} if privacy else {}),
+        **({"dp_epsilon": (curve(run, "dp_epsilon")[1] or [None])[-1]} if privacy else {}),
     }
 
 
