@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -203,6 +204,31 @@ def test_the_fashion_mnist_study_preset_gives_each_method_its_papers_values():
     assert (cfg.dataset, cfg.resolved_model(), cfg.dirichlet_alpha, cfg.fraction_train) == (
         "fashion-mnist", "lenet5", 0.1, 0.1)
     assert (cfg.local_epochs, cfg.batch_size, cfg.lr, cfg.clip_norm) == (5, 50, 0.1, 10.0)
+
+
+NEWER = ("fedsol", "fedgloss", "fedswa", "fedmoswa", "fedwmsam", "fedgf", "dp-fedsam")
+
+
+@pytest.mark.parametrize("algorithm", NEWER)
+def test_the_fashion_mnist_study_preset_runs_the_newer_methods_with_their_authors_values(algorithm):
+    """Each newer method has its table (a run of it is the study's setting plus its own values,
+    which validate), and FedGF's required T_D is set to a finite number (not left to fail)."""
+    preset = load_preset("fashion-mnist-bench")
+    values = preset.values(algorithm)
+    own = {k for k in values if k not in preset.config}
+    assert own, f"{algorithm} has no table in the study preset"
+    cfg = RunConfig.from_mapping({"num-partitions": 100, **values, "algorithm": algorithm})
+    assert (cfg.dataset, cfg.lr, cfg.local_epochs, cfg.batch_size) == ("fashion-mnist", 0.1, 5, 50)
+    expected = {"fedsol": {"fedsol.rho": 1.0, "fedsol.tau": 3.0},
+                "fedgloss": {"sam.rho": 0.15, "fedgloss.rho-server": 0.15, "fedgloss.beta": 10.0},
+                "fedswa": {"fedswa.lr-ratio": 0.1, "server-lr": 1.0},
+                "fedmoswa": {"fedswa.lr-ratio": 0.1, "fedmoswa.gamma": 0.2},
+                "fedwmsam": {"sam.rho": 0.01, "fedwmsam.alpha0": 0.1, "fedwmsam.lambda": 0.01},
+                "fedgf": {"sam.rho": preset.values("fedsam")["sam.rho"], "fedgf.window": 30},
+                "dp-fedsam": {"sam.rho": 0.5, "dp.clip": 0.2, "dp.noise-multiplier": 0.95}}[algorithm]
+    assert {k: values[k] for k in expected} == expected
+    if algorithm == "fedgf":
+        assert math.isfinite(values["fedgf.threshold"]) and values["fedgf.threshold"] > 0
 
 
 def test_clients_default_from_preset(tmp_path):

@@ -96,3 +96,27 @@ def test_the_three_seed_table_in_the_docs_is_the_csvs_mean_and_std():
             mean, std = (float(x) for x in cells[column].split("±"))
             assert mean == round(float(np.mean(values)), digits), (name, key)
             assert std == round(float(np.std(values)), digits), (name, key)
+
+
+def test_fedgfs_threshold_in_the_preset_is_the_calibration_runs_median_divergence():
+    """The preset's T_D comes from the kept calibration run (docs/results/fashion-mnist-calibration):
+    FedGF with T_D = inf on the study's setting, which is FedSAM (its accuracies are those of the
+    FedSAM seed-0 run of the sharpness curves, round for round), and T_D is the median of its divergence D over
+    rounds 11-30 to the preset's two digits."""
+    import json
+    import statistics
+
+    calib = load_run(RESULTS / "fashion-mnist-calibration" / "fedgf-inf-s0")
+    preset = load_preset("fashion-mnist-bench")
+    values = preset.values("fedgf")
+    assert calib.algorithm == "fedgf" and calib.config["fedgf.threshold"] == math.inf
+    own = {k: v for k, v in values.items() if k not in ("fedgf.threshold", "num-server-rounds", "algorithm")}
+    assert {k: calib.config[k] for k in own} == own  # the study's setting, 30 rounds
+    rows = [json.loads(line) for line in (calib.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["fedgf_mix"] == 0.0 for r in rows[1:])  # T_D = inf: c = 0, FedSAM
+    divergences = [r["fedgf_divergence"] for r in rows if 11 <= r["round"] <= 30]
+    assert len(divergences) == 20
+    assert abs(statistics.median(divergences) - values["fedgf.threshold"]) < 0.01
+    fedsam = RESULTS / "fashion-mnist-curves" / "fedsam-s0" / "metrics.jsonl"
+    same = [json.loads(line) for line in fedsam.read_text().splitlines()][:len(rows)]
+    assert [r["test_accuracy"] for r in same] == [r["test_accuracy"] for r in rows]
