@@ -40,7 +40,8 @@ class FedGFServerParams(SAMParams):
     threshold: float = required_key("fedgf.threshold", "divergence threshold T_D (the authors' value is "
                                     "unknown): a round counts when the mean client distance D > T_D. Set it "
                                     "near the typical D of your setting (fedgf_divergence in metrics.jsonl of "
-                                    "a run with fedgf.threshold = inf, which is FedSAM)",
+                                    "a run with fedgf.threshold = inf, which is FedSAM); round 1's D alone sets round "
+                                    "2's c to 0 or 1, and c = 1 can diverge at many local steps (docs/algorithms.md)",
                                     Check(lambda x: isinstance(x, (int, float)) and not math.isnan(x),
                                           "a number (inf: never exceeded)"),
                                     example=0.0)  # always exceeded: c = 1 from round 2

@@ -145,3 +145,23 @@ def test_a_staged_rerun_ran_the_preset_was_measured_and_is_in_the_docs(run_dir):
     said = (f"{run.algorithm} seed {run.seed} {100 * row['final_accuracy']:.2f}% "
             f"(CSV {100 * float(published['final_accuracy']):.2f}%)")
     assert said in " ".join(doc.split()), said
+
+
+def test_fedgf_at_the_calibrated_threshold_is_at_chance_from_round_two_as_the_docs_say():
+    """docs/benchmarks.md: with the preset's T_D, round 1's D (above it) makes c = 1 in round 2,
+    D stays far above T_D and the model at chance (the kept 10-round run of the preset's FedGF)."""
+    import json
+
+    run = load_run(RESULTS / "fashion-mnist-calibration" / "fedgf-s0")
+    values = load_preset("fashion-mnist-bench").values("fedgf")
+    assert {k: run.config[k] for k in values if k != "num-server-rounds"} == {
+        k: v for k, v in values.items() if k != "num-server-rounds"} | {"algorithm": "fedgf"}
+    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(rows) == 10 and rows[0]["fedgf_divergence"] > values["fedgf.threshold"]
+    assert all(r["fedgf_mix"] == 1.0 for r in rows)  # c of the next round
+    later = rows[1:]
+    assert 7.5 < min(r["fedgf_divergence"] for r in later) and max(r["fedgf_divergence"] for r in later) < 67.5
+    assert (round(100 * min(r["test_accuracy"] for r in later), 1),
+            round(100 * max(r["test_accuracy"] for r in later), 1)) == (9.9, 18.0)
+    doc = " ".join((RESULTS.parent / "benchmarks.md").read_text().split())
+    assert "D 8-67 from round 2" in doc and "9.9-18.0% over rounds 2-10" in doc
