@@ -45,12 +45,16 @@ def test_the_csv_has_the_report_columns_and_fractions():
             assert row["run"] == f"{row['algorithm']}-s{row['seed']}"
 
 
+def _differs_from_the_preset(run, ignore=()):
+    """The preset's values for the run's algorithm that its config.json does not hold: key -> (preset, run)."""
+    expected = {**load_preset("fashion-mnist-bench").values(run.algorithm), "algorithm": run.algorithm}
+    return {k: (v, run.config.get(k)) for k, v in expected.items() if k not in ignore and run.config.get(k) != v}
+
+
 def _ran_the_preset(run_dir):
     run = load_run(run_dir)
     preset = load_preset("fashion-mnist-bench")
-    expected = {**preset.values(run.algorithm), "algorithm": run.algorithm}
-    ran = run.config
-    differ = {k: (v, ran.get(k)) for k, v in expected.items() if ran.get(k) != v}
+    differ = _differs_from_the_preset(run)
     assert not differ, f"{run_dir.name} did not run the preset's setting: {differ}"
     assert run.rounds[-1] == preset.config["num-server-rounds"]
     assert run.config["num-partitions"] == preset.clients
@@ -111,23 +115,20 @@ def test_fedgfs_threshold_in_the_preset_is_the_calibration_runs_median_divergenc
     FedGF with T_D = inf on the study's setting, which is FedSAM (its accuracies are those of the
     FedSAM seed-0 run of the sharpness curves, round for round), and T_D is the median of its divergence D over
     rounds 11-30 to the preset's two digits."""
-    import json
     import statistics
 
     calib = load_run(RESULTS / "fashion-mnist-calibration" / "fedgf-inf-s0")
-    preset = load_preset("fashion-mnist-bench")
-    values = preset.values("fedgf")
+    values = load_preset("fashion-mnist-bench").values("fedgf")
     assert calib.algorithm == "fedgf" and calib.config["fedgf.threshold"] == math.inf
-    own = {k: v for k, v in values.items() if k not in ("fedgf.threshold", "num-server-rounds", "algorithm")}
-    assert {k: calib.config[k] for k in own} == own  # the study's setting, 30 rounds
-    rows = [json.loads(line) for line in (calib.run_dir / "metrics.jsonl").read_text().splitlines()]
+    # the study's setting, 30 rounds
+    assert not _differs_from_the_preset(calib, ignore=("fedgf.threshold", "num-server-rounds"))
+    rows = calib.rows
     assert all(r["fedgf_mix"] == 0.0 for r in rows[1:])  # T_D = inf: c = 0, FedSAM
     divergences = [r["fedgf_divergence"] for r in rows if 11 <= r["round"] <= 30]
     assert len(divergences) == 20
     assert abs(statistics.median(divergences) - values["fedgf.threshold"]) < 0.01
-    fedsam = RESULTS / "fashion-mnist-curves" / "fedsam-s0" / "metrics.jsonl"
-    same = [json.loads(line) for line in fedsam.read_text().splitlines()][:len(rows)]
-    assert [r["test_accuracy"] for r in same] == [r["test_accuracy"] for r in rows]
+    fedsam = load_run(RESULTS / "fashion-mnist-curves" / "fedsam-s0")
+    assert fedsam.accuracy[:len(rows)] == calib.accuracy
 
 
 @pytest.mark.parametrize("run_dir", RERUNS, ids=[p.name for p in RERUNS])
@@ -135,10 +136,8 @@ def test_a_staged_rerun_ran_the_preset_was_measured_and_is_in_the_docs(run_dir):
     """A re-run staged in docs/results/fashion-mnist-reruns/ ran the preset's setting on a
     recorded code commit, has its final model's train-split flatness, replaces a CSV row without
     a kept run, and docs/benchmarks.md gives its final accuracy beside that row's."""
-    import json
-
     run = _ran_the_preset(run_dir)
-    assert len(json.loads((run_dir / "config.json").read_text())["versions"]["flatflower-code"]) == 40
+    assert len(run.record["versions"]["flatflower-code"]) == 40
     row = run_row(run, LAST_K, TARGET)
     assert row["flatness_split"] == "train" and row["hessian_max_eig"] is not None
     assert run_dir.name not in {p.name for p in RUNS}
@@ -152,13 +151,10 @@ def test_a_staged_rerun_ran_the_preset_was_measured_and_is_in_the_docs(run_dir):
 def test_fedgf_at_the_calibrated_threshold_is_at_chance_from_round_two_as_the_docs_say():
     """docs/benchmarks.md: with the preset's T_D, round 1's D (above it) makes c = 1 in round 2,
     D stays far above T_D and the model at chance (the kept 10-round run of the preset's FedGF)."""
-    import json
-
     run = load_run(RESULTS / "fashion-mnist-calibration" / "fedgf-s0")
     values = load_preset("fashion-mnist-bench").values("fedgf")
-    assert {k: run.config[k] for k in values if k != "num-server-rounds"} == {
-        k: v for k, v in values.items() if k != "num-server-rounds"} | {"algorithm": "fedgf"}
-    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert run.algorithm == "fedgf" and not _differs_from_the_preset(run, ignore=("num-server-rounds",))
+    rows = run.rows[1:]
     assert len(rows) == 10 and rows[0]["fedgf_divergence"] > values["fedgf.threshold"]
     assert all(r["fedgf_mix"] == 1.0 for r in rows)  # c of the next round
     later = rows[1:]
