@@ -11,7 +11,9 @@ docs/results/fashion-mnist.csv. No training here: the runs take minutes each.
 from __future__ import annotations
 
 import csv
+import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,43 @@ def test_fedgf_at_the_calibrated_threshold_is_at_chance_from_round_two_as_the_do
             round(100 * max(r["test_accuracy"] for r in later), 1)) == (9.9, 18.0)
     doc = " ".join((RESULTS.parent / "benchmarks.md").read_text().split())
     assert "D 8-67 from round 2" in doc and "9.9-18.0% over rounds 2-10" in doc
+
+
+def test_the_gpu_table_in_the_docs_is_what_its_runs_recorded():
+    """docs/benchmarks.md, "One GPU, measured": each number of the table comes from the files
+    kept in docs/results/gpu-h200/ (round-time medians, accuracies, GPU processes, flatness)."""
+    gpu = RESULTS / "gpu-h200"
+    doc = " ".join((RESULTS.parent / "benchmarks.md").read_text().split())
+    section = doc[doc.index("### One GPU, measured"):]
+
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (gpu / name / "metrics.jsonl").read_text().splitlines()]
+
+    def median_seconds(name: str) -> str:
+        return f"{statistics.median(r['seconds'] for r in rows(name)[1:]):.1f}"
+
+    def pct(name: str, rnd: int) -> str:
+        return f"{100 * rows(name)[rnd]['test_accuracy']:.2f}%"
+
+    assert len(rows("vec-fedsam")) - 1 == 66
+    assert f"median {median_seconds('inp-fedsam')} s a round (rounds 1-10" in section
+    assert f"median {median_seconds('vec-fedsam')} s a round over 66 rounds" in section
+    assert f"median {median_seconds('cpu-fedsam')} s a round (3 rounds)" in section
+    assert f"{median_seconds('inp5')} s (3.5-5.5) in the second call's 5 rounds" in section
+    assert f"no faster ({median_seconds('bf16')} s median" in section
+    assert pct("vec-fedsam", 1) == pct("vec-again", 1) and pct("vec-fedsam", 2) != pct("vec-again", 2)
+    assert (f"agree in round 1 ({pct('vec-fedsam', 1)}) and differ from round 2 ({pct('vec-fedsam', 2)} "
+            f"and {pct('vec-again', 2)})") in section
+    assert (f"gave {pct('inp-fedsam', 1)} and {pct('inp5', 1)} in round 1 on two machines, against "
+            f"{pct('cpu-fedsam', 1)} on the CPU") in section
+    assert (f"{pct('bf16', 5)} after round 5 against {pct('vec-fedsam', 5)} and {pct('vec-again', 5)}"
+            in section)
+    assert f"final accuracy {pct('local-cuda', 3)}" in section
+    pids = {line.split()[1] for line in (gpu / "local-cuda" / "gpu-processes.txt").read_text().splitlines()}
+    assert len(pids) == 4 and "4 worker processes held the GPU" in section
+    for name in ("vec-fedsam", "inp-fedsam", "cpu-fedsam", "vec-again", "inp5", "bf16"):
+        config = json.loads((gpu / name / "config.json").read_text())
+        assert config["versions"]["flatflower-code"].startswith("26b4fd8")
+        assert (config["config"]["algorithm"], config["config"]["seed"]) == ("fedsam", 0)
+    flat = json.loads((gpu / "inp5" / "flatness-cuda.json").read_text())
+    assert (flat["split"], flat["examples"]) == ("train", 60000)
