@@ -81,6 +81,7 @@ class RunConfig:
     momentum: float = 0.0
     clip_norm: float = 0.0
     amp: str = "off"
+    batching: str = "auto"  # vectorised engine: auto (measured once, recorded) | on | off
     eval_batch_size: int = 512
     client_eval: bool = True  # clients report loss/accuracy before and after training (clients.jsonl)
     # client-level differential privacy (common/privacy.py): each client clips its round update
@@ -172,6 +173,7 @@ class RunConfig:
         choice("aggregator", AGGREGATORS)
         choice("too_few_replies", ("skip", "retry"))
         choice("amp", ("off", "bf16"))
+        choice("batching", ("auto", "on", "off"))
         for f in general_fields().values():
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from common import schema
-from common.config import RunConfig, user_path
+from common.config import RunConfig, defaults, user_path
 
 
 class RunDirError(RuntimeError):
@@ -209,9 +209,11 @@ def check_checkpoint(ckpt: dict) -> None:
 
 def check_resumable(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
     """RunDirError if ``cfg`` changes a key that would make the resumed run a different run."""
-    saved, now = ckpt["config"], cfg.to_dict()
-    changed = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now
-               if k not in RESUME_MAY_CHANGE and saved.get(k) != now[k]]
+    now, default = cfg.to_dict(), defaults()
+    # a key the checkpoint lacks is newer than the code that wrote it, which ran as its default
+    saved = {k: ckpt["config"].get(k, default.get(k)) for k in now}
+    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in now
+               if k not in RESUME_MAY_CHANGE and saved[k] != now[k]]
     if changed:
         raise RunDirError("cannot resume with a different configuration: " + "; ".join(changed))
     if cfg.num_server_rounds < ckpt["round"]:

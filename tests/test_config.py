@@ -73,6 +73,7 @@ INVALID = [
     ({"model": "vgg16"}, "model='vgg16' is not one of"),
     ({"partition": "zipf"}, "partition='zipf' is not one of"),
     ({"aggregation": "median"}, "aggregation='median' is not one of: uniform, weighted"),
+    ({"batching": "sometimes"}, "batching='sometimes' is not one of: auto, off, on"),
     ({"sampling": "poisson"}, "sampling='poisson' is not one of: bernoulli, fixed"),
     ({"local-epochs": 0}, "local-epochs must be >= 1"),
     ({"batch-size": 0}, "batch-size must be >= 1"),

@@ -452,6 +452,38 @@ def test_killed_inprocess_run_resumes_to_the_uninterrupted_model(tmp_path):
     assert [r["test_loss"] for r in metrics(cut)] == [r["test_loss"] for r in metrics(tmp_path / "full")]
 
 
+def test_a_run_of_code_before_a_new_key_resumes_as_that_keys_default(tmp_path):
+    """A checkpoint written before a run-config key existed (here ``batching``) lacks it; the
+    code that wrote it ran as the key's default, so the run resumes; a checkpoint that holds
+    another value is still refused."""
+    run = tmp_path / "run"
+    base = ["simulate", "--engine", "inprocess", "--algorithm", "fedavg", "--clients", "3",
+            "--set", "local-steps=2", "--no-tensorboard"]
+    assert cli([*base, "--rounds", "2", "--run-dir", str(run)]) == 0
+
+    def rewrite(edit) -> None:
+        ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+        edit(ckpt["config"])
+        torch.save(ckpt, run / "checkpoint.pt")
+
+    rewrite(lambda config: config.update(batching="on"))
+    with pytest.raises(RunDirError, match="batching: 'on' -> 'auto'"):
+        run_server_resume_check(run)
+    rewrite(lambda config: config.pop("batching"))
+    config = json.loads((run / "config.json").read_text())
+    config["config"].pop("batching")
+    (run / "config.json").write_text(json.dumps(config))
+    assert cli(["simulate", "--engine", "inprocess", "--resume", str(run), "--rounds", "3"]) == 0
+    assert [r["round"] for r in metrics(run)] == [0, 1, 2, 3]
+
+
+def run_server_resume_check(run: Path) -> None:
+    from server.rundir import check_resumable
+
+    config = json.loads((run / "config.json").read_text())["config"]
+    check_resumable(RunConfig.from_mapping(config), load_checkpoint(run))
+
+
 @pytest.mark.integration
 @pytest.mark.ray
 def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_path):

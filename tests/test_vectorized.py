@@ -558,6 +558,21 @@ def test_a_model_whose_batching_does_not_pay_trains_one_by_one(tmp_path, monkeyp
     assert measured == [1] and not batched
 
 
+@pytest.mark.parametrize("batching", ["on", "off"])
+def test_the_batching_key_pins_the_choice_without_measuring(tmp_path, monkeypatch, batching):
+    """batching = on | off decides without the timing (which near the break-even point can
+    answer either way in two fresh runs of one command): on batches every group, off trains
+    every client alone; both give the in-process result."""
+    monkeypatch.setattr(vec, "_PAYS", {})
+    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: pytest.fail("measured despite batching"))
+    batched = []
+    train_group = vec.train_group
+    monkeypatch.setattr(vec, "train_group", lambda calls: batched.append(len(calls)) or train_group(calls))
+    config = {**BASE, "algorithm": "fedsam", "fraction-train": 1.0, "batching": batching}
+    assert_equal_runs(both_engines(tmp_path, config))
+    assert bool(batched) == (batching == "on") and vec._PAYS == {}
+
+
 def test_batching_pays_is_measured_once_per_model_batch_and_device(monkeypatch):
     """(Which way it goes is a measurement of this machine, not asserted.)"""
     monkeypatch.setattr(vec, "_PAYS", {})
