@@ -468,7 +468,7 @@ def test_a_run_of_code_before_a_new_key_resumes_as_that_keys_default(tmp_path):
 
     rewrite(lambda config: config.update(batching="on"))
     with pytest.raises(RunDirError, match="batching: 'on' -> 'auto'"):
-        run_server_resume_check(run)
+        _check_resumable_from_files(run)
     rewrite(lambda config: config.pop("batching"))
     config = json.loads((run / "config.json").read_text())
     config["config"].pop("batching")
@@ -477,7 +477,7 @@ def test_a_run_of_code_before_a_new_key_resumes_as_that_keys_default(tmp_path):
     assert [r["round"] for r in metrics(run)] == [0, 1, 2, 3]
 
 
-def run_server_resume_check(run: Path) -> None:
+def _check_resumable_from_files(run: Path) -> None:
     from server.rundir import check_resumable
 
     config = json.loads((run / "config.json").read_text())["config"]
