@@ -117,8 +117,6 @@ def test_fedgfs_threshold_in_the_preset_is_the_calibration_runs_median_divergenc
     FedGF with T_D = inf on the study's setting, which is FedSAM (its accuracies are those of the
     FedSAM seed-0 run of the sharpness curves, round for round), and T_D is the median of its divergence D over
     rounds 11-30 to the preset's two digits."""
-    import statistics
-
     calib = load_run(RESULTS / "fashion-mnist-calibration" / "fedgf-inf-s0")
     values = load_preset("fashion-mnist-bench").values("fedgf")
     assert calib.algorithm == "fedgf" and calib.config["fedgf.threshold"] == math.inf
@@ -174,16 +172,15 @@ def test_the_gpu_table_in_the_docs_is_what_its_runs_recorded():
     doc = " ".join((RESULTS.parent / "benchmarks.md").read_text().split())
     section = doc[doc.index("### One GPU, measured"):]
 
-    def rows(name: str) -> list[dict]:
-        return [json.loads(line) for line in (gpu / name / "metrics.jsonl").read_text().splitlines()]
+    runs = {p.name: load_run(p) for p in gpu.iterdir() if (p / "metrics.jsonl").is_file()}
 
     def median_seconds(name: str) -> str:
-        return f"{statistics.median(r['seconds'] for r in rows(name)[1:]):.1f}"
+        return f"{statistics.median(r['seconds'] for r in runs[name].rows[1:]):.1f}"
 
     def pct(name: str, rnd: int) -> str:
-        return f"{100 * rows(name)[rnd]['test_accuracy']:.2f}%"
+        return f"{100 * runs[name].accuracy[rnd]:.2f}%"
 
-    assert len(rows("vec-fedsam")) - 1 == 66
+    assert len(runs["vec-fedsam"].rows) - 1 == 66
     assert f"median {median_seconds('inp-fedsam')} s a round (rounds 1-10" in section
     assert f"median {median_seconds('vec-fedsam')} s a round over 66 rounds" in section
     assert f"median {median_seconds('cpu-fedsam')} s a round (3 rounds)" in section
@@ -201,8 +198,8 @@ def test_the_gpu_table_in_the_docs_is_what_its_runs_recorded():
     pids = {line.split()[1] for line in (gpu / "local-cuda" / "gpu-processes.txt").read_text().splitlines()}
     assert len(pids) == 4 and "4 worker processes held the GPU" in section
     for name in ("vec-fedsam", "inp-fedsam", "cpu-fedsam", "vec-again", "inp5", "bf16"):
-        config = json.loads((gpu / name / "config.json").read_text())
-        assert config["versions"]["flatflower-code"].startswith("26b4fd8")
-        assert (config["config"]["algorithm"], config["config"]["seed"]) == ("fedsam", 0)
+        run = runs[name]
+        assert run.record["versions"]["flatflower-code"].startswith("26b4fd8")
+        assert (run.algorithm, run.config["seed"]) == ("fedsam", 0)
     flat = json.loads((gpu / "inp5" / "flatness-cuda.json").read_text())
     assert (flat["split"], flat["examples"]) == ("train", 60000)
