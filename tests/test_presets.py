@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -167,7 +168,8 @@ def test_a_resumed_run_continues_on_the_engine_it_ran_on(tmp_path, engine):
     assert args.engine == "inprocess"  # the flag wins
 
 
-def test_rays_actor_sizes_choose_ray_and_are_refused_by_the_in_process_engines(tmp_path):
+def test_rays_actor_sizes_choose_ray_and_are_refused_by_the_in_process_engines(tmp_path, monkeypatch):
+    monkeypatch.setattr("tools.prepare.cuda_gpu_count", lambda: 1)  # as on a machine with one GPU
     run = ["--run-dir", str(tmp_path / "r")]
     args = build_parser().parse_args(["simulate", "--gpus-per-client", "0.25", *run])
     apply_preset(args)
@@ -183,6 +185,32 @@ def test_rays_actor_sizes_choose_ray_and_are_refused_by_the_in_process_engines(t
     assert main(["sweep", "--algorithms", "fedavg", "--seeds", "0", "--engine", "inprocess",
                  "--gpus-per-client", "0.5", "--out", str(tmp_path / "sweep")]) == 2
     assert not (tmp_path / "sweep").exists()  # refused before any run
+
+
+def test_ray_actor_sizes_this_machine_cannot_place_are_refused_before_ray_starts(tmp_path, monkeypatch):
+    """Ray ends such a run after its start-up with "ActorPool is empty"; the CLI says why first."""
+    monkeypatch.setattr("tools.prepare.cuda_gpu_count", lambda: 0)
+    run = ["--engine", "ray", "--run-dir", str(tmp_path / "r")]
+    with pytest.raises(UsageError, match="--gpus-per-client 0.25 gives each client a share of a GPU, and "
+                                         "PyTorch sees no CUDA GPU here"):
+        apply_preset(build_parser().parse_args(["simulate", "--gpus-per-client", "0.25", *run]))
+    apply_preset(build_parser().parse_args(["simulate", "--gpus-per-client", "0", *run]))  # no GPU asked for
+    too_many = str((os.cpu_count() or 1) + 1)
+    with pytest.raises(UsageError, match=f"--cpus-per-client {too_many} is more than this machine's"):
+        apply_preset(build_parser().parse_args(["simulate", "--cpus-per-client", too_many, *run]))
+    assert main(["sweep", "--algorithms", "fedavg", "--seeds", "0", "--gpus-per-client", "0.5",
+                 "--out", str(tmp_path / "sweep")]) == 2
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_the_ray_engine_without_ray_installed_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    """Without Ray, Flower's simulation ended after its start-up with "Task failed with unknown
+    error" (exit code 701 in logs/run.log); the CLI refuses with the install command first."""
+    monkeypatch.setattr("tools.prepare.ray_installed", lambda: False)
+    assert main(["simulate", "--engine", "ray", "--rounds", "1", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "pip install 'flwr[simulation]==1.39.0'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    apply_preset(build_parser().parse_args(["simulate", "--engine", "inprocess", "--run-dir", str(tmp_path / "r")]))
 
 
 @pytest.mark.parametrize("record", ['{"engine": "deployment"}', '{"engine": "threads"}', "[1]", "{"])

@@ -253,6 +253,34 @@ def check_engine_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--cpus-per-client must be >= 1 (got {args.cpus_per_client})")
     if args.gpus_per_client is not None and not 0 <= args.gpus_per_client <= 1:
         raise UsageError(f"--gpus-per-client must be in [0, 1] (got {args.gpus_per_client:g})")
+    if args.engine == "ray" and not ray_installed():
+        raise UsageError("--engine ray is Flower's simulation engine, which needs Ray: "
+                         "pip install 'flwr[simulation]==1.39.0' (or --engine inprocess: the same "
+                         "result, without Ray)")
+    # Ray sizes its actor pool from what the machine has; a client that fits nowhere ends the
+    # simulation after Ray's start-up with "ActorPool is empty": say so before anything starts
+    cpus = os.cpu_count() or 1
+    if args.cpus_per_client is not None and args.cpus_per_client > cpus:
+        raise UsageError(f"--cpus-per-client {args.cpus_per_client} is more than this machine's {cpus} "
+                         f"CPUs: Ray could place no client")
+    if args.gpus_per_client and not cuda_gpu_count():
+        raise UsageError(f"--gpus-per-client {args.gpus_per_client:g} gives each client a share of a GPU, "
+                         f"and PyTorch sees no CUDA GPU here: Ray could place no client (leave the flag "
+                         f"out to run the clients on the CPU)")
+
+
+def ray_installed() -> bool:
+    """Whether Ray imports here (without it Flower's simulation ends with exit code 701)."""
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
+def cuda_gpu_count() -> int:
+    """CUDA GPUs PyTorch sees here (Ray places GPU-sized actors only where there are some)."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def recorded_engine(run_dir: str) -> str | None:
