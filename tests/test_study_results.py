@@ -203,3 +203,66 @@ def test_the_gpu_table_in_the_docs_is_what_its_runs_recorded():
         assert (run.algorithm, run.config["seed"]) == ("fedsam", 0)
     flat = json.loads((gpu / "inp5" / "flatness-cuda.json").read_text())
     assert (flat["split"], flat["examples"]) == ("train", 60000)
+
+
+def test_the_h100_table_in_the_docs_is_what_its_runs_recorded():
+    """docs/benchmarks.md, "One GPU, measured again": the newer methods' accuracies and round
+    times, DP's epsilon, the deployment's GPU processes, ResNet-18's step costs and the GPU's
+    utilisation are those of the files kept in docs/results/gpu-h100/."""
+    gpu = RESULTS / "gpu-h100"
+    doc = (RESULTS.parent / "benchmarks.md").read_text()
+    section = doc[doc.index("### One GPU, measured again"):]
+    flat = " ".join(section.split())
+    from strategies.registry import ALGORITHMS
+
+    table = [cells for cells in (line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| "))
+             if cells[0].strip() in ALGORITHMS]
+    assert [c[0].strip() for c in table] == ["fedgloss", "fedswa", "fedmoswa", "fedgf", "fedwmsam", "fedsol",
+                                             "dp-fedsam"]
+
+    def rounds(run) -> str:
+        return f"{100 * run.accuracy[1]:.2f} / {100 * run.accuracy[2]:.2f}"
+
+    for cells in table:
+        name = cells[0].strip()
+        inp, vec, cpu = (load_run(gpu / d) for d in (f"inp-{name}", f"vec-{name}", f"cpu-vm/inp-{name}"))
+        for run, engine in ((inp, "inprocess"), (vec, "vectorized"), (cpu, "inprocess")):
+            assert (run.algorithm, run.config["seed"], run.record["engine"]) == (name, 0, engine)
+            assert not _differs_from_the_preset(run, ignore=("num-server-rounds",))
+            assert run.rounds[-1] == 2
+        assert inp.record["versions"]["flatflower-code"].startswith("cc5ee51")
+        assert [c.strip() for c in cells[1:4]] == [rounds(inp), rounds(vec), rounds(cpu)]
+        assert cells[4].strip() == f"{inp.rows[2]['seconds']:.1f} / {vec.rows[2]['seconds']:.1f}"
+    epsilons = {round(load_run(gpu / d).rows[2]["dp_epsilon"], 3)
+                for d in ("inp-dp-fedsam", "vec-dp-fedsam", "cpu-vm/inp-dp-fedsam")}
+    assert epsilons == {2.674} and "the same `dp_epsilon` everywhere (2.674 after round 2" in flat
+
+    local, local_cpu = load_run(gpu / "local-dp"), load_run(gpu / "cpu-vm" / "local-dp")
+    assert (local.algorithm, local.config["dp.clip"], local.config["dp.noise-multiplier"]) == ("dp-fedsam", 0.5, 0.5)
+    assert (f"{100 * local.accuracy[3]:.2f}% after round 3, `dp_epsilon` {local.rows[3]['dp_epsilon']:.2f}; the "
+            f"same command on this VM's CPU gave {100 * local_cpu.accuracy[3]:.2f}%") in flat
+    assert round(local.rows[3]["dp_epsilon"], 6) == round(local_cpu.rows[3]["dp_epsilon"], 6)
+    held: dict[str, list[tuple[str, int]]] = {}  # pid -> (time, MiB) while it held GPU memory
+    for line in (gpu / "gpu-processes.txt").read_text().splitlines():
+        time, pid, mib, _ = line.split()
+        held.setdefault(pid.rstrip(","), []).append((time, int(mib)))
+    workers = [pid for pid, h in held.items() if 700 <= max(m for _, m in h) <= 820]  # the SuperNodes
+    assert len(workers) == 4 and "4 worker processes held the GPU (710-810 MiB each)" in flat
+    assert len(held) == 7 + 7 + 4 + 1  # one process per simulate run, the 4 workers, the bench
+
+    bench = {r["algorithm"]: r for r in json.loads((gpu / "bench-resnet.json").read_text())["compute"]}
+    sgd = [r["sgd_seconds_per_step"] * 1e3 for r in bench.values()]
+    assert f"a plain SGD step takes {min(sgd):.1f}-{max(sgd):.1f} ms" in flat
+    assert (f"FedAvg {bench['fedavg']['seconds_per_step'] * 1e3:.1f} ms, FedSAM "
+            f"{bench['fedsam']['seconds_per_step'] * 1e3:.1f} ms") in flat
+    assert f"FedSAM {bench['fedsam']['cost_vs_sgd']:.2f}x" in flat
+
+    with (gpu / "nvidia-smi.csv").open() as f:
+        samples = [(r[0].split()[1][:8], int(r[1].split()[0])) for r in list(csv.reader(f))[1:] if len(r) > 2]
+    runs = sorted(held.values())[:14]  # the 14 simulate runs came first, one process each
+    first, last = runs[0][0][0], runs[-1][-1][0]
+    peaks = [max(m for _, m in h) / 1024 for h in runs]  # GiB; in-process runs, then vectorised
+    assert all(1.75 <= g < 1.85 for g in peaks[:7]) and all(0.85 <= g < 0.95 for g in peaks[7:])
+    assert "held 1.8 GiB of GPU memory, each vectorised run's 0.9 GiB" in flat
+    busy = [u for t, u in samples if first <= t <= last]
+    assert f"at most {max(busy)}%" in flat
