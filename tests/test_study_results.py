@@ -24,8 +24,8 @@ from tools.report import RUN_COLUMNS, load_run, run_row
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 CSV = RESULTS / "fashion-mnist.csv"
 RUNS = sorted(p for p in (RESULTS / "fashion-mnist-runs").glob("*-s*") if p.is_dir())
-# re-runs on later code of rows whose run directory was not kept, staged until all are done
-RERUNS = sorted(p for p in (RESULTS / "fashion-mnist-reruns").glob("*-s*") if p.is_dir())
+# the rows the re-runs replaced (first runs on older code, no run directory kept)
+FIRST_RUNS = RESULTS / "fashion-mnist-first-runs.csv"
 LAST_K, TARGET = 10, 0.8  # the study's report: --last-k 10 --target 0.8 (docs/benchmarks.md)
 
 
@@ -78,12 +78,14 @@ def test_a_kept_run_ran_the_preset_and_gives_its_csv_row(run_dir):
             assert str(mine) == theirs, (key, mine, theirs)
 
 
-def test_runs_are_kept_for_rows_of_this_study():
-    """Every kept run has its row (a run without one is a number nobody published)."""
-    rows = _csv_rows()
+def test_every_row_has_its_kept_run_and_every_kept_run_its_row():
+    """A run without a row is a number nobody published; a row without its run, one nobody can
+    check."""
+    kept = set()
     for run_dir in RUNS:
         algorithm, _, seed = run_dir.name.rpartition("-s")
-        assert (algorithm, int(seed)) in rows, run_dir.name
+        kept.add((algorithm, int(seed)))
+    assert kept == set(_csv_rows())
 
 
 def test_the_three_seed_table_in_the_docs_is_the_csvs_mean_and_std():
@@ -131,21 +133,35 @@ def test_fedgfs_threshold_in_the_preset_is_the_calibration_runs_median_divergenc
     assert fedsam.accuracy[:len(rows)] == calib.accuracy
 
 
-@pytest.mark.parametrize("run_dir", RERUNS, ids=[p.name for p in RERUNS])
-def test_a_staged_rerun_ran_the_preset_was_measured_and_is_in_the_docs(run_dir):
-    """A re-run staged in docs/results/fashion-mnist-reruns/ ran the preset's setting on a
-    recorded code commit, has its final model's train-split flatness, replaces a CSV row without
-    a kept run, and docs/benchmarks.md gives its final accuracy beside that row's."""
-    run = _ran_the_preset(run_dir)
-    assert len(run.record["versions"]["flatflower-code"]) == 40
-    row = run_row(run, LAST_K, TARGET)
-    assert row["flatness_split"] == "train" and row["hessian_max_eig"] is not None
-    assert run_dir.name not in {p.name for p in RUNS}
-    published = _csv_rows()[(run.algorithm, int(run.seed))]
-    doc = (RESULTS.parent / "benchmarks.md").read_text()
-    said = (f"{run.algorithm} seed {run.seed} {100 * row['final_accuracy']:.2f}% "
-            f"(CSV {100 * float(published['final_accuracy']):.2f}%)")
-    assert said in " ".join(doc.split()), said
+def test_the_replaced_first_runs_are_kept_and_listed_in_the_docs_beside_their_reruns():
+    """The 15 rows first run on older code (before c62a3ad) are kept in fashion-mnist-first-runs.csv;
+    each was run again (its row in the CSV now, from a kept run on a recorded commit), and
+    docs/benchmarks.md lists both final accuracies."""
+    with FIRST_RUNS.open(newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == RUN_COLUMNS
+        first = list(reader)
+    assert len(first) == 15
+    rows = _csv_rows()
+    doc = " ".join((RESULTS.parent / "benchmarks.md").read_text().split())
+    for old in first:
+        key = (old["algorithm"], int(old["seed"]))
+        new = rows[key]
+        run = load_run(RESULTS / "fashion-mnist-runs" / new["run"])
+        assert run.record["versions"]["flatflower-code"].startswith("77830e1")
+        said = (f"{old['algorithm']} s{old['seed']} {100 * float(old['final_accuracy']):.2f} → "
+                f"{100 * float(new['final_accuracy']):.2f}")
+        assert said in doc, said
+
+
+def test_the_sharpness_curve_runs_trained_as_their_study_rows_did():
+    """Measuring flatness during a run leaves its training bit for bit as it is: the curve runs
+    (--flatness-every 10, on later code) give the seed-0 rows' accuracies round for round."""
+    for algorithm in ("fedavg", "fedsam", "fedgmt"):
+        curve = load_run(RESULTS / "fashion-mnist-curves" / f"{algorithm}-s0")
+        row = load_run(RESULTS / "fashion-mnist-runs" / f"{algorithm}-s0")
+        assert curve.config["flatness-every"] == 10 and row.config["flatness-every"] == 0
+        assert curve.accuracy == row.accuracy, algorithm
 
 
 def test_fedgf_at_the_calibrated_threshold_is_at_chance_from_round_two_as_the_docs_say():
