@@ -181,6 +181,16 @@ def test_fedgf_at_the_calibrated_threshold_is_at_chance_from_round_two_as_the_do
     assert "D 8-67 from round 2" in doc and "9.9-18.0% over rounds 2-10" in doc
 
 
+def _gpu_processes(folder: Path) -> dict[str, list[tuple[str, int]]]:
+    """pid -> (time, MiB) for each sample of folder/gpu-processes.txt that saw it hold GPU memory
+    (lines "HH:MM:SS pid, MiB MiB": nvidia-smi --query-compute-apps=pid,used_memory, timestamped)."""
+    held: dict[str, list[tuple[str, int]]] = {}
+    for line in (folder / "gpu-processes.txt").read_text().splitlines():
+        time, pid, mib, _ = line.split()
+        held.setdefault(pid.rstrip(","), []).append((time, int(mib)))
+    return held
+
+
 def test_the_gpu_table_in_the_docs_is_what_its_runs_recorded():
     """docs/benchmarks.md, "One GPU, measured": each number of the table comes from the files
     kept in docs/results/gpu-h200/ (round-time medians, accuracies, GPU processes, flatness)."""
@@ -211,8 +221,7 @@ def test_the_gpu_table_in_the_docs_is_what_its_runs_recorded():
     assert (f"{pct('bf16', 5)} after round 5 against {pct('vec-fedsam', 5)} and {pct('vec-again', 5)}"
             in section)
     assert f"final accuracy {pct('local-cuda', 3)}" in section
-    pids = {line.split()[1] for line in (gpu / "local-cuda" / "gpu-processes.txt").read_text().splitlines()}
-    assert len(pids) == 4 and "4 worker processes held the GPU" in section
+    assert len(_gpu_processes(gpu / "local-cuda")) == 4 and "4 worker processes held the GPU" in section
     for name in ("vec-fedsam", "inp-fedsam", "cpu-fedsam", "vec-again", "inp5", "bf16"):
         run = runs[name]
         assert run.record["versions"]["flatflower-code"].startswith("26b4fd8")
@@ -258,10 +267,7 @@ def test_the_h100_table_in_the_docs_is_what_its_runs_recorded():
     assert (f"{100 * local.accuracy[3]:.2f}% after round 3, `dp_epsilon` {local.rows[3]['dp_epsilon']:.2f}; the "
             f"same command on this VM's CPU gave {100 * local_cpu.accuracy[3]:.2f}%") in flat
     assert round(local.rows[3]["dp_epsilon"], 6) == round(local_cpu.rows[3]["dp_epsilon"], 6)
-    held: dict[str, list[tuple[str, int]]] = {}  # pid -> (time, MiB) while it held GPU memory
-    for line in (gpu / "gpu-processes.txt").read_text().splitlines():
-        time, pid, mib, _ = line.split()
-        held.setdefault(pid.rstrip(","), []).append((time, int(mib)))
+    held = _gpu_processes(gpu)
     workers = [pid for pid, h in held.items() if 700 <= max(m for _, m in h) <= 820]  # the SuperNodes
     assert len(workers) == 4 and "4 worker processes held the GPU (710-810 MiB each)" in flat
     assert len(held) == 7 + 7 + 4 + 1  # one process per simulate run, the 4 workers, the bench
