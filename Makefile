@@ -11,7 +11,7 @@ STAMP := $(VENV)/.flatflower-installed
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: install demo test test-fast test-docker bench bench-quick clean
+.PHONY: install demo test test-slow test-all test-fast test-docker bench bench-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,9 +28,19 @@ demo: $(STAMP)
 	$(BIN)/flatflower local --algorithm fedsam --clients 4 --rounds 6 --dataset digits --set local-epochs=10 \
 		--run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-# Everything: unit, algorithm and integration tests (real processes on loopback, Ray), on two
-# workers; the Ray tests run one at a time (their xdist group), deployments side by side on free ports.
+# The suite but its long end-to-end tests (marker `slow`): unit, algorithm, in-process, vectorised
+# and a loopback deployment, on two workers (under 10 minutes on 2 cores). The Ray tests run one
+# at a time (their xdist group), deployments side by side on free ports.
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=12 -m "not slow" tests
+
+# The long end-to-end tests alone: processes killed and restarted, TLS, Ray, whole CLI runs and
+# sweeps (about 20 minutes on 2 cores). CI runs `make test` and then this.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=12 -m slow tests
+
+# Both, in one pytest session.
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=12 tests
 
 # Unit and algorithm tests only (no Flower processes, no Ray).

@@ -205,12 +205,14 @@ def sign_flip_runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("sign-flip")  # one worker builds the module fixture once
 @pytest.mark.parametrize("name", ("median", "trimmed-mean", "krum", "multi-krum"))
 def test_a_sign_flipping_client_barely_moves_a_robust_rule(sign_flip_runs, name):
     assert sign_flip_runs["mean", "attacked"] < 0.2  # the mean follows the attacker to chance
     assert sign_flip_runs[name, "attacked"] >= sign_flip_runs[name, "clean"] - 0.03
 
 
+@pytest.mark.xdist_group("sign-flip")  # one worker builds the module fixture once
 def test_norm_clipping_bounds_a_sign_flipping_client(sign_flip_runs):
     """Clipping to the median norm keeps the attacker's pull to that of an honest client: the
     run learns, more slowly than without it."""

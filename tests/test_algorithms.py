@@ -547,6 +547,7 @@ def test_fedwmsam_identities(tmp_path):
 @pytest.mark.parametrize("algorithm,keys", [
     ("fedgf", {**GF, "fedgf.threshold": 0.0}), ("fedwmsam", WM),
     ("fedgloss", {"fedgloss.warmup-rounds": 3, "sam.rho": 0.2, "fedgloss.rho-server": 0.3})])
+@pytest.mark.slow
 def test_a_stopped_and_resumed_run_keeps_the_servers_scalars(tmp_path, algorithm, keys):
     """FedGF's window and w~, FedWMSAM's alpha (server records) and FedGloSS's warm-up (the
     round being played) survive a stop after round 2 (`flatflower simulate --resume`, which

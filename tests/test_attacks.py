@@ -309,6 +309,7 @@ def malicious_app_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_deployed_attacker_is_refused_over_the_real_transport(tmp_path):
     """3 SuperNodes on loopback; node 2 sends the header-lie array, replays, and reports an
     impossible accuracy. Every lie is refused with its reason, and the final model is that of
@@ -330,6 +331,7 @@ def test_a_deployed_attacker_is_refused_over_the_real_transport(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_numbers_and_records_beyond_the_protocol_are_refused_over_the_real_transport(tmp_path):
     """Node 2 reports loss-before = 1e300 (without client-eval no one else reports it: alone in
     its TensorBoard histogram it ended the run) and adds a MetricRecord to its evaluation

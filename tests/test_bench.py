@@ -20,6 +20,10 @@ from tools.cli import main as cli
 from tools.throughput import render as render_throughput
 
 
+# one worker runs `bench --quick` once for the tests that read its report
+pytestmark = pytest.mark.xdist_group("bench")
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"

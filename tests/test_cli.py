@@ -127,6 +127,7 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["presets", "algorithms"])
+@pytest.mark.slow
 def test_output_into_a_closed_pipe_ends_quietly_as_a_shell_reports_sigpipe(command):
     """`flatflower presets | head -1`: the reader goes away; the command ends with 141 (128 +
     SIGPIPE) and says nothing, instead of `error: [Errno 32] Broken pipe` and exit code 2."""

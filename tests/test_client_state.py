@@ -92,6 +92,7 @@ def test_a_refused_reply_and_a_skipped_round_leave_the_state_as_a_failed_round_d
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_deployed_straggler_leaves_its_state_as_a_failed_round_does(tmp_path):
     """Over a real SuperLink and SuperNodes: SCAFFOLD, node 1's round-2 reply comes after the
     deadline; the final model is the in-process run's in which client 1 failed round 2."""

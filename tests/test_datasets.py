@@ -225,6 +225,7 @@ def test_client_test_split_is_the_clients_held_out_data() -> None:
     assert client_test_split(RunConfig.from_mapping({"dataset": "digits"}), 0, 4) is None
 
 
+@pytest.mark.slow
 def test_mnist1d_is_generated_offline_and_leaves_global_rngs_alone() -> None:
     import random
 

@@ -357,6 +357,7 @@ def test_services_images_and_builds_exist():
                 assert build_dockerfile(service).is_file(), build_dockerfile(service)
 
 
+@pytest.mark.xdist_group("flower-help")  # one worker builds the module fixture once
 @pytest.mark.parametrize("combo", COMBOS)
 def test_flower_commands_are_real_scripts_with_real_flags(combo, flower_help):
     config = load_merged(COMBOS[combo])
@@ -904,6 +905,7 @@ def docs_commands() -> list[tuple[str, list[str]]]:
     return out
 
 
+@pytest.mark.xdist_group("flower-help")  # one worker builds the module fixture once
 def test_docs_commands_use_real_flags(flower_help):
     commands = docs_commands()
     assert {c for c, _ in commands} >= {"flower-superlink", "flower-supernode", "flwr run",

@@ -73,6 +73,7 @@ def same_flatness(a: list[dict], b: list[dict]) -> None:
 
 @pytest.mark.integration
 @pytest.mark.ray
+@pytest.mark.slow
 def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path):
     """Client state (FedTOGA's and FedSMOO's duals, FedSMOO's mu_i; FedLESAM-S's c_i and
     previous global model) persists in Ray's node contexts exactly as in-process; uploads
@@ -189,6 +190,7 @@ def deploy_and_match_inprocess(tmp_path, capsys, algorithm: str, rounds: int, ep
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_real_deployment_runs_fedtoga_and_matches_inprocess(tmp_path, capsys):
     """FedTOGA over a real SuperLink + 2 SuperNodes (gRPC on 127.0.0.1), with Flower's own
     ClientApp process per message (``--clientapps stock``): client duals live in the

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.helpers import metrics
 from tests.test_datasets import system_fashion_mnist
 from tools.cli import main as cli
 
 
+@pytest.mark.slow
 def test_a_short_federated_run_on_the_full_dirichlet_split_learns(tmp_path, capsys):
     """FedAvg, LeNet-5, all 60,000 training images split over 10 clients by Dirichlet(0.5), 3
     rounds of 20 local steps of 50 images: 49.4% test accuracy on the 10,000 test images when

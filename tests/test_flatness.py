@@ -95,6 +95,7 @@ def test_hutchinson_is_within_five_standard_deviations_of_the_exact_trace(logreg
         assert abs(estimate - trace) <= 5 * math.sqrt(variance / probes)
 
 
+@pytest.mark.slow
 def test_the_command_converges_to_the_exact_values(run_dir, logreg64, exact, tmp_path):
     """The float32 model through ``flatflower flatness`` against the float64 exact values of
     the same weights: the eigenvalue to float32 precision (given iterations and a tolerance),

@@ -357,6 +357,7 @@ def _ours(pid: int, marker: str) -> bool:
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_documented_server_on_a_clients_on_b_and_c_by_hand(tmp_path):
     t0 = time.monotonic()
     before = flower_pids()

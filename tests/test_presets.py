@@ -269,6 +269,7 @@ def test_clients_default_from_preset(tmp_path):
     assert resolved(["--preset", str(no_clients), *run_dir])[1] == 4
 
 
+@pytest.mark.slow
 def test_digits_preset_runs_inprocess(tmp_path, capsys):
     run = tmp_path / "run"
     code = main(["simulate", "--engine", "inprocess", "--preset", "digits-quick", "--run-dir", str(run)])

@@ -116,6 +116,7 @@ def test_with_lr_near_zero_the_global_model_moves_by_the_noise_alone(tmp_path):
     assert float(moved.std()) == pytest.approx(0.5, rel=0.05)
 
 
+@pytest.mark.slow
 def test_epsilon_is_reported_every_round_and_survives_a_resume(tmp_path):
     """q = M/N = 2/4 each round; the resumed run's epsilon after round 3 is the uninterrupted
     run's, and both are the accountant's."""

@@ -198,6 +198,7 @@ def _handshake_refusals(rows: list[dict]) -> list[tuple[int, dict]]:
     return [(r["round"], e) for r in rows[1:] for e in r["rejections"] if e["stage"] == "handshake"]
 
 
+@pytest.mark.slow
 def test_a_node_that_never_answers_its_handshake_is_reported_once_and_waited_for_once(tmp_path, caplog):
     """Node 2 never answers its query: round 1 waits node-wait-timeout for it once, records it
     (with its node id) under `rejections` and the log, and no later round (train or evaluate)
@@ -438,6 +439,7 @@ def test_a_round_that_every_node_left_is_never_recorded(tmp_path, back):
                 torch.load(Path(full.run_dir) / "model_final.pt"))
 
 
+@pytest.mark.slow
 def test_killed_inprocess_run_resumes_to_the_uninterrupted_model(tmp_path):
     assert cli(["simulate", "--engine", "inprocess", *SIM, "--run-dir", str(tmp_path / "full")]) == 0
     cut = tmp_path / "cut"
@@ -486,6 +488,7 @@ def _check_resumable_from_files(run: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.ray
+@pytest.mark.slow
 def test_ray_simulation_stopped_mid_run_resumes_to_the_uninterrupted_model(tmp_path):
     # Rounds long enough (and enough of them) that the stop lands well before the last one.
     # A round whose Ray actors fail (ActorUnavailableError, seen at load 10) is re-sent to its
@@ -521,6 +524,7 @@ def _descendants_alive(tag: str) -> set[int]:
 
 @pytest.mark.integration
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_killed_ray_simulation_takes_its_processes_with_it(tmp_path):
     """`kill -9` of `flatflower simulate` (Ray) mid-run: the SuperLink, the ServerApp and every
     Ray process (GCS, raylet, agents, actors) end with it, not a minute later or never."""
@@ -555,6 +559,7 @@ def test_a_killed_ray_simulation_takes_its_processes_with_it(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path):
     """3 SuperNodes: client 1 returns NaN every round, SuperNode 2 is killed after round 1.
     The run completes; the log names both; the model is that of an in-process run in which
@@ -585,6 +590,7 @@ def test_deployment_goes_on_without_a_killed_supernode_and_a_nan_client(tmp_path
 
 @pytest.mark.integration
 @pytest.mark.parametrize("sig, after", [(signal.SIGINT, 1), (signal.SIGTERM, 2)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.slow
 def test_an_interrupted_local_run_resumes_to_the_uninterrupted_model(tmp_path, sig, after):
     """Ctrl-C or `kill` of `flatflower local` once round `after`'s row and checkpoint are
     written (the next round starting; a kill between the row and the first checkpoint leaves
@@ -612,6 +618,7 @@ def test_an_interrupted_local_run_resumes_to_the_uninterrupted_model(tmp_path, s
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_real_node_that_never_answers_its_handshake_costs_one_wait_and_is_recorded(tmp_path):
     """3 SuperNodes; SuperNode 2's ClientApp never answers its partition handshake. Round 1
     waits node-wait-timeout for it once and records it with its node id; later rounds do not
@@ -634,6 +641,7 @@ def test_a_real_node_that_never_answers_its_handshake_costs_one_wait_and_is_reco
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_killed_superlink_is_one_error_line_and_the_checkpoint_resumes(tmp_path):
     """SIGKILL of the SuperLink mid-run: `flatflower local` stops everything it started, exits 1
     with one `error:` line (no traceback), and the run resumes from its last checkpoint."""
@@ -665,6 +673,7 @@ def test_a_killed_superlink_is_one_error_line_and_the_checkpoint_resumes(tmp_pat
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_restarted_supernode_keeps_its_identity_and_client_state(tmp_path):
     """TLS + node auth. SuperNode 0 is killed after round 2 and restarted with the same key:
     it gets the same node id, reloads its dual from its state mirror, and the run ends with
@@ -681,6 +690,7 @@ def test_restarted_supernode_keeps_its_identity_and_client_state(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_killed_server_of_a_tls_deployment_resumes_to_the_uninterrupted_model(tmp_path):
     """`flatflower local --tls`: the ServerApp process is killed after round 2 (the run fails
     within seconds, not at the SuperLink's heartbeat expiry: the command sees no ServerApp

@@ -237,6 +237,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_unregistered_supernode_is_refused(tmp_path):
     before = flower_pids()
     logs = tmp_path / "logs"

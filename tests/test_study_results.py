@@ -24,6 +24,9 @@ from tools.report import RUN_COLUMNS, load_run, run_row
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 CSV = RESULTS / "fashion-mnist.csv"
 RUNS = sorted(p for p in (RESULTS / "fashion-mnist-runs").glob("*-s*") if p.is_dir())
+# issue 27's newer methods, staged as their runs finish until all 21 join the CSV together
+NEWER = sorted(p for p in (RESULTS / "fashion-mnist-newer-runs").glob("*-s*") if p.is_dir())
+NEWER_METHODS = ("fedsol", "fedgloss", "fedswa", "fedmoswa", "fedwmsam", "fedgf", "dp-fedsam")
 # the rows the re-runs replaced (first runs on older code, no run directory kept)
 FIRST_RUNS = RESULTS / "fashion-mnist-first-runs.csv"
 LAST_K, TARGET = 10, 0.8  # the study's report: --last-k 10 --target 0.8 (docs/benchmarks.md)
@@ -112,6 +115,25 @@ def test_the_three_seed_table_in_the_docs_is_the_csvs_mean_and_std():
             mean, std = (float(x) for x in cells[column].split("±"))
             assert mean == round(float(np.mean(values)), digits), (name, key)
             assert std == round(float(np.std(values)), digits), (name, key)
+
+
+@pytest.mark.parametrize("run_dir", NEWER, ids=[p.name for p in NEWER])
+def test_a_staged_newer_run_ran_the_preset_was_measured_and_is_in_the_docs(run_dir):
+    """A run of a newer method staged in docs/results/fashion-mnist-newer-runs/ ran the preset's
+    setting on the recorded code, has its final model's train-split flatness, has no CSV row
+    yet, and docs/benchmarks.md ("The newer methods' settings") gives its final accuracy and
+    last-10 mean."""
+    run = _ran_the_preset(run_dir)
+    assert run.algorithm in NEWER_METHODS and run_dir.name == f"{run.algorithm}-s{run.seed}"
+    assert run.record["versions"]["flatflower-code"].startswith("1d7cb70")
+    row = run_row(run, LAST_K, TARGET)
+    assert row["flatness_split"] == "train" and row["hessian_max_eig"] is not None
+    assert (run.algorithm, int(run.seed)) not in _csv_rows()
+    doc = (RESULTS.parent / "benchmarks.md").read_text()
+    section = " ".join(doc[doc.index("### The newer methods' settings"):].split())
+    said = (f"{run.algorithm} seed {run.seed} {100 * row['final_accuracy']:.2f}% "
+            f"(last-10 mean {100 * row['last_k_mean']:.2f}%)")
+    assert said in section, said
 
 
 def test_fedgfs_threshold_in_the_preset_is_the_calibration_runs_median_divergence():

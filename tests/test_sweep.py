@@ -49,6 +49,7 @@ def test_resume_existing_skips_finished_runs(tmp_path, capsys):
     assert (out / "fedavg-s0" / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_resume_existing_continues_an_interrupted_run_from_its_checkpoint(tmp_path, capsys, jobs="2"):
     """A run stopped after round 2 of 4 (its checkpoint kept, no final model) goes on from round
     3 to the uninterrupted run's model; one interrupted before any checkpoint is moved aside
@@ -119,6 +120,7 @@ def _partition_seeds(out: Path) -> dict[str, int]:
             for d in sorted(out.iterdir()) if (d / "config.json").is_file()}
 
 
+@pytest.mark.slow
 def test_a_sweep_run_one_seed_at_a_time_stays_on_one_partition(tmp_path, capsys):
     """The study's way: one sweep per seed into one OUT. Seed 1's piece takes the partition of
     the runs already there, not its own first seed; an OUT of mixed partitions is refused."""
@@ -166,6 +168,7 @@ def test_partition_seed_decouples_the_partition_from_the_seed(tmp_path):
     assert any(len(x) != len(y) or (x != y).any() for x, y in zip(c, d))
 
 
+@pytest.mark.slow
 def test_jobs_run_in_parallel_processes_with_their_logs_and_one_report(tmp_path, capsys):
     out = tmp_path / "sweep"
     assert sweep(out, "--jobs", "2", algorithms="fedavg,fedsam", seeds="0") == 0
@@ -205,6 +208,7 @@ def _children(pid: int) -> set[int]:
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
+@pytest.mark.slow
 def test_a_terminated_sweep_stops_its_runs_and_resumes_where_it_stopped(tmp_path, jobs):
     """SIGTERM (as `kill` or a closed session sends) ends the sweep and every run it started
     (--jobs 2: its simulate processes), exit 130; --resume-existing then finishes the sweep."""

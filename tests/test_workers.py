@@ -70,6 +70,7 @@ def test_a_clientapp_exception_is_shown_as_type_and_message_bounded_and_clean():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_node_error_fails_the_run_at_once_on_the_operators_screen(tmp_path, capsys):
     """`flatflower local --device cuda:0` on a CPU-only machine: each node's handshake raises;
     the reason, with the partition, is printed and the run fails at once, not after
@@ -123,6 +124,7 @@ def _wait_gone(pid: int, seconds: float) -> bool:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_the_worker_never_outlives_its_supervisor_or_its_supernode(tmp_path):
     """The supervisor (flatflower-worker) runs the worker as a child; the child ends with the
     supervisor (killed as a whole by nothing else), and both end with the SuperNode pid given."""
@@ -156,6 +158,7 @@ def test_the_worker_never_outlives_its_supervisor_or_its_supernode(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_sigterm_stops_the_supervisor_and_its_worker_at_once():
     """`docker stop` sends SIGTERM to the container's PID 1, the supervisor: it passes it on to
     the worker and exits 0, well before Docker's 10 s stop timeout would SIGKILL it (the
@@ -192,6 +195,7 @@ def _wait_for_line(path, needle: str, seconds: float) -> str:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_the_worker_says_where_it_connected_and_where_it_cannot(tmp_path):
     """flatflower-worker prints one line when it reaches its SuperNode's Runtime API, and its
     retries name the address it cannot reach (Flower's own say "Connection attempt failed")."""

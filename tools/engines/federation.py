@@ -574,14 +574,29 @@ class LocalFederation:
                 next_status = time.monotonic() + (STATUS_EVERY if live else 1.0)
                 gone_since = (gone_since or time.monotonic()) if row.get("status") == RUNNING and not live else None
                 if gone_since and time.monotonic() - gone_since > APP_GONE_GRACE:
-                    self.flwr("stop", str(run_id), self.connection)
-                    return {**self.status(run_id), "status-details": "its ServerApp process ended "
+                    row = self.stop_run(run_id)
+                    if row.get("status") == COMPLETED:  # it finished after all
+                        return row
+                    return {**row, "status-details": "its ServerApp process ended "
                             "without finishing the run (killed?); flatflower stopped the run"}
             if time.monotonic() > deadline:
-                self.flwr("stop", str(run_id), self.connection)
+                row = self.stop_run(run_id)
+                if row.get("status") == COMPLETED:
+                    return row
                 raise FederationError(f"run {run_id} did not finish within {timeout:.0f}s; stopped it")
             self._check_alive(only="superlink")  # a lost SuperNode is the strategy's business
             time.sleep(poll)
+
+    def stop_run(self, run_id: int) -> dict[str, Any]:
+        """``flwr stop`` the run; its row afterwards. A run the SuperLink finished in the
+        meantime (it fails a run whose ServerApp missed its heartbeats) is not an error: the
+        run is stopped either way, and its row says how it ended."""
+        try:
+            self.flwr("stop", str(run_id), self.connection)
+        except FederationError as err:
+            if "already finished" not in str(err):
+                raise
+        return self.status(run_id)
 
     def _app_processes(self, table: dict[int, tuple[int, bytes]]) -> set[int]:
         """The live ServerApp (or simulation) processes the SuperLink started for runs: in
