@@ -35,7 +35,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=12 -m "not slow" tests
 
 # The long end-to-end tests alone: processes killed and restarted, TLS, Ray, whole CLI runs and
-# sweeps (about 20 minutes on 2 cores). CI runs `make test` and then this.
+# sweeps (about 25 minutes on 2 cores). CI runs `make test` and then this.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=12 -m slow tests
 
