@@ -255,6 +255,9 @@ class RunConfig:
             check(self.too_few_replies == "skip", "dp.clip > 0 needs too-few-replies = skip: a retried "
                   "client would release a second noised update of its round, which the accountant "
                   "does not count")
+            check(self.outlier_norm_factor == 0, "dp.clip > 0 needs outlier-norm-factor = 0: which "
+                  "updates are kept would depend on each one's norm, which the privacy analysis of the "
+                  "mean does not cover (clipping already bounds every update to dp.clip)")
         check(self.flatness_every >= 0, "flatness-every must be >= 0 (0 = no flatness measures; "
               "K = every K rounds and the last)")
         check(_pos(self.flatness_rho), f"flatness-rho must be a finite number > 0 (got {self.flatness_rho})")

@@ -20,9 +20,14 @@ does (for reproducing it): the update's norm is then bounded by C sqrt(L) for L 
 and the reported epsilon understates the loss of privacy by that factor.
 
 The privacy spent is accounted by Renyi DP of the sampled Gaussian mechanism (Mironov et al.
-2019; Opacus's implementation) with each round's sampling rate q = M/N, composed over the
-rounds and converted to (epsilon, delta). The analysis assumes Poisson sampling; the server
-samples a fixed number of clients, as the papers' code does.
+2019; Opacus's implementation), composed over the rounds and converted to (epsilon, delta),
+each round with its own sampling rate q (a client's chance to be sampled: M of the connected
+partitions, strategies/participation.py) and noise multiplier: sigma, or sigma sqrt(M'/M) when
+only M' of the M sampled updates were accepted (their mean then carries sigma C / sqrt(M M')
+over sensitivity C / M'; :func:`round_noise_multiplier`). The analysis assumes Poisson
+sampling; the server samples a fixed number of clients, as the papers' code does. It is of the
+uniform mean only: a server rule that reads single updates otherwise is refused under DP
+(``ServerRule.dp_refusal``).
 """
 
 from __future__ import annotations
@@ -68,27 +73,37 @@ def privatize(trained: Mapping[str, torch.Tensor], received: Mapping[str, torch.
     return out
 
 
+def round_noise_multiplier(noise_multiplier: float, sampled: int, accepted: int) -> float | None:
+    """The noise multiplier of a round's mean over its ``accepted`` updates, each noised for
+    ``sampled`` clients: noise std sigma C / sqrt(sampled M') over sensitivity C / M', i.e.
+    sigma sqrt(M'/M) (sigma itself when every sampled client was accepted; None: no update
+    was accepted, nothing of any client's data reaches the model)."""
+    if accepted <= 0 or sampled <= 0:
+        return None
+    return noise_multiplier * math.sqrt(min(accepted, sampled) / sampled)
+
+
 class PrivacyLedger:
     """The privacy spent so far: Renyi DP of the sampled Gaussian mechanism, one composition
-    per round with that round's sampling rate."""
+    per round with that round's sampling rate q and noise multiplier."""
 
-    def __init__(self, noise_multiplier: float):
-        self.noise_multiplier = noise_multiplier
+    def __init__(self):
         self.rdp = [0.0] * len(ORDERS)
         self.rounds = 0
-        self._per_round: dict[float, list[float]] = {}  # q -> one round's RDP (a few seconds each)
+        self._per_round: dict[tuple[float, float], list[float]] = {}  # (q, sigma) -> one round's RDP
 
-    def add_round(self, rate: float) -> None:
-        """One round that released the mean of the sampled clients' noised updates (rate: q = M/N)."""
+    def add_round(self, rate: float, noise_multiplier: float) -> None:
+        """One round that released the mean of its accepted clients' noised updates (rate: the
+        chance q that a client was sampled; noise_multiplier: that of the mean)."""
         from opacus.accountants.analysis.rdp import compute_rdp
 
-        q = min(1.0, max(0.0, rate))
-        step = self._per_round.get(q)
+        key = (min(1.0, max(0.0, rate)), noise_multiplier)
+        step = self._per_round.get(key)
         if step is None:
-            step = ([math.inf] * len(ORDERS) if self.noise_multiplier == 0 else
-                    [float(x) for x in compute_rdp(q=q, noise_multiplier=self.noise_multiplier, steps=1,
+            step = ([math.inf] * len(ORDERS) if noise_multiplier == 0 else
+                    [float(x) for x in compute_rdp(q=key[0], noise_multiplier=noise_multiplier, steps=1,
                                                    orders=list(ORDERS))])
-            self._per_round[q] = step
+            self._per_round[key] = step
         self.rdp = [a + b for a, b in zip(self.rdp, step)]
         self.rounds += 1
 

@@ -28,7 +28,8 @@ from common.models import build_model
 from common.privacy import PrivacyLedger
 from server.clients import client_rows
 from server.progress import RoundProgress
-from server.rundir import RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint
+from server.rundir import (RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint,
+                           open_file)
 from server.tensorboard import Board
 from strategies.base import all_finite
 from strategies.strategy import RoundStats
@@ -57,6 +58,10 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
 def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
     t_start = time.monotonic()
     log.info("flatflower: %s on %s, run directory %s", cfg.algorithm, cfg.dataset, run_dir.path)
+    if cfg.algorithm == "dp-fedsam" and cfg.dp_clip == 0:
+        log.warning("dp-fedsam with dp.clip = 0: no clipping and no noise, so no privacy and no dp_epsilon "
+                    "(DP-FedSAM's local optimizer alone); its authors' values: dp.clip = 0.2, "
+                    "dp.noise-multiplier = 0.95")
     data = dataset_for(cfg)
     model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)
     torch.set_num_threads(1)
@@ -69,9 +74,11 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         strategy.load_state_dict(ckpt["strategy"])
         check_client_state(cfg, ckpt)  # after the checkpoint's accepted rounds were checked
         first = ckpt["round"] + 1
-        run_dir.truncate_metrics(ckpt["round"])
-        run_dir.truncate_metrics(ckpt["round"], "clients.jsonl")
-        log.info("resuming from the checkpoint of round %d", ckpt["round"])
+    ledger = privacy_ledger(cfg, run_dir, first) if cfg.dp_clip > 0 else None  # before any truncation
+    if cfg.resume:
+        run_dir.truncate_metrics(first - 1)
+        run_dir.truncate_metrics(first - 1, "clients.jsonl")
+        log.info("resuming from the checkpoint of round %d", first - 1)
     else:
         run_dir.save_model("model_init.pt", model.state_dict())
     run_dir.write_config(cfg, model=cfg.resolved_model(), engine=engine_of(grid))
@@ -104,20 +111,19 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
 
     board = Board(run_dir.path, cfg.tensorboard)
     try:
-        return _rounds(grid, cfg, run_dir, strategy, central_eval, flatness, first, board, t_start)
+        return _rounds(grid, cfg, run_dir, strategy, central_eval, flatness, first, board, t_start, ledger)
     finally:
         board.close()
 
 
 def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval, flatness,
-            first: int, board: Board, t_start: float) -> Path:
+            first: int, board: Board, t_start: float, ledger: PrivacyLedger | None) -> Path:
     loss, acc = central_eval()
     if not cfg.resume:
         run_dir.append_metrics({"round": 0, "test_accuracy": acc, "test_loss": finite(loss)})
         board.add_round({"round": 0, "test_accuracy": acc, "test_loss": finite(loss)})
         log.info("round 0: test accuracy %.4f, loss %.4f", acc, loss)
     RoundProgress(grid, run_dir.path, cfg.num_server_rounds)  # progress.json inside each round
-    ledger = privacy_ledger(cfg, run_dir, strategy) if cfg.dp_clip > 0 else None
     skipped = 0
     for rnd in range(first, cfg.num_server_rounds + 1):
         t_round = time.monotonic()
@@ -138,7 +144,10 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
                     "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})
         row.update(flatness(rnd, stats))  # after "seconds": its cost is flatness_seconds
         if ledger is not None:  # the clients released noised updates this round, skipped or not
-            ledger.add_round(stats.clients_sampled / strategy.num_partitions)
+            entry = {"round": rnd, **stats.privacy}
+            if entry["dp_noise_multiplier"] is not None:  # None: no update accepted, nothing released
+                ledger.add_round(entry["dp_sampling_rate"], entry["dp_noise_multiplier"])
+            run_dir.append_rows(LEDGER, [entry])  # first: a round redone after a resume counts twice
             row["dp_epsilon"] = finite(ledger.epsilon(cfg.dp_delta))
         clients = client_rows(strategy.round_record(), rnd)
         run_dir.append_rows("clients.jsonl", clients)
@@ -167,17 +176,42 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
     return run_dir.path
 
 
-def privacy_ledger(cfg: RunConfig, run_dir: RunDir, strategy) -> PrivacyLedger:
-    """The privacy spent by the rounds before this one (a resumed run's kept rows: each
-    round's q = clients sampled / N)."""
-    ledger = PrivacyLedger(cfg.dp_noise_multiplier)
-    path = run_dir.path / "metrics.jsonl"
-    for line in path.read_text().splitlines() if cfg.resume and path.exists() else []:
-        row = json.loads(line)
-        if row.get("round", 0) >= 1:
-            ledger.add_round(row["clients_sampled"] / strategy.num_partitions)
+def privacy_ledger(cfg: RunConfig, run_dir: RunDir, first: int) -> PrivacyLedger:
+    """The privacy spent before round ``first``: every round of ``privacy.jsonl`` (LEDGER), the
+    rounds a resume redoes included (they released models too). It is never truncated; a
+    resumed DP run without it, or missing a round its checkpoint holds, is refused."""
+    ledger = PrivacyLedger()
+    path = run_dir.path / LEDGER
+    if not cfg.resume:
+        return ledger
+    try:
+        with open_file(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        lines = []
+    except OSError as err:
+        raise RunFailed(f"cannot read {path}: {err.strerror or err}") from None
+    seen = set()
+    for number, line in enumerate(lines, 1):
+        try:
+            entry = json.loads(line)
+            rnd, rate, sigma = int(entry["round"]), entry["dp_sampling_rate"], entry["dp_noise_multiplier"]
+            if not (0.0 <= float(rate) <= 1.0 and (sigma is None or 0.0 <= float(sigma) < math.inf)):
+                raise ValueError(f"sampling rate {rate!r}, noise multiplier {sigma!r}")
+            if sigma is not None:
+                ledger.add_round(float(rate), float(sigma))
+            seen.add(rnd)
+        except (ValueError, KeyError, TypeError) as err:
+            raise RunFailed(f"{path}, line {number}: not a privacy ledger entry ({err})") from None
+    missing = sorted(set(range(1, first)) - seen)
+    if missing:
+        raise RunFailed(f"{path} lacks rounds {missing[:5]}{' ...' if len(missing) > 5 else ''} of the "
+                        f"checkpoint's 1-{first - 1}: the privacy they spent cannot be accounted, and a "
+                        "run with dp.clip > 0 resumes only with its whole ledger (restore the file)")
     return ledger
 
+
+LEDGER = "privacy.jsonl"  # dp.clip > 0: each round's (q, noise multiplier), append-only
 
 ENGINES = {"InProcessGrid": "inprocess", "VectorizedGrid": "vectorized", "InMemoryGrid": "ray"}
 
@@ -209,4 +243,5 @@ def round_fields(stats: RoundStats) -> dict:
     row = asdict(stats)
     row["train_loss"] = row["train_loss"] if math.isfinite(row["train_loss"]) else None
     row.update({k: finite(v) for k, v in row.pop("rule").items()})  # the algorithm's own columns
+    row.update(row.pop("privacy"))  # dp.clip > 0: the round's q and noise multiplier
     return row

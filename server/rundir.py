@@ -4,6 +4,8 @@
     partition.json   partition id -> indices into the training split
     metrics.jsonl    one line per round (round 0 = the initial model)
     clients.jsonl    one line per sampled client per round (server/clients.py)
+    privacy.jsonl    dp.clip > 0: each round's sampling rate and noise multiplier, append-only
+                     (never truncated: the privacy ledger a resume goes on from; server/run.py)
     progress.jsonl   events inside a round (server/progress.py), for the CLI's live display
     events.out.tfevents.*  TensorBoard (server/tensorboard.py), when it is installed
     model_init.pt    state_dict before round 1

@@ -63,6 +63,14 @@ class ServerRule:
         self.round = 1
 
     # ------------------------------------------------------------------ algorithm hooks
+    @classmethod
+    def dp_refusal(cls, cfg: RunConfig) -> str | None:
+        """Why client-level DP (``dp.clip > 0``) does not cover what this server releases, or
+        None. The privacy analysis is of the uniform mean of the accepted updates
+        (common/privacy.py): a server that also reads single updates (their norms, their
+        angles, each scaled its own way) releases more than that mean."""
+        return None
+
     def init_records(self) -> None:
         """Allocate the algorithm's server state in ``self.records`` (default: none)."""
 

@@ -24,6 +24,16 @@ from common.tensors import add_scaled, scale, sub, zeros_like
 from strategies.fedavg import FedAvg
 
 
+def dp_refusal_of_global_update(cfg) -> str | None:
+    """The global update scales each client's update by its own 1/tau_i: a function of the mean
+    of the updates under DP only when every client takes the same number of steps."""
+    if cfg.local_steps == 0:
+        return ("its server scales each client's update by 1/(lr tau_i), tau_i the client's own step "
+                "count, which the DP analysis of the uniform mean does not cover; set local-steps > 0 "
+                "(every client the same number of steps)")
+    return None
+
+
 def global_update(model, updates, weights, lr: float, aggregate):
     """-sum_i p_i (w_i - w) / (lr * tau_i): the round's mean pseudo-gradient (tau_i: the steps
     the server asked of client i), combined by ``aggregate``."""
@@ -43,6 +53,10 @@ class GlobalUpdateParams(Params):
 
 class FedCM(FedAvg):
     Params = GlobalUpdateParams
+
+    @classmethod
+    def dp_refusal(cls, cfg):
+        return dp_refusal_of_global_update(cfg)
 
     def init_records(self):
         self.records[GLOBAL_UPDATE] = zeros_like(self.model)  # Delta^0 = 0

@@ -57,6 +57,11 @@ class FedGFServerParams(SAMParams):
 class FedGF(FedAvg):
     Params = FedGFServerParams
 
+    @classmethod
+    def dp_refusal(cls, cfg):
+        return ("its server measures each client's distance from the model it received (the "
+                "divergence D that sets c), which the DP analysis of the uniform mean does not cover")
+
     def init_records(self):
         self.records[PERTURBED_GLOBAL] = clone(self.model)  # unused while c = 0
         # 1 / 0 per recent round (D > T_D or not), oldest first; -1 = no round yet

@@ -14,6 +14,7 @@ and after the round, with Delta_k = w_k - w~^t over the M accepted clients:
     w^{t+1}   = w^t + eta_g u - beta sigma               (eta_g = ``server-lr`` scales u only)
     pg        = -u                                       (the next round's ascent direction)
 
+``fedgloss.admm = false``: sigma stays 0 (w^{t+1} = w^t + eta_g u; the clients drop theirs too).
 The plain sum over the M replies is M times the uniform mean (a robust estimate of it under a
 robust ``aggregator``). rho_s = ``fedgloss.rho-server``; the clients' rho_l = ``sam.rho`` is sent
 each round as a scalar (``local-radius``), so the server owns both radii's schedule.
@@ -81,8 +82,9 @@ class FedGloSS(FedAvg):
         p, m, start = self.params, len(updates), self.start_point()
         deltas = [sub(u.model, start) for u in updates]
         u = self.aggregate(deltas, weights)
-        total = scale(self.aggregate(deltas, [1.0 / m] * m), float(m))  # sum_k Delta_k
-        divisor = p.beta * self.federation_size() * (m if p.dual == "NM" else 1)
-        self.records[DUAL] = add_scaled(self.records[DUAL], -1.0 / divisor, total)
+        if p.admm:
+            total = scale(self.aggregate(deltas, [1.0 / m] * m), float(m))  # sum_k Delta_k
+            divisor = p.beta * self.federation_size() * (m if p.dual == "NM" else 1)
+            self.records[DUAL] = add_scaled(self.records[DUAL], -1.0 / divisor, total)
         self.model = add_scaled(add_scaled(self.model, self.cfg.server_lr, u), -p.beta, self.records[DUAL])
         self.records[PSEUDO_GRADIENT] = scale(u, -1.0)

@@ -18,7 +18,7 @@ from client.algorithms.fedtoga import DualStepParams
 from common.params import key, one_of
 from common.protocol import GLOBAL_UPDATE
 from common.tensors import zeros_like
-from strategies.fedcm import global_update
+from strategies.fedcm import dp_refusal_of_global_update, global_update
 from strategies.feddyn import FedDyn
 
 
@@ -32,6 +32,10 @@ class FedTOGAServerParams(DualStepParams):
 
 class FedTOGA(FedDyn):
     Params = FedTOGAServerParams
+
+    @classmethod
+    def dp_refusal(cls, cfg):
+        return dp_refusal_of_global_update(cfg)
 
     def init_records(self):
         super().init_records()

@@ -54,6 +54,12 @@ def cosine(a, b) -> float | None:
 class FedWMSAM(FedAvg):
     Params = FedWMSAMServerParams
 
+    @classmethod
+    def dp_refusal(cls, cfg):
+        return ("its server reads each client's update on its own (the similarity 1 + cos(Delta_k, m) "
+                "that sets alpha, each update scaled by its own 1/tau_k), which the DP analysis of "
+                "the uniform mean does not cover")
+
     def init_records(self):
         self.records[GLOBAL_UPDATE] = zeros_like(self.model)  # m^0 = 0
         self.records[CONTROL] = zeros_like(self.model)  # c^0 = 0

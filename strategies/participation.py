@@ -319,3 +319,13 @@ class Participation:
         total = self.num_partitions or len(partitions)
         size = min(len(partitions), max(1, math.floor(fraction * total + 0.5)))
         return sorted(int(p) for p in rng.choice(partitions, size=size, replace=False))
+
+    def inclusion_rate(self, pool: int, chosen: int, fraction: float) -> float:
+        """The probability that :meth:`sample` picks a given one of the ``pool`` partitions it
+        sampled from (what a privacy accountant needs as q): ``fixed``, the ``chosen`` of the
+        pool; ``bernoulli``, ``fraction`` given that the draw is not empty (it is redrawn)."""
+        if pool <= 0:
+            return 0.0
+        if self.cfg.sampling == "bernoulli":
+            return min(1.0, fraction / -math.expm1(pool * math.log1p(-fraction))) if fraction < 1 else 1.0
+        return min(1.0, chosen / pool)

@@ -39,6 +39,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from common import codec
 from common import protocol as P
 from common.config import ConfigError, RunConfig
+from common.privacy import round_noise_multiplier
 from common.tensors import global_norm
 from strategies.aggregate import client_weights
 from strategies.base import ServerRule
@@ -76,6 +77,10 @@ class RoundStats:
     failures: list[dict] = field(default_factory=list)
     # what the algorithm's server update measured (FedGF's divergence): metrics.jsonl columns
     rule: dict[str, float] = field(default_factory=dict)
+    # client-level DP's round (dp.clip > 0; common/privacy.py): dp_sampling_rate (q, each
+    # client's chance to be sampled) and dp_noise_multiplier (the noise the round's mean
+    # carries, over its sensitivity): metrics.jsonl columns, and the privacy ledger's entry
+    privacy: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,8 @@ class FlatStrategy(FlowerFedAvg):
                               "client-level DP here clips and noises the model update only; use an algorithm "
                               "whose only upload is the model (FedAvg, FedSAM, FedProx, ...)")
         self.rule: ServerRule = spec.new_rule(cfg, initial_model)
+        if cfg.dp_clip > 0 and (why := self.rule.dp_refusal(cfg)):
+            raise ConfigError(f"dp.clip > 0: {spec.name}: {why}")
         self.layout = layout_of(self.rule.model)
         self.round = 0  # last completed training round
         self.participation = Participation(cfg, partition_sizes)
@@ -216,6 +223,8 @@ class FlatStrategy(FlowerFedAvg):
         values = {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._nonce}
         if self.cfg.dp_clip > 0:  # M: each client's DP noise is noise-multiplier * clip / sqrt(M)
             values[P.SAMPLED_CLIENTS] = len(chosen)
+            self.stats.privacy["dp_sampling_rate"] = self.participation.inclusion_rate(
+                len(available), len(chosen), self.fraction_train)
         scalars = self.rule.broadcast_values()
         if sorted(scalars) != sorted(self.spec.values):
             raise RuntimeError(f"{self.spec.name}: the rule sends values {sorted(scalars)}, the registry "
@@ -348,6 +357,9 @@ class FlatStrategy(FlowerFedAvg):
         the round is skipped: model and server state stay as they were."""
         self.stats.clients_replied = len(updates) + self.stats.clients_rejected
         updates = self.reject_outliers(server_round, updates)
+        if self.cfg.dp_clip > 0:
+            self.stats.privacy["dp_noise_multiplier"] = round_noise_multiplier(
+                self.cfg.dp_noise_multiplier, self.stats.clients_sampled, len(updates))
         self._accepted = (self.rule.start_point(), updates)  # for round_record()
         aggregator = self.rule.aggregator
         needed = max(self.cfg.min_replies, aggregator.required())

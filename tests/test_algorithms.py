@@ -394,6 +394,20 @@ def test_fedgloss_identities(tmp_path):
         "fedgloss.beta": 4.0, "sam.rho": 0.0, "fedgloss.rho-server": 0.3, "fedgloss.dual": "N"}), plain)
 
 
+def test_fedgloss_without_admm_or_server_radius_is_fedavg_or_fedsam_with_the_server_lr(tmp_path):
+    """fedgloss notes §4 (issue 27): rho_s = 0 and no ADMM terms (``fedgloss.admm = false``, the
+    limit beta -> inf) is FedAvg with server lr eta_g (rho_l = 0), or FedSAM with it (rho_l > 0);
+    with the ADMM terms (any beta) it is not."""
+    keys = {**PARTIAL, "server-lr": 0.7}
+    gloss = {"fedgloss.rho-server": 0.0, "fedgloss.admm": False, "fedgloss.beta": 4.0}
+    assert finals_equal(run(tmp_path, "gloss-avg", algorithm="fedgloss", **keys, **gloss, **{"sam.rho": 0.0}),
+                        run(tmp_path, "avg", algorithm="fedavg", **keys))
+    sam = run(tmp_path, "gloss-sam", algorithm="fedgloss", **keys, **gloss, **{"sam.rho": 0.05})
+    assert finals_equal(sam, run(tmp_path, "sam", algorithm="fedsam", **keys, **{"sam.rho": 0.05}))
+    assert_differ(run(tmp_path, "gloss-admm", algorithm="fedgloss", **keys, **{
+        **gloss, "fedgloss.admm": True, "sam.rho": 0.05}), sam)
+
+
 # ================================================================ FedSWA, FedMoSWA
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
 def test_fedswa_matches_pseudocode(tmp_path, partial):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.config import ConfigError, RunConfig
-from common.privacy import PrivacyLedger, privatize
+from common.privacy import PrivacyLedger, privatize, round_noise_multiplier
 from tests.helpers import PARTIAL, assert_differ, fast_config, finals_equal, metrics, run
 from tools.engines.inprocess import run_inprocess
 from tools.report import main as report_main
@@ -24,16 +24,16 @@ from tools.report import main as report_main
 def test_the_accountant_gives_dp_fedsams_published_values(sigma, rounds, q, delta, epsilon):
     """DP-FedSAM's eps_computer.py (its example, sigma 0.95, 200 rounds, q 0.1, delta 5e-3: 7.773)
     and two more points computed with it (dp-fedsam notes §2.4)."""
-    ledger = PrivacyLedger(sigma)
+    ledger = PrivacyLedger()
     for _ in range(rounds):
-        ledger.add_round(q)
+        ledger.add_round(q, sigma)
     assert ledger.epsilon(delta) == pytest.approx(epsilon, abs=1e-3)
 
 
 def test_no_noise_spends_everything_and_no_round_nothing():
-    ledger = PrivacyLedger(0.0)
+    ledger = PrivacyLedger()
     assert ledger.epsilon(1e-5) == 0.0
-    ledger.add_round(0.5)
+    ledger.add_round(0.5, 0.0)
     assert math.isinf(ledger.epsilon(1e-5))
 
 
@@ -69,6 +69,7 @@ def test_each_client_adds_noise_of_std_sigma_clip_over_sqrt_m():
     ({"dp.clip": 1.0, "aggregation": "uniform", "too-few-replies": "retry"}, "needs too-few-replies = skip"),
     ({"dp.clip": -1.0}, "dp.clip must be"), ({"dp.delta": 1.0}, "dp.delta must be in (0, 1)"),
     ({"dp.clip-mode": "tensor"}, "dp.clip-mode='tensor' is not one of"),
+    ({"dp.clip": 1.0, "aggregation": "uniform", "outlier-norm-factor": 3.0}, "needs outlier-norm-factor = 0"),
 ])
 def test_bad_dp_settings_are_refused(values, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -122,9 +123,9 @@ def test_epsilon_is_reported_every_round_and_survives_a_resume(tmp_path):
     run's, and both are the accountant's."""
     keys = {**DP, "dp.clip": 1.0, "dp.noise-multiplier": 1.1, "dp.delta": 1e-4}
     whole = run(tmp_path, "whole", algorithm="dp-fedsam", **keys)
-    ledger, expected = PrivacyLedger(1.1), []
+    ledger, expected = PrivacyLedger(), []
     for _ in range(3):
-        ledger.add_round(0.5)
+        ledger.add_round(0.5, 1.1)
         expected.append(ledger.epsilon(1e-4))
     rows = metrics(whole["run_dir"])[1:]
     np.testing.assert_allclose([r["dp_epsilon"] for r in rows], expected, rtol=1e-12)
@@ -145,3 +146,105 @@ def test_epsilon_is_reported_every_round_and_survives_a_resume(tmp_path):
 def test_an_algorithm_that_uploads_more_than_the_model_is_refused(tmp_path):
     with pytest.raises(Exception, match="scaffold uploads control_delta besides the model"):
         run(tmp_path, "scaffold", algorithm="scaffold", **DP, **{"dp.clip": 1.0})
+
+
+@pytest.mark.parametrize("algorithm,keys,fragment", [
+    ("fedgf", {"fedgf.threshold": 1.0}, "fedgf: its server measures each client's distance"),
+    ("fedwmsam", {}, "fedwmsam: its server reads each client's update on its own"),
+    ("mofedsam", {"local-steps": 0, "local-epochs": 1}, "mofedsam: its server scales each client's update"),
+    ("fedtoga", {"local-steps": 0, "local-epochs": 1}, "fedtoga: its server scales each client's update"),
+])
+def test_a_server_that_reads_single_updates_is_refused_under_dp(tmp_path, algorithm, keys, fragment):
+    """The analysis covers the uniform mean of the accepted updates only: FedGF's divergence
+    (each client's distance), FedWMSAM's similarity (each client's angle) and the FedCM family's
+    1/tau_i with unequal step counts release more, so they are refused with one clear line."""
+    with pytest.raises(ConfigError, match=fragment):
+        run(tmp_path, algorithm, algorithm=algorithm, **DP, **keys, **{"dp.clip": 1.0})
+
+
+def test_the_fedcm_family_with_equal_step_counts_runs_under_dp(tmp_path):
+    """With local-steps > 0 every client's 1/tau is the same: the global update is a function of
+    the mean, and MoFedSAM runs under DP (its epsilon reported)."""
+    rows = run(tmp_path, "mofedsam", algorithm="mofedsam", **DP, **{"dp.clip": 1.0,
+                                                                    "dp.noise-multiplier": 1.0})["rows"]
+    assert all(r["dp_epsilon"] > 0 for r in rows)
+
+
+def test_the_sampling_rate_is_each_clients_chance_in_the_pool_sampled_from():
+    """q for the accountant: fixed sampling, the sampled share of the partitions sampled from
+    (not of N when fewer are connected); bernoulli, the fraction given a non-empty draw."""
+    from strategies.participation import Participation
+
+    fixed = Participation(RunConfig.from_mapping({"sampling": "fixed"}))
+    assert fixed.inclusion_rate(100, 10, 0.1) == 0.1
+    assert fixed.inclusion_rate(40, 10, 0.1) == 0.25  # 40 of N = 100 connected
+    assert fixed.inclusion_rate(0, 0, 0.1) == 0.0
+    bern = Participation(RunConfig.from_mapping({"sampling": "bernoulli"}))
+    assert bern.inclusion_rate(100, 7, 0.1) == pytest.approx(0.1 / (1 - 0.9 ** 100), rel=1e-12)
+    assert bern.inclusion_rate(2, 1, 0.5) == pytest.approx(0.5 / 0.75, rel=1e-12)  # P(i in S | S non-empty)
+    assert bern.inclusion_rate(3, 3, 1.0) == 1.0
+
+
+def test_a_round_with_fewer_accepted_updates_is_accounted_with_the_noise_its_mean_carries(tmp_path):
+    """Each client's noise is calibrated to the M clients sampled (sigma C / sqrt(M)); when only
+    M' < M updates are accepted, their mean carries sigma C / sqrt(M M') over sensitivity C / M',
+    i.e. noise multiplier sigma sqrt(M'/M): the round's ledger entry, and epsilon grows faster."""
+    from tests.helpers import run_with_faults
+
+    keys = {"algorithm": "fedavg", "aggregation": "uniform", "num-server-rounds": 2, "dp.clip": 1.0,
+            "dp.noise-multiplier": 1.2}
+    whole, _ = run_with_faults(tmp_path, "whole", clients=3, **keys)
+    cut, _ = run_with_faults(tmp_path, "cut", faults={1: "raise@2"}, clients=3, **keys)
+    assert [r["clients_sampled"] for r in cut[1:]] == [3, 3]
+    assert [r["dp_sampling_rate"] for r in cut[1:]] == [1.0, 1.0]
+    assert [r["dp_noise_multiplier"] for r in whole[1:]] == [1.2, 1.2]
+    assert cut[1]["dp_noise_multiplier"] == 1.2
+    assert cut[2]["dp_noise_multiplier"] == pytest.approx(1.2 * math.sqrt(2 / 3), rel=1e-12)
+    ledger = PrivacyLedger()
+    ledger.add_round(1.0, 1.2)
+    ledger.add_round(1.0, 1.2 * math.sqrt(2 / 3))
+    assert cut[2]["dp_epsilon"] == pytest.approx(ledger.epsilon(1e-5), rel=1e-12)
+    assert cut[2]["dp_epsilon"] > whole[2]["dp_epsilon"]
+    assert round_noise_multiplier(1.2, 3, 0) is None  # nothing accepted: nothing released
+
+
+def _ledger(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "privacy.jsonl").read_text().splitlines()]
+
+
+def test_the_privacy_ledger_outlives_a_resume_and_a_damaged_one_is_refused(tmp_path):
+    """privacy.jsonl is never truncated: a round that ran past the checkpoint (its models were
+    released) still counts after the resume redoes it. A resume without the ledger, or with a
+    round of the checkpoint missing from it, is refused, and nothing of the run is changed."""
+    config = fast_config(algorithm="fedavg", aggregation="uniform", **{
+        "num-server-rounds": 2, "dp.clip": 1.0, "dp.noise-multiplier": 1.1, "run-dir": str(tmp_path / "r")})
+    run_dir, _ = run_inprocess(config, 3)
+    assert [e["round"] for e in _ledger(run_dir)] == [1, 2]
+    # as if round 3 had run (and released its model) before the process died, its checkpoint unwritten
+    extra = {**_ledger(run_dir)[-1], "round": 3}
+    with (run_dir / "privacy.jsonl").open("a") as f:
+        f.write(json.dumps(extra) + "\n")
+    run_inprocess({**config, "num-server-rounds": 3, "resume": True}, 3)
+    ledger = PrivacyLedger()
+    for entry in _ledger(run_dir):
+        ledger.add_round(entry["dp_sampling_rate"], entry["dp_noise_multiplier"])
+    assert [e["round"] for e in _ledger(run_dir)] == [1, 2, 3, 3]
+    assert metrics(run_dir)[-1]["dp_epsilon"] == pytest.approx(ledger.epsilon(1e-5), rel=1e-12)
+
+    kept = (run_dir / "metrics.jsonl").read_text()
+    (run_dir / "privacy.jsonl").write_text("\n".join(json.dumps(e) for e in _ledger(run_dir)[1:]) + "\n")
+    with pytest.raises(Exception, match=r"lacks rounds \[1\] of the checkpoint's 1-3"):
+        run_inprocess({**config, "num-server-rounds": 4, "resume": True}, 3)
+    (run_dir / "privacy.jsonl").unlink()
+    with pytest.raises(Exception, match=r"privacy.jsonl lacks rounds \[1, 2, 3\]"):
+        run_inprocess({**config, "num-server-rounds": 4, "resume": True}, 3)
+    assert (run_dir / "metrics.jsonl").read_text() == kept
+
+
+def test_dp_fedsam_without_dp_says_so(tmp_path, caplog):
+    """dp-fedsam with dp.clip = 0 (the general default) runs DP-FedSAM's local optimizer alone, as
+    its identity with FedSAM needs, and the run's log says that nothing is private."""
+    with caplog.at_level("WARNING"):
+        rows = run(tmp_path, "nodp", algorithm="dp-fedsam")["rows"]
+    assert "dp-fedsam with dp.clip = 0: no clipping and no noise, so no privacy" in caplog.text
+    assert all("dp_epsilon" not in r for r in rows)

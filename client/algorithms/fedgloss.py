@@ -8,7 +8,9 @@ anchored at the model received, which is the server's perturbed model w~^t:
     sigma_k <- sigma_k - (w_K - w~^t)/beta      (kept on the client)
 
 The anchor and the dual update are once per round (Alg. 1; the code re-anchors every local
-epoch, the same for its published E = 1: notes A3).
+epoch, the same for its published E = 1: notes A3). ``fedgloss.admm = false`` drops the ADMM
+terms (no prox, sigma_k stays 0): with rho_s = 0 the method is then FedAvg (rho_l = 0) or FedSAM
+with the server lr.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ class GloSSDualParams(Params):
 
     beta: float = key("fedgloss.beta", 10.0, "ADMM penalty beta: prox weight and dual step 1/beta "
                       "(the authors' CIFAR-10 runs: 10)", POSITIVE)
+    admm: bool = key("fedgloss.admm", True, "the ADMM terms (FedDyn-style duals and prox); false: none, "
+                     "the limit beta -> inf (with rho_s = 0: FedAvg / FedSAM with the server lr)")
 
 
 class FedGloSSClient(DualClient):
     Params = GloSSDualParams
 
     def dual_coefficient(self) -> float:
-        return 1.0 / self.params.beta
+        return 1.0 / self.params.beta if self.params.admm else 0.0
 
     def gradient(self, w, batch):
         rho = self.broadcast[LOCAL_RADIUS]  # a Python float, the same for every client of the round
