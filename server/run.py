@@ -28,8 +28,7 @@ from common.models import build_model
 from common.privacy import PrivacyLedger
 from server.clients import client_rows
 from server.progress import RoundProgress
-from server.rundir import (RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint,
-                           open_file)
+from server.rundir import RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint
 from server.tensorboard import Board
 from strategies.base import all_finite
 from strategies.strategy import RoundStats
@@ -184,15 +183,8 @@ def privacy_ledger(cfg: RunConfig, run_dir: RunDir, first: int) -> PrivacyLedger
     path = run_dir.path / LEDGER
     if not cfg.resume:
         return ledger
-    try:
-        with open_file(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        lines = []
-    except OSError as err:
-        raise RunFailed(f"cannot read {path}: {err.strerror or err}") from None
     seen = set()
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(run_dir.read_lines(LEDGER), 1):
         try:
             entry = json.loads(line)
             rnd, rate, sigma = int(entry["round"]), entry["dp_sampling_rate"], entry["dp_noise_multiplier"]

@@ -309,18 +309,22 @@ class RunDir:
         except OSError as err:
             raise RunWriteError(f"cannot write {path}: {err.strerror or err}") from None
 
+    def read_lines(self, name: str) -> list[str]:
+        """The lines of ``name`` ([] when it does not exist), never through a link."""
+        path = self.path / name
+        try:
+            with open_file(path) as f:
+                return f.read().splitlines()
+        except FileNotFoundError:
+            return []
+        except OSError as err:
+            raise RunDirError(f"cannot read {path}: {err.strerror or err}") from None
+
     def truncate_metrics(self, last_round: int, name: str = "metrics.jsonl") -> None:
         """Keep the complete rows of rounds <= last_round (a resumed run redoes the rest)."""
         path = self.path / name
         rows = []
-        try:
-            with open_file(path) as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
-            lines = []
-        except OSError as err:
-            raise RunDirError(f"cannot read {path}: {err.strerror or err}") from None
-        for line in lines:
+        for line in self.read_lines(name):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
