@@ -92,11 +92,14 @@ class PrivacyLedger:
         self.rounds = 0
         self._per_round: dict[tuple[float, float], list[float]] = {}  # (q, sigma) -> one round's RDP
 
-    def add_round(self, rate: float, noise_multiplier: float) -> None:
+    def add_round(self, rate: float, noise_multiplier: float | None) -> None:
         """One round that released the mean of its accepted clients' noised updates (rate: the
-        chance q that a client was sampled; noise_multiplier: that of the mean)."""
+        chance q that a client was sampled; noise_multiplier: that of the mean, None when no
+        update was accepted: nothing released, nothing spent)."""
         from opacus.accountants.analysis.rdp import compute_rdp
 
+        if noise_multiplier is None:
+            return
         key = (min(1.0, max(0.0, rate)), noise_multiplier)
         step = self._per_round.get(key)
         if step is None:

@@ -144,8 +144,7 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
         row.update(flatness(rnd, stats))  # after "seconds": its cost is flatness_seconds
         if ledger is not None:  # the clients released noised updates this round, skipped or not
             entry = {"round": rnd, **stats.privacy}
-            if entry["dp_noise_multiplier"] is not None:  # None: no update accepted, nothing released
-                ledger.add_round(entry["dp_sampling_rate"], entry["dp_noise_multiplier"])
+            ledger.add_round(entry["dp_sampling_rate"], entry["dp_noise_multiplier"])
             run_dir.append_rows(LEDGER, [entry])  # first: a round redone after a resume counts twice
             row["dp_epsilon"] = finite(ledger.epsilon(cfg.dp_delta))
         clients = client_rows(strategy.round_record(), rnd)
@@ -190,8 +189,7 @@ def privacy_ledger(cfg: RunConfig, run_dir: RunDir, first: int) -> PrivacyLedger
             rnd, rate, sigma = int(entry["round"]), entry["dp_sampling_rate"], entry["dp_noise_multiplier"]
             if not (0.0 <= float(rate) <= 1.0 and (sigma is None or 0.0 <= float(sigma) < math.inf)):
                 raise ValueError(f"sampling rate {rate!r}, noise multiplier {sigma!r}")
-            if sigma is not None:
-                ledger.add_round(float(rate), float(sigma))
+            ledger.add_round(float(rate), None if sigma is None else float(sigma))
             seen.add(rnd)
         except (ValueError, KeyError, TypeError) as err:
             raise RunFailed(f"{path}, line {number}: not a privacy ledger entry ({err})") from None

@@ -206,6 +206,9 @@ def test_a_round_with_fewer_accepted_updates_is_accounted_with_the_noise_its_mea
     assert cut[2]["dp_epsilon"] == pytest.approx(ledger.epsilon(1e-5), rel=1e-12)
     assert cut[2]["dp_epsilon"] > whole[2]["dp_epsilon"]
     assert round_noise_multiplier(1.2, 3, 0) is None  # nothing accepted: nothing released
+    spent = ledger.epsilon(1e-5)
+    ledger.add_round(1.0, None)
+    assert ledger.epsilon(1e-5) == spent
 
 
 def _ledger(run_dir) -> list[dict]:
