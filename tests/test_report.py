@@ -335,6 +335,41 @@ def test_a_study_of_twelve_methods_draws_twelve_distinct_lines_and_no_empty_flat
     assert width(three) > 2.5 * width(one)  # three panels, then one
 
 
+def test_many_curves_get_their_legend_beside_the_axes_and_a_diverging_panel_a_log_axis() -> None:
+    """With 19 methods the legend inside the axes hid the curves, and FedGF's flatness distance
+    (up to about 4,000 against below 3 for every other method) flattened the others to one line:
+    more than 10 curves put the legend right of the axes, and a per-round panel whose values are
+    all positive and span more than two decades is logarithmic. A few curves keep the legend
+    inside; a narrow range, or a value at or below zero (a cosine, which a log axis would hide),
+    keeps a linear axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from tools.report import _legend, _log_if_wide, _plot
+
+    def draw(n: int, top: float, low: float = 0.4):
+        fig, ax = plt.subplots()
+        curves = [(f"m{i}", [0, 1, 2], [1.0, 0.5, top if i == 0 else low], None) for i in range(n)]
+        _plot(ax, curves)
+        _log_if_wide(ax, curves)
+        _legend(ax, n)
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        legend, axes = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        plt.close(fig)
+        return legend.x0 >= axes.x1, ax.get_yscale(), len(ax.get_legend().get_texts())
+
+    assert draw(19, 4000.0) == (True, "log", 19)
+    assert draw(11, 3.0) == (True, "linear", 11)
+    assert draw(3, 3.0) == (False, "linear", 3)
+    assert draw(3, 39.0) == (False, "linear", 3)  # 39 / 0.4 is not above 100
+    assert draw(3, 41.0)[1] == "log"
+    assert draw(3, 4000.0, low=-0.2)[1] == "linear"
+    assert draw(3, 4000.0, low=0.0)[1] == "linear"
+
+
 def test_bytes_are_printed_in_human_units(tmp_path: Path) -> None:
     from tools.report import human_bytes
 

@@ -364,12 +364,15 @@ def _curves(runs: Sequence[RunSummary], x_of, y_of=lambda run: run.accuracy
     return curves
 
 
+MANY = 10  # matplotlib's default colour cycle: more curves than this need care
+
+
 def _plot(ax, curves) -> None:
     """One line per curve; more curves than matplotlib's 10 default colours get 20 colours
     and alternate line styles, so that no two share a look (12 methods in a study)."""
     import matplotlib
 
-    many = len(curves) > 10
+    many = len(curves) > MANY
     tab20 = matplotlib.colormaps["tab20"].colors  # pairs of a dark and a light shade
     colors = tab20[0::2] + tab20[1::2]  # the 10 dark ones first: neighbours differ in hue
     for i, (label, xs, ys, std) in enumerate(curves):
@@ -378,6 +381,25 @@ def _plot(ax, curves) -> None:
         if std is not None:
             lo, hi = np.asarray(ys) - np.asarray(std), np.asarray(ys) + np.asarray(std)
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+
+
+def _log_if_wide(ax, curves) -> None:
+    """A per-round panel whose values are all positive and span more than two decades gets a
+    logarithmic y axis, so that one diverging method (FedGF's flatness distance in the
+    thousands, every other method's below 3) does not flatten the others to a line. A panel
+    with a value at or below zero (a cosine) stays linear: a log axis would hide that value."""
+    values = [y for _, _, ys, _ in curves for y in ys if y is not None and np.isfinite(y)]
+    if values and min(values) > 0 and max(values) > 100 * min(values):
+        ax.set_yscale("log")
+
+
+def _legend(ax, n_curves: int, fontsize: float | None = None) -> None:
+    """The legend inside the axes for a few curves; for more than ``MANY``, beside them on the
+    right, where it hides no curve (a study of 19 methods)."""
+    if n_curves > MANY:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=fontsize or 8)
+    else:
+        ax.legend(fontsize=fontsize)
 
 
 def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "round") -> Path:
@@ -390,15 +412,16 @@ def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "rou
 
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     x_of = (lambda run: run.rounds) if x == "round" else (lambda run: [b / 1e6 for b in run.cumulative_bytes])
+    curves = _curves(runs, x_of)
+    fig, ax = plt.subplots(figsize=(9 if len(curves) > MANY else 7, 4.5))
     try:
-        _plot(ax, _curves(runs, x_of))
+        _plot(ax, curves)
         ax.set_xlabel("round" if x == "round" else "cumulative bytes down + up (MB)")
         ax.set_ylabel("test accuracy")
         ax.set_title("Test accuracy per round" if x == "round" else "Test accuracy vs communication")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        _legend(ax, len(curves))
         fig.tight_layout()
         fig.savefig(out_png, format="png", dpi=120)
     finally:
@@ -417,15 +440,19 @@ def plot_panels(runs: Sequence[RunSummary], out_png: str | Path, title: str,
 
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 1, 4.2), squeeze=False)
+    n_curves = len(_curves(runs, panels[0][1], panels[0][2]))
+    width = 5 * len(panels) + (3 if n_curves > MANY else 1)
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.2), squeeze=False)
     axes = axes[0]
     try:
         for ax, (name, x_of, y_of) in zip(axes, panels):
-            _plot(ax, _curves(runs, x_of, y_of))
+            curves = _curves(runs, x_of, y_of)
+            _plot(ax, curves)
+            _log_if_wide(ax, curves)
             ax.set_title(name, fontsize=10)
             ax.set_xlabel("round")
             ax.grid(True, alpha=0.3)
-        axes[0].legend(fontsize=8)
+        _legend(axes[-1] if n_curves > MANY else axes[0], n_curves, fontsize=8)
         fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(out_png, format="png", dpi=110)
