@@ -24,8 +24,7 @@ from tools.report import RUN_COLUMNS, load_run, run_row
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 CSV = RESULTS / "fashion-mnist.csv"
 RUNS = sorted(p for p in (RESULTS / "fashion-mnist-runs").glob("*-s*") if p.is_dir())
-# issue 27's newer methods, staged as their runs finish until all 21 join the CSV together
-NEWER = sorted(p for p in (RESULTS / "fashion-mnist-newer-runs").glob("*-s*") if p.is_dir())
+# issue 27's methods, published since the seed papers: their 21 runs joined the study together
 NEWER_METHODS = ("fedsol", "fedgloss", "fedswa", "fedmoswa", "fedwmsam", "fedgf", "dp-fedsam")
 # the rows the re-runs replaced (first runs on older code, no run directory kept)
 FIRST_RUNS = RESULTS / "fashion-mnist-first-runs.csv"
@@ -117,23 +116,81 @@ def test_the_three_seed_table_in_the_docs_is_the_csvs_mean_and_std():
             assert std == round(float(np.std(values)), digits), (name, key)
 
 
-@pytest.mark.parametrize("run_dir", NEWER, ids=[p.name for p in NEWER])
-def test_a_staged_newer_run_ran_the_preset_was_measured_and_is_in_the_docs(run_dir):
-    """A run of a newer method staged in docs/results/fashion-mnist-newer-runs/ ran the preset's
-    setting on the recorded code, has its final model's train-split flatness, has no CSV row
-    yet, and docs/benchmarks.md ("The newer methods' settings") gives its final accuracy and
-    last-10 mean."""
-    run = _ran_the_preset(run_dir)
-    assert run.algorithm in NEWER_METHODS and run_dir.name == f"{run.algorithm}-s{run.seed}"
-    assert run.record["versions"]["flatflower-code"].startswith("1d7cb70")
-    row = run_row(run, LAST_K, TARGET)
-    assert row["flatness_split"] == "train" and row["hessian_max_eig"] is not None
-    assert (run.algorithm, int(run.seed)) not in _csv_rows()
-    doc = (RESULTS.parent / "benchmarks.md").read_text()
-    section = " ".join(doc[doc.index("### The newer methods' settings"):].split())
-    said = (f"{run.algorithm} seed {run.seed} {100 * row['final_accuracy']:.2f}% "
-            f"(last-10 mean {100 * row['last_k_mean']:.2f}%)")
-    assert said in section, said
+def test_the_newer_methods_have_all_three_seeds_run_on_the_code_of_1d7cb70():
+    """Issue 27's seven methods joined the study together: seeds 0, 1 and 2 of each, every run
+    on the code of 1d7cb70 (docs/benchmarks.md, "Which code gives which row"), each with its
+    final model's train-split flatness."""
+    rows = _csv_rows()
+    for algorithm in NEWER_METHODS:
+        for seed in (0, 1, 2):
+            row = rows[algorithm, seed]
+            run = load_run(RESULTS / "fashion-mnist-runs" / row["run"])
+            assert run.record["versions"]["flatflower-code"].startswith("1d7cb70"), row["run"]
+            assert row["flatness_split"] == "train" and row["hessian_max_eig"] != "", row["run"]
+    doc = " ".join((RESULTS.parent / "benchmarks.md").read_text().split())
+    assert f"study: {len({a for a, _ in rows})} methods x 3 seeds" in doc
+
+
+def _spearman(x, y) -> float:
+    import numpy as np
+
+    rx, ry = (np.argsort(np.argsort(v)) for v in (x, y))
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def test_the_rank_correlations_in_the_docs_are_the_csvs():
+    """docs/benchmarks.md, "Three seeds": the Spearman correlations of each method's mean last-10
+    accuracy with its mean top eigenvalue, sharpness and flatness distance, over the methods the
+    sentence names and over the 11 of the seed papers' study (all of before but MoFedSAM). Left
+    out: MoFedSAM and FedGF, which do not train (a model at chance is flat), and DP-FedSAM, whose
+    accuracy pays for privacy and whose flatness distance is its clients' noise."""
+    import numpy as np
+
+    rows = _csv_rows()
+    by: dict[str, list[dict[str, str]]] = {}
+    for (algorithm, _), row in rows.items():
+        by.setdefault(algorithm, []).append(row)
+
+    def correlations(methods) -> str:
+        acc = [np.mean([float(r["last_k_mean"]) for r in by[a]]) for a in methods]
+        return ", ".join(f"{_spearman(acc, [np.mean([float(r[k]) for r in by[a]]) for a in methods]):.2f}"
+                         for k in ("hessian_max_eig", "sharpness", "flatness_distance"))
+
+    everyone = sorted(set(by) - {"mofedsam", "fedgf", "dp-fedsam"})
+    before = sorted(set(by) - {"mofedsam", *NEWER_METHODS})
+    assert len(everyone) == 16 and len(before) == 11
+    doc = " ".join((RESULTS.parent / "benchmarks.md").read_text().split())
+    said = (f"Rank correlation (Spearman) over the 16 methods other than MoFedSAM, FedGF and DP-FedSAM, of the "
+            f"last-10 mean with the top eigenvalue, the sharpness and the last-10 flatness distance: "
+            f"{correlations(everyone)}; over the 11 methods of the seed papers' study (MoFedSAM aside): "
+            f"{correlations(before)}")
+    assert said in doc, said
+
+
+def test_dp_fedsams_epsilon_is_opacus_accounting_of_its_rounds_and_in_the_docs():
+    """DP-FedSAM's rows: every round t reports the epsilon of Opacus's RDP analysis of t rounds
+    of the sampled Gaussian mechanism (the run's sampling rate, 10 of 100, and noise multiplier;
+    RDP composes by addition, so t rounds are t times one) at the run's delta, on the same
+    orders; the three seeds spend the same; docs/benchmarks.md states round 100's."""
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    from common.privacy import ORDERS
+
+    spent, one_round = [], {}
+    for seed in (0, 1, 2):
+        run = load_run(RESULTS / "fashion-mnist-runs" / f"dp-fedsam-s{seed}")
+        sigma, delta, rate = (run.config[k] for k in ("dp.noise-multiplier", "dp.delta", "fraction-train"))
+        assert run.config["dp.clip"] > 0 and sigma > 0 and 0 < rate < 1
+        if (rate, sigma) not in one_round:  # 1,980 orders: seconds a computation
+            one_round[rate, sigma] = compute_rdp(q=rate, noise_multiplier=sigma, steps=1, orders=list(ORDERS))
+        for t, row in enumerate(run.rows[1:], start=1):
+            assert row["round"] == t and row["clients_replied"] == row["clients_sampled"] == 10
+            epsilon, _ = get_privacy_spent(orders=list(ORDERS), rdp=t * one_round[rate, sigma], delta=delta)
+            assert math.isclose(row["dp_epsilon"], epsilon, rel_tol=1e-9), (seed, t)
+        spent.append(run.rows[-1]["dp_epsilon"])
+    assert len({round(e, 9) for e in spent}) == 1 and len(one_round) == 1
+    doc = " ".join((RESULTS.parent / "benchmarks.md").read_text().split())
+    assert f"ε = {spent[0]:.2f} after round 100 (δ = {delta:g};" in doc
 
 
 def test_fedgfs_threshold_in_the_preset_is_the_calibration_runs_median_divergence():
