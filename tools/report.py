@@ -440,13 +440,13 @@ def plot_panels(runs: Sequence[RunSummary], out_png: str | Path, title: str,
 
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    n_curves = len(_curves(runs, panels[0][1], panels[0][2]))
+    panel_curves = [_curves(runs, x_of, y_of) for _, x_of, y_of in panels]
+    n_curves = len(panel_curves[0])
     width = 5 * len(panels) + (3 if n_curves > MANY else 1)
     fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.2), squeeze=False)
     axes = axes[0]
     try:
-        for ax, (name, x_of, y_of) in zip(axes, panels):
-            curves = _curves(runs, x_of, y_of)
+        for ax, (name, _, _), curves in zip(axes, panels, panel_curves):
             _plot(ax, curves)
             _log_if_wide(ax, curves)
             ax.set_title(name, fontsize=10)
