@@ -19,6 +19,7 @@ from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
 from common import codec
+from common.augment import check_train_transform
 from common import protocol as P
 from common.config import RunConfig
 from common.data import dataset_for, partitions_for
@@ -62,6 +63,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
                     "(DP-FedSAM's local optimizer alone); its authors' values: dp.clip = 0.2, "
                     "dp.noise-multiplier = 0.95")
     data = dataset_for(cfg)
+    check_train_transform(cfg.train_transform, data)
     model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)
     torch.set_num_threads(1)
     strategy = get_spec(cfg.algorithm).new_strategy(

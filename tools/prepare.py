@@ -334,6 +334,7 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
     (and, for the vectorised engine, that the model can be batched)."""
     from common.data import partitions_for
 
+    from common.augment import check_train_transform
     from common.data import dataset_for
     from common.models import build_model
 
@@ -342,6 +343,10 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
     if empty:
         raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
     data = dataset_for(cfg)
+    try:
+        check_train_transform(cfg.train_transform, data)
+    except ValueError as err:  # TransformError, BadReference
+        raise UsageError(str(err)) from None
     try:
         model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
     except ValueError as err:
