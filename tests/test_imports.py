@@ -99,9 +99,13 @@ def test_imports_go_one_way():
 
 
 def test_no_class_is_imported_by_name():
-    """The halves are joined by real imports (strategies/registry.py), not 'module:Class' strings."""
+    """The halves are joined by real imports (strategies/registry.py), not 'module:Class' strings;
+    the one importer of names is common/references.py, for the user's own code (model, dataset,
+    train-transform), which flatflower cannot import by name."""
     hits = []
     for name, path in _modules().items():
+        if name == "common.references":
+            continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr == "import_module":
                 hits.append(name)
