@@ -29,7 +29,7 @@ from common.config import RunConfig
 from common.data import client_split, client_test_split, dataset_for
 from common.datasets import Split
 from common.evaluate import evaluate as evaluate_model
-from common.models import ModelPool, build_model
+from common.models import ModelPool, build_model, check_importable
 from common.privacy import privatize
 from strategies import registry  # the algorithms (both halves); also registers their keys
 
@@ -281,8 +281,10 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Handshake: which partition this node holds (and that its data loads)."""
+    """Handshake: which partition this node holds (and that its data loads and the run's own
+    model code imports here: a node without it is refused, the reason naming the module)."""
     cfg, node, device = _setup(context)
+    check_importable(cfg.resolved_model())
     fault = Fault.parse(node.inject_fault)
     if fault:
         fault.before_query()

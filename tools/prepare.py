@@ -48,7 +48,8 @@ def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
     p.add_argument("--rounds", "-r", type=cli_int, help="server rounds (num-server-rounds)")
     p.add_argument("--dataset", help="digits | synthetic | synthetic-fedprox | mnist1d | synthetic-cifar10 (offline); "
                    "mnist | fashion-mnist | cifar10 | cifar100 (torchvision)")
-    p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | lenet5 | resnet18-gn")
+    p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | lenet5 | resnet18-gn, or your "
+                   "own: package.module:callable (taking (input_shape, num_classes) or nothing, returning an nn.Module)")
     p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological | "
                    "natural (synthetic-fedprox's own clients)")
     if per_run:
@@ -341,9 +342,13 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
         raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
+    from common.references import BadReference
+
     data = dataset_for(cfg)
     try:
         model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
+    except BadReference as err:  # the user's own model: already one line naming the key
+        raise UsageError(str(err)) from None
     except ValueError as err:
         raise UsageError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
     if cfg.resume:
