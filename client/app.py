@@ -39,6 +39,15 @@ META = "client-meta"  # MetricRecord in context.state: rounds trained, last roun
 app = ClientApp()
 
 
+def keeps_buffers(cfg: RunConfig, model: torch.nn.Module) -> bool:
+    """``buffers = local`` and a model with buffers: the client keeps its own (FedBN-style).
+    Its buffers are a record of its client state (``local_buffers``) that the client rule never
+    sees: loaded over the received ones before training (the first round: the received ones),
+    stored after it, and used by its self-reports and its federated evaluation. It still
+    uploads them; the server averages them for its own, central evaluation model."""
+    return cfg.buffers == "local" and bool(Layout.of(model).buffers)
+
+
 def _setup(context: Context) -> tuple[RunConfig, NodeSettings, torch.device]:
     cfg = RunConfig.parsed(context.run_config)
     node = NodeSettings.from_node_config(context.node_config)
@@ -159,8 +168,12 @@ class TrainCall:
             broadcast = {name: codec.from_record(msg.content[name]) for name in spec.down}
             broadcast.update({name: _down_value(msg, name) for name in spec.values})
             store = _store(cfg, node, context)
-            accepted = _state_round(msg, server_round) if spec.state else 0
+            local = keeps_buffers(cfg, model)  # buffers = local: the state round is needed too
+            accepted = _state_round(msg, server_round) if spec.state or local else 0
             state = store.load(accepted)
+            own = state.pop(P.LOCAL_BUFFERS, None)  # never seen by the client rule
+            if own is not None and local:  # this client's own statistics over the received ones
+                Layout.of(model).load_buffers(own)
             lr = cfg.round_lr(server_round)
             rule, layout = build_rule(spec, cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
             held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
@@ -223,6 +236,8 @@ class TrainCall:
         )
         for name, tensors in uploads.items():
             content[name] = codec.to_record(tensors)
+        if keeps_buffers(cfg, model):  # the statistics it trained to: its next round starts from them
+            new_state[P.LOCAL_BUFFERS] = self.layout.own_buffers()
         if new_state:
             self.store.stage(server_round, self.accepted, {**self.state, **new_state})
         context = self.context
@@ -271,6 +286,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
     key, model = _model(cfg, node, msg.content[P.MODEL], device)
     try:
+        if keeps_buffers(cfg, model) and P.STATE_ROUND in msg.content[P.CONFIG]:  # its own statistics
+            own = _store(cfg, node, context).load(_state_round(msg, int(msg.content[P.CONFIG][P.SERVER_ROUND]) + 1))
+            if P.LOCAL_BUFFERS in own:
+                Layout.of(model).load_buffers(own[P.LOCAL_BUFFERS])
         loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
     finally:
         MODEL_POOL.give(key, model)

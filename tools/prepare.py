@@ -352,7 +352,9 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
     except ValueError as err:
         raise UsageError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
     if cfg.resume:
-        _check_strategy_state(cfg, model.state_dict())
+        from common.models import buffer_names
+
+        _check_strategy_state(cfg, model.state_dict(), buffer_names(model))
     if engine == "vectorized":
         from tools.engines.vectorized import check_batchable
 
@@ -375,7 +377,7 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
                          "every round would be skipped")
 
 
-def _check_strategy_state(cfg: RunConfig, model_state: dict) -> None:
+def _check_strategy_state(cfg: RunConfig, model_state: dict, buffers: list[str]) -> None:
     """UsageError unless the checkpoint's strategy state is what this run's strategy allocates
     (as the ServerApp will load it), and RunDirError unless the client state it needs is there:
     a damaged checkpoint or client state is refused before anything starts."""
@@ -384,7 +386,7 @@ def _check_strategy_state(cfg: RunConfig, model_state: dict) -> None:
     from strategies.registry import get as get_spec
 
     strategy = get_spec(cfg.algorithm).new_strategy(
-        cfg, model_state, partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)])
+        cfg, model_state, partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)], buffers=buffers)
     ckpt = load_checkpoint(cfg.run_dir)
     try:
         strategy.load_state_dict(ckpt["strategy"])
