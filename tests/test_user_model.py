@@ -24,6 +24,7 @@ import tools.engines.inprocess  # noqa: F401 (flwr's log handler: see tests/test
 from common.config import ConfigError, RunConfig
 from common.models import build_model, register_model
 from common.references import BadReference
+from strategies import registry  # noqa: F401 (registers the algorithms' keys)
 from tests.test_bad_input import check_cli
 from tools.engines.inprocess import run_inprocess
 
@@ -179,3 +180,67 @@ def test_a_node_without_the_module_answers_the_handshake_with_one_line(make_mess
     reason = error_text(reply)
     assert "\n" not in reason and reason.startswith("error 2: BadReference: model='nowhere_module_abc:net': "
                                                     "module 'nowhere_module_abc' is not found on this machine")
+
+
+# ------------------------------------------------------------------ real processes
+BN_MODEL = '''
+from torch import nn
+
+
+def bn_net(input_shape, num_classes):
+    c, h, w = input_shape
+    return nn.Sequential(nn.Conv2d(c, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * h * w, num_classes))
+'''
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_flatflower_local_trains_a_users_batchnorm_model_from_its_folder(tmp_path, monkeypatch, capsys):
+    """``flatflower local`` (a real SuperLink and 2 SuperNodes, each a process of its own) with a
+    model from the user's folder (a BatchNorm one, with SCAFFOLD's client state): the ServerApp
+    and the ClientApps find it through the PYTHONPATH the engine hands them; the run ends with
+    the in-process run's model, buffers included."""
+    from tests.helpers import flower_pids
+    from tools.cli import main as cli
+
+    name = f"user_bn_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(BN_MODEL)
+    monkeypatch.chdir(tmp_path)  # the user runs flatflower from their folder
+    before = flower_pids()
+    args = ["--algorithm", "scaffold", "--clients", "2", "--rounds", "2", "--dataset", "digits",
+            "--model", f"{name}:bn_net", "--set", "local-steps=2"]
+    t0 = time.monotonic()
+    code = cli(["local", "--fast-poll", *args, "--run-dir", str(tmp_path / "dep"), "--timeout", "300"])
+    took = time.monotonic() - t0
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert flower_pids() - before == set()
+    assert cli(["simulate", "--engine", "inprocess", *args, "--run-dir", str(tmp_path / "inp")]) == 0
+    a, b = (torch.load(tmp_path / d / "model_final.pt", weights_only=True) for d in ("dep", "inp"))
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["1.num_batches_tracked"].dtype == torch.int64 and int(a["1.num_batches_tracked"]) == 4
+    print(f"flatflower local with a user's model: {took:.1f}s")
+    sys.modules.pop(name, None)
+
+
+def test_the_engines_hand_the_users_folder_to_the_processes_they_start(user_dir, tmp_path, capsys):
+    """run_local/run_ray put the folder of the run's own code on the PYTHONPATH of every process
+    they start; a module inside the app directory but outside its FAB gets a note, since
+    ``flwr run`` to a real deployment would not ship it."""
+    from tools.engines import hand_user_code, outside_fab, user_code
+
+    cfg = RunConfig.from_mapping({"model": f"{user_dir}:tiny"})
+    texts, roots = user_code(cfg)
+    assert texts == [f"{user_dir}:tiny"] and roots == [str(tmp_path)]
+    env = hand_user_code({"PYTHONPATH": "/already"}, cfg, Path(__file__).resolve().parent.parent)
+    assert env["PYTHONPATH"].split(":") == ["/already", str(tmp_path)]
+    assert capsys.readouterr().out == ""  # not in the app directory: nothing to say
+    # the same module seen as part of an app directory whose FAB holds common/ only
+    (tmp_path / "pyproject.toml").write_text('[tool.flwr.app]\nfab-include = ["common/**/*.py"]\n')
+    assert outside_fab(tmp_path, roots, texts) == [f"{user_dir}.py"]
+    hand_user_code({}, cfg, tmp_path)
+    note = capsys.readouterr().out.strip().splitlines()
+    assert len(note) == 1 and note[0].startswith(f"note: {user_dir}.py (your code, in the app directory) is not in the FAB")
+    # a zoo model: no code of the user's, nothing changes
+    assert hand_user_code({"A": "1"}, RunConfig.from_mapping({}), tmp_path) == {"A": "1"}
