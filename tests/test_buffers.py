@@ -286,3 +286,39 @@ def test_a_non_finite_final_test_loss_fails_the_run_and_keeps_what_was_computed(
     assert (tmp_path / "r" / "model_final.pt").exists()
     rows = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 3 and json.loads(rows[-1])["test_loss"] is None
+
+
+def test_a_resumed_batchnorm_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    """Checkpoints hold the buffers (and, with buffers = local, each client's own ones are in its
+    state mirror): 2 rounds, then a resume to 3, give the 3-round run's model bit for bit."""
+    base = {"algorithm": "scaffold", **TINY, "model": BN, "buffers": "local", "client-state-dir": "state"}
+    straight, _ = run_inprocess({**base, "num-server-rounds": 3, "run-dir": str(tmp_path / "a")}, 2)
+    run_inprocess({**base, "num-server-rounds": 2, "run-dir": str(tmp_path / "b")}, 2)
+    resumed, _ = run_inprocess({**base, "num-server-rounds": 3, "run-dir": str(tmp_path / "b"), "resume": True}, 2)
+    a, b = (torch.load(d / "model_final.pt", weights_only=True) for d in (straight, resumed))
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert int(a["1.num_batches_tracked"]) == 6
+
+
+def test_federated_evaluation_uses_each_clients_own_statistics(tmp_path):
+    """fraction-evaluate = 1: with buffers = local each client evaluates the global weights with
+    its own running statistics, so its loss differs from the global policy's."""
+    losses = {}
+    for policy in ("global", "local"):
+        run_dir, _ = run_inprocess({"algorithm": "fedavg", **TINY, "model": BN, "buffers": policy,
+                                    "fraction-evaluate": 1.0, "run-dir": str(tmp_path / policy)}, 2)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses[policy] = [r["eval_loss"] for r in rows[1:]]
+        assert all(math.isfinite(x) for x in losses[policy])
+    assert losses["global"] != losses["local"]
+
+
+def test_a_missing_model_module_fails_the_serverapp_in_one_line(tmp_path):
+    from common.references import BadReference
+
+    with pytest.raises(BadReference, match="module 'nowhere_at_all_q' is not found"):
+        run_inprocess({"algorithm": "fedavg", **TINY, "model": "nowhere_at_all_q:net",
+                       "run-dir": str(tmp_path / "r")}, 2)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "\n" not in summary["error"]
+    assert summary["error"].startswith("model='nowhere_at_all_q:net': module 'nowhere_at_all_q' is not found")
