@@ -200,13 +200,15 @@ def test_flatflower_local_trains_a_users_batchnorm_model_from_its_folder(tmp_pat
     """``flatflower local`` (a real SuperLink and 2 SuperNodes, each a process of its own) with a
     model from the user's folder (a BatchNorm one, with SCAFFOLD's client state): the ServerApp
     and the ClientApps find it through the PYTHONPATH the engine hands them; the run ends with
-    the in-process run's model, buffers included."""
+    the in-process run's model, buffers included. About 30-40 s on 2 busy cores (slow)."""
     from tests.helpers import flower_pids
     from tools.cli import main as cli
 
     name = f"user_bn_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{name}.py").write_text(BN_MODEL)
-    monkeypatch.chdir(tmp_path)  # the user runs flatflower from their folder
+    # on this process's sys.path only (not its working directory, which the processes it starts
+    # share): the SuperNodes and the ServerApp can find it only through the PYTHONPATH handed to them
+    monkeypatch.syspath_prepend(str(tmp_path))
     before = flower_pids()
     args = ["--algorithm", "scaffold", "--clients", "2", "--rounds", "2", "--dataset", "digits",
             "--model", f"{name}:bn_net", "--set", "local-steps=2"]
