@@ -30,7 +30,7 @@ from common.config import RunConfig
 from common.data import client_split, client_test_split, dataset_for
 from common.datasets import Split
 from common.evaluate import evaluate as evaluate_model
-from common.models import ModelPool, build_model
+from common.models import ModelPool, build_model, check_importable
 from common.privacy import privatize
 from strategies import registry  # the algorithms (both halves); also registers their keys
 
@@ -38,6 +38,15 @@ log = logging.getLogger("flwr.flatflower.client")
 META = "client-meta"  # MetricRecord in context.state: rounds trained, last round
 
 app = ClientApp()
+
+
+def keeps_buffers(cfg: RunConfig, model: torch.nn.Module) -> bool:
+    """``buffers = local`` and a model with buffers: the client keeps its own (FedBN-style).
+    Its buffers are a record of its client state (``local_buffers``) that the client rule never
+    sees: loaded over the received ones before training (the first round: the received ones),
+    stored after it, and used by its self-reports and its federated evaluation. It still
+    uploads them; the server averages them for its own, central evaluation model."""
+    return cfg.buffers == "local" and bool(Layout.of(model).buffers)
 
 
 def _setup(context: Context) -> tuple[RunConfig, NodeSettings, torch.device]:
@@ -161,8 +170,12 @@ class TrainCall:
             broadcast = {name: codec.from_record(msg.content[name]) for name in spec.down}
             broadcast.update({name: _down_value(msg, name) for name in spec.values})
             store = _store(cfg, node, context)
-            accepted = _state_round(msg, server_round) if spec.state else 0
+            local = keeps_buffers(cfg, model)  # buffers = local: the state round is needed too
+            accepted = _state_round(msg, server_round) if spec.state or local else 0
             state = store.load(accepted)
+            own = state.pop(P.LOCAL_BUFFERS, None)  # never seen by the client rule
+            if own is not None and local:  # this client's own statistics over the received ones
+                Layout.of(model).load_buffers(own)
             lr = cfg.round_lr(server_round)
             rule, layout = build_rule(spec, cfg, model, broadcast, state, lr, lambda: _initial_weights(cfg, node))
             held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
@@ -232,6 +245,8 @@ class TrainCall:
         )
         for name, tensors in uploads.items():
             content[name] = codec.to_record(tensors)
+        if keeps_buffers(cfg, model):  # the statistics it trained to: its next round starts from them
+            new_state[P.LOCAL_BUFFERS] = self.layout.own_buffers()
         if new_state:
             self.store.stage(server_round, self.accepted, {**self.state, **new_state})
         context = self.context
@@ -280,6 +295,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
     key, model = _model(cfg, node, msg.content[P.MODEL], device)
     try:
+        if keeps_buffers(cfg, model) and P.STATE_ROUND in msg.content[P.CONFIG]:  # its own statistics
+            own = _store(cfg, node, context).load(_state_round(msg, int(msg.content[P.CONFIG][P.SERVER_ROUND]) + 1))
+            if P.LOCAL_BUFFERS in own:
+                Layout.of(model).load_buffers(own[P.LOCAL_BUFFERS])
         loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
     finally:
         MODEL_POOL.give(key, model)
@@ -290,8 +309,10 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Handshake: which partition this node holds (and that its data loads)."""
+    """Handshake: which partition this node holds (and that its data loads and the run's own
+    model code imports here: a node without it is refused, the reason naming the module)."""
     cfg, node, device = _setup(context)
+    check_importable(cfg.resolved_model())
     fault = Fault.parse(node.inject_fault)
     if fault:
         fault.before_query()

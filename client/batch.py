@@ -6,6 +6,7 @@ any engine that provides these two calls; :class:`ModelBatch` is the one for a s
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -61,12 +62,33 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def buffers_of(model: nn.Module) -> list[torch.Tensor]:
+    """The model's buffers (BatchNorm's running statistics and counter), found once per model."""
+    found = _BUFFERS.get(model)
+    if found is None:
+        found = _BUFFERS[model] = list(model.buffers())
+    return found
+
+
 class ModelBatch:
-    """:class:`Batch` for one model and autograd."""
+    """:class:`Batch` for one model and autograd (one is made per local step).
+
+    Running statistics (a model with buffers, such as BatchNorm's): the step's **first
+    gradient pass** (:meth:`grad`; for SAM the pass at w, for FedLESAM its one pass) updates
+    them, as one plain SGD step would; every later pass of the step (SAM's ascent pass at
+    w + e, FedSOL's and FedGMT's other passes, any :meth:`outputs` such as FedGMT's teacher)
+    leaves every buffer exactly as it was (saved and restored bit for bit). Without this, SAM
+    counts each step twice in ``num_batches_tracked`` and mixes statistics of the perturbed
+    weights into the running means. A model without buffers pays nothing for it."""
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
         self.model, self.x, self.y = model, x, y
         self.params = trainable(model)
+        self.buffers = buffers_of(model)
+        self.updated = False  # whether a pass of this step updated the running statistics
 
     def grad(self, offset=None, objective: Objective = cross_entropy):
         if offset is None:
@@ -81,11 +103,31 @@ class ModelBatch:
                 torch._foreach_copy_(self.params, saved)
 
     def _grad(self, objective: Objective):
+        if self.buffers and self.updated:
+            return self._keeping_buffers(lambda: self._grad_pass(objective))
+        self.updated = True
+        return self._grad_pass(objective)
+
+    def _grad_pass(self, objective: Objective):
         differentiate, report = objective(self.model(self.x), self.y)
         grads = torch.autograd.grad(differentiate, self.params)
         return report.detach(), list(grads)
 
+    def _keeping_buffers(self, work):
+        """``work()``, with every buffer restored to its value before it."""
+        saved = [b.clone() for b in self.buffers]
+        try:
+            return work()
+        finally:
+            with torch.no_grad():
+                for b, v in zip(self.buffers, saved):
+                    b.copy_(v)
+
     def outputs(self, weights):
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        with torch.no_grad():
-            return torch.func.functional_call(self.model, dict(zip(names, weights)), (self.x,))
+
+        def forward():
+            with torch.no_grad():
+                return torch.func.functional_call(self.model, dict(zip(names, weights)), (self.x,))
+
+        return self._keeping_buffers(forward) if self.buffers else forward()

@@ -23,6 +23,7 @@ class Layout:
         self.others = OrderedDict((k, torch.zeros_like(v).detach().cpu()) for k, v in self.state.items()
                                   if k not in self.names)  # every other key a record must have
         self.keys = list(self.state)
+        self.buffers = list(self.others)  # the non-trainable entries (BatchNorm statistics, ...)
 
     @classmethod
     def of(cls, model: nn.Module) -> Layout:
@@ -48,6 +49,19 @@ class Layout:
                     raise RuntimeError(f"record key {key!r} has shape {list(value.shape)}, "
                                        f"the model's is {list(target.shape)}")
                 target.copy_(value)
+
+    def own_buffers(self) -> OrderedDict:
+        """Copies of the model's non-trainable entries (``buffers = local``: the client's own)."""
+        return OrderedDict((k, self.state[k].detach().cpu().clone()) for k in self.buffers)
+
+    def load_buffers(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy a client's own buffers (:meth:`own_buffers`) into the model, over what it received."""
+        if list(tensors) != self.buffers:
+            raise RuntimeError(f"the client's stored buffers {sorted(tensors)[:5]} do not fit the "
+                               f"model's {self.buffers[:5]}")
+        with torch.no_grad():
+            for key in self.buffers:
+                self.state[key].copy_(tensors[key])
 
     def weights(self) -> OrderedDict:
         """The model's current state dict (detached views of its tensors)."""

@@ -42,7 +42,11 @@ class RunConfig:
     dataset: str = "digits"
     data_dir: str = ""
     download: bool = True
-    model: str = "auto"
+    model: str = "auto"  # a zoo name, or the user's own: package.module:callable (common/models.py)
+    # what happens to a model's buffers (BatchNorm's running statistics): "global" = the server
+    # averages them (float: weighted mean; integer counters: the maximum), "local" = each client
+    # keeps its own (FedBN-style) and the server's averaged ones serve its central evaluation
+    buffers: str = "global"
     partition: str = "dirichlet"
     dirichlet_alpha: float = 0.5
     classes_per_client: int = 2
@@ -176,7 +180,11 @@ class RunConfig:
         choice("algorithm", algorithm_params())
         if not userdata.is_user_dataset(self.dataset):
             choice("dataset", datasets.DATASETS + userdata.FORMATS)
-        choice("model", ("auto", *models.MODELS))
+        if self.model != "auto" and not models.known_model(self.model):
+            names = ("auto", *models.model_names())
+            problems.append(f"model={self.model!r} is not one of: {', '.join(sorted(names))}, or a "
+                            f"reference package.module:callable{did_you_mean(str(self.model), names)}")
+        choice("buffers", ("global", "local"))
         if not fds.is_fds(self.partition):
             choice("partition", partition.PARTITIONS)
         problems.extend(fds.problems(self.partition, self.partition_args))
@@ -319,7 +327,8 @@ class RunConfig:
         return str(Path(self.run_dir) / self.client_state_dir)
 
     def resolved_model(self) -> str:
-        """The model name, with ``auto`` replaced by the dataset's default model."""
+        """The model name, with ``auto`` replaced by the dataset's default model (a
+        ``package.module:callable`` reference is returned as is)."""
         from common.datasets import default_model
 
         return default_model(self.dataset) if self.model == "auto" else self.model

@@ -1,7 +1,22 @@
-"""Model zoo: run-config name -> builder(input_shape, num_classes).
+"""Models: the zoo (run-config name -> builder(input_shape, num_classes)) and the user's own.
 
-No model contains BatchNorm or dropout: the SAM algorithms run two forward passes per
-step, and both must see the same function of the weights.
+No model of the zoo contains BatchNorm or dropout: the SAM algorithms run two forward passes
+per step, and both must see the same function of the weights.
+
+The run-config key ``model`` also takes a reference to the user's own builder,
+``package.module:callable`` (common/references.py): a callable taking ``(input_shape,
+num_classes)`` or nothing and returning an ``nn.Module``. The text crosses processes, so it
+works in every engine; each process (the ServerApp, every ClientApp) imports the module
+itself. :func:`register_model` adds a name in this process only (the in-process engines).
+A user's model is checked when it is first built in a process, each failure one line naming
+the key and the reference: it must be an ``nn.Module`` with trainable parameters whose output
+on a batch of 2 zero inputs (eval mode, no gradients) has shape ``(2, num_classes)``.
+
+A user's model may hold buffers (BatchNorm's running statistics and counter): the run-config
+key ``buffers`` says how they are combined (``global``: averaged by the server, ``local``:
+kept by each client, FedBN-style); the algorithms' server rules see the trainable parameters
+only (strategies/strategy.py), and the extra forward passes of a SAM step leave the running
+statistics as the step's first pass left them (client/batch.py).
 """
 
 from __future__ import annotations
@@ -12,6 +27,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from common.references import BadReference, call, is_reference, resolve
 
 Shape = tuple[int, ...]
 
@@ -131,27 +148,114 @@ MODELS: dict[str, Callable[[Shape, int], nn.Module]] = {
 
 
 _SEEDED = threading.Lock()
+# name -> builder added by register_model: this process only (the string reference is what
+# crosses processes)
+_REGISTERED: dict[str, Callable[..., nn.Module]] = {}
+_CHECKED: set[tuple] = set()  # (name, input shape, classes) of the user's models checked here
+
+
+def register_model(name: str, builder: Callable[..., nn.Module]) -> None:
+    """Make ``model = name`` build ``builder(input_shape, num_classes)`` (or ``builder()``)
+    **in this process only**: for the in-process engines and the Python API. Ray, ``flatflower
+    local`` and a real deployment start other processes, which know nothing of it: give them
+    a ``package.module:callable`` reference instead."""
+    if not isinstance(name, str) or not name or name == "auto" or name in MODELS or is_reference(name):
+        raise ValueError(f"register_model: {name!r} is not a new model name (not 'auto', not a zoo "
+                         "name, not of the form package.module:callable)")
+    if not callable(builder):
+        raise ValueError(f"register_model: the builder of {name!r} is not callable")
+    _REGISTERED[name] = builder
+    _CHECKED.difference_update({k for k in _CHECKED if k[0] == name})
+
+
+def known_model(name: str) -> bool:
+    """Whether run-config ``model = name`` is valid here: a zoo name, a registered name, or a
+    reference (its import is checked when the model is first built)."""
+    return name in MODELS or name in _REGISTERED or is_reference(name)
+
+
+def check_importable(name: str) -> None:
+    """BadReference (one line naming the module) unless the module of a reference ``name``
+    imports here: what a node's handshake checks, so that a SuperNode without the user's code
+    is refused with that reason before any round."""
+    if is_reference(name) and name not in _REGISTERED:
+        resolve(name, "model")
+
+
+def model_names() -> list[str]:
+    """The names ``model`` takes besides references: the zoo's and the registered ones."""
+    return [*MODELS, *_REGISTERED]
+
+
+def _users_builder(name: str) -> Callable[[Shape, int], nn.Module]:
+    """The builder of a registered name or a reference, each failure a BadReference."""
+    fn = _REGISTERED.get(name) or resolve(name, "model")
+    return lambda shape, classes: call(fn, (shape, classes), "model", name)
+
+
+def check_model(model: object, name: str, input_shape: Shape, num_classes: int) -> None:
+    """BadReference (one line) unless ``model`` is an ``nn.Module`` with trainable parameters
+    whose output on 2 zero inputs of ``input_shape`` (eval mode, no gradients: no running
+    statistic moves) has shape ``(2, num_classes)``."""
+    where = f"model={name!r}"
+    if not isinstance(model, nn.Module):
+        raise BadReference(f"{where}: returned a {type(model).__name__}, not a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise BadReference(f"{where}: the model has no trainable parameters")
+    was_training = model.training
+    x = torch.zeros((2, *input_shape), device=next(model.parameters()).device)
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model(x)
+    except Exception as err:  # noqa: BLE001 - the user's forward may raise anything
+        first = str(err).splitlines()[0][:200] if str(err) else ""
+        raise BadReference(f"{where}: its forward pass on a batch of 2 inputs of shape {tuple(input_shape)} "
+                           f"raised {type(err).__name__}{': ' + first if first else ''}") from None
+    finally:
+        model.train(was_training)
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if shape != (2, num_classes):
+        raise BadReference(f"{where}: its output on a batch of 2 inputs of shape {tuple(input_shape)} is "
+                           f"{shape}, not (2, {num_classes}) (one logit per class of the dataset)")
 
 
 def build_model(
     name: str, input_shape: tuple[int, ...], num_classes: int, seed: int | None = None
 ) -> nn.Module:
-    """Build model ``name``; with ``seed``, its initial weights depend only on the seed.
+    """Build model ``name`` (a zoo name, a registered name or a ``package.module:callable``
+    reference); with ``seed``, its initial weights depend only on the seed.
 
     Seeding happens inside a forked CPU RNG, so torch's global RNG state is left unchanged
     (``torch.manual_seed`` would also queue a seed for every accelerator RNG, and costs more than
-    building a small model).
+    building a small model). A user's model is checked (:func:`check_model`) the first time
+    this process builds it for an input shape and number of classes.
     """
-    try:
-        builder = MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODELS)}") from None
     shape = tuple(int(d) for d in input_shape)
+    if name in MODELS:
+        builder = MODELS[name]
+    elif name in _REGISTERED or is_reference(name):
+        builder = _users_builder(name)
+    else:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(model_names())}, or a "
+                         "reference package.module:callable")
     if seed is None:
-        return builder(shape, num_classes)
-    with _SEEDED, torch.random.fork_rng(devices=[]):  # the lock: clients may build in threads
-        torch.random.default_generator.manual_seed(seed)
-        return builder(shape, num_classes)
+        model = builder(shape, num_classes)
+    else:
+        with _SEEDED, torch.random.fork_rng(devices=[]):  # the lock: clients may build in threads
+            torch.random.default_generator.manual_seed(seed)
+            model = builder(shape, num_classes)
+    if name not in MODELS and (name, shape, int(num_classes)) not in _CHECKED:
+        check_model(model, name, shape, num_classes)
+        _CHECKED.add((name, shape, int(num_classes)))
+    return model
+
+
+def buffer_names(model: nn.Module) -> list[str]:
+    """The state-dict keys of ``model`` that are not trainable parameters (BatchNorm's running
+    statistics and counter, frozen parameters): what the server never corrects."""
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return [k for k in model.state_dict() if k not in trainable]
 
 
 class ModelPool:

@@ -50,7 +50,11 @@ def privatize(trained: Mapping[str, torch.Tensor], received: Mapping[str, torch.
               trainable: Iterable[str], clip: float, noise_multiplier: float, sampled: int,
               mode: str = "global", generator: torch.Generator | None = None) -> OrderedDict:
     """The model a client uploads under DP: received + clip(trained - received) + noise, over
-    the trainable tensors; every other tensor (buffers) as received, so nothing else leaks."""
+    the trainable tensors; every other tensor (buffers: BatchNorm's running statistics and
+    counter) as received, never clipped nor noised, so nothing else leaks. The consequence: under
+    DP the global buffers never move (the server's mean of what it sent is what it sent), the
+    running statistics stay those of the initial model; with ``buffers = local`` each client
+    still normalises with its own (kept on the client, never released)."""
     names = set(trainable)
     delta = {k: (trained[k].detach().cpu().double() - received[k].double()) for k in trained if k in names}
     if mode == "global":

@@ -36,6 +36,7 @@ DUAL = "dual"  # FedDyn family: server dual h / client dual h_i (FedGMT: u, u_m)
 CLIENT_EMA = "ema"  # FedGMT-v2: the client's own EMA model e_m
 CLIENT_CONTROL = "control"  # SCAFFOLD family: the client control variate c_i
 PERTURBATION_DUAL = "perturbation_dual"  # FedSMOO: the client's perturbation dual mu_i
+LOCAL_BUFFERS = "local_buffers"  # buffers = local: the client's own buffers (BatchNorm statistics), FedBN-style
 PREVIOUS_GLOBAL = "previous_global"  # FedLESAM: the global model of the client's last round
 ADAPTIVE_M = "adaptive_m"  # FedAdam / FedYogi: server first moment
 ADAPTIVE_V = "adaptive_v"  # FedAdam / FedYogi: server second moment

@@ -25,7 +25,7 @@ from common.config import RunConfig
 from common.data import dataset_for, partitions_for
 from common.evaluate import evaluate
 from common.flatness import flatness_distance, measure, seed_of
-from common.models import build_model
+from common.models import buffer_names, build_model
 from common.privacy import PrivacyLedger
 from server.clients import client_rows
 from server.progress import RoundProgress
@@ -67,7 +67,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
     model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)
     torch.set_num_threads(1)
     strategy = get_spec(cfg.algorithm).new_strategy(
-        cfg, model.state_dict(), partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)])
+        cfg, model.state_dict(), partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)],
+        buffers=buffer_names(model))
     first = 1
     if cfg.resume:
         ckpt = load_checkpoint(run_dir.path)
@@ -165,6 +166,9 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
     if not all_finite(strategy.model):
         raise RunFailed("the final model holds NaN or Inf values")
     run_dir.save_model("model_final.pt", strategy.model)
+    if not math.isfinite(loss):  # e.g. a BatchNorm variance driven negative: never a plain "completed"
+        raise RunFailed(f"the final global model's test loss is {loss} (not finite): its test accuracy "
+                        f"{acc:.4f} means nothing; metrics.jsonl and model_final.pt hold what was computed")
     run_dir.write_summary({"status": "completed", "final_test_accuracy": acc, "final_test_loss": finite(loss),
                            "rounds": cfg.num_server_rounds,
                            "seconds": round(time.monotonic() - t_start, 2),

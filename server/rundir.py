@@ -41,6 +41,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from common import protocol as P
 from common import schema
 from common.config import RunConfig, defaults, user_path
 
@@ -256,7 +257,7 @@ def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
         except MissingState as err:
             raise RunDirError(f"cannot resume: client {pid}'s state after round {rnd} is not usable "
                               f"({err}); the run needs every client's state of its checkpoint") from None
-        if names != needed:
+        if names - {P.LOCAL_BUFFERS} != needed:  # buffers = local adds the client's own buffers
             raise RunDirError(f"cannot resume: client {pid}'s state after round {rnd} "
                               f"({mirror.path(rnd)}) holds {sorted(names)}, not the {cfg.algorithm} "
                               f"client state {sorted(needed)}")

@@ -17,10 +17,14 @@ papers' algorithms need and stock FedAvg lacks:
 * aggregation by the run's ``aggregator`` (mean, or a robust rule) of every per-client
   quantity the algorithm combines, with weights from the server's own partition sizes;
 * server state as a checkpointable dict (:meth:`state_dict` / :meth:`load_state_dict`);
+* a model's buffers (BatchNorm's statistics; ``buffers``: the names of the state-dict entries
+  that are not trainable parameters) kept apart from the rule, which sees the trainable
+  parameters only (strategies/buffers.py): replies are validated whole, then split; the
+  buffers are combined by their own rule; the model sent down and checkpointed has both;
 * what the last round did, read through :meth:`FlatStrategy.round_record`.
 
 Strategies are built from the registry (strategies/registry.py: ``spec.new_strategy(cfg,
-model)``), which says what travels with the model.
+model, buffers=...)``), which says what travels with the model.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from common import protocol as P
 from common.config import ConfigError, RunConfig
 from common.privacy import round_noise_multiplier
 from common.tensors import global_norm
+from strategies import buffers as bufs
 from strategies.aggregate import client_weights
 from strategies.base import ServerRule
 from strategies.participation import (NoNodesError, Participation, destinations, error_text, exchange,
@@ -102,7 +107,8 @@ class FlatStrategy(FlowerFedAvg):
     algorithm itself is ``self.rule``, its :class:`~strategies.base.ServerRule`."""
 
     def __init__(self, cfg: RunConfig, initial_model: OrderedDict, spec,
-                 partition_sizes: Callable[[int], Sequence[int]] | None = None):
+                 partition_sizes: Callable[[int], Sequence[int]] | None = None,
+                 buffers: Iterable[str] = ()):
         super().__init__(
             fraction_train=cfg.fraction_train,
             fraction_evaluate=1.0,  # set below: 0 (our default) makes Flower warn at every start
@@ -117,10 +123,15 @@ class FlatStrategy(FlowerFedAvg):
             raise ConfigError(f"dp.clip > 0: {spec.name} uploads {', '.join(spec.up)} besides the model, and "
                               "client-level DP here clips and noises the model update only; use an algorithm "
                               "whose only upload is the model (FedAvg, FedSAM, FedProx, ...)")
-        self.rule: ServerRule = spec.new_rule(cfg, initial_model)
+        # the model's buffers (strategies/buffers.py): the rule never sees them
+        self.keys = list(initial_model)
+        self.buffer_keys = [k for k in self.keys if k in set(buffers)]
+        params, kept = bufs.split(initial_model, self.buffer_keys)
+        self.buffers: OrderedDict = OrderedDict((k, v.clone()) for k, v in kept.items())
+        self.rule: ServerRule = spec.new_rule(cfg, params if self.buffer_keys else initial_model)
         if cfg.dp_clip > 0 and (why := self.rule.dp_refusal(cfg)):
             raise ConfigError(f"dp.clip > 0: {spec.name}: {why}")
-        self.layout = layout_of(self.rule.model)
+        self.layout = layout_of(initial_model)  # what every reply's model must be: parameters and buffers
         self.round = 0  # last completed training round
         self.participation = Participation(cfg, partition_sizes)
         self.stats = RoundStats()
@@ -135,8 +146,30 @@ class FlatStrategy(FlowerFedAvg):
 
     @property
     def model(self) -> OrderedDict:
-        """The global model (the rule's)."""
-        return self.rule.model
+        """The global model: the rule's, with the buffers merged in the model's key order."""
+        if not self.buffer_keys:
+            return self.rule.model
+        return bufs.merge(self.rule.model, self.buffers, self.keys)
+
+    def _set_model(self, model: OrderedDict) -> None:
+        """Make ``model`` (a whole state dict) the global model: parameters to the rule,
+        buffers kept here."""
+        if not self.buffer_keys:
+            self.rule.model = model
+            return
+        self.rule.model, buffers = bufs.split(model, self.buffer_keys)
+        self.buffers = OrderedDict(buffers)
+
+    def _split_update(self, update: ClientUpdate) -> ClientUpdate:
+        """A validated reply as the rule sees it: its model and uploads without the buffers
+        (the model's buffers kept in ``update.buffers``); a running variance with a negative
+        entry refuses the reply."""
+        if not self.buffer_keys:
+            return update
+        update.model, update.buffers = bufs.split(update.model, self.buffer_keys)
+        bufs.check(update.buffers)
+        update.records = {name: bufs.split(r, self.buffer_keys)[0] for name, r in update.records.items()}
+        return update
 
     def round_record(self) -> RoundRecord:
         """The last training round: its statistics, start point, accepted updates and why
@@ -160,7 +193,7 @@ class FlatStrategy(FlowerFedAvg):
         return {
             "algorithm": self.spec.name,
             "round": self.round,
-            "model": rule["model"],
+            "model": bufs.merge(rule["model"], self.buffers, self.keys) if self.buffer_keys else rule["model"],
             "records": rule["records"],
             "participation": self.participation.state_dict(),
         }
@@ -181,9 +214,15 @@ class FlatStrategy(FlowerFedAvg):
                      model=schema.tensors(self.layout), records=schema.fields(**records),
                      participation=schema.anything)
         self.rule.check_records(state["records"])
+        params, buffers = bufs.split(state["model"], self.buffer_keys)
+        bufs.check(buffers, "strategy.model")
         self.participation.load_state_dict(state["participation"])
         self.round = state["round"]
-        self.rule.load_state_dict(state)
+        if self.buffer_keys:
+            self.rule.load_state_dict({**state, "model": params})
+            self.buffers = OrderedDict((k, v.clone()) for k, v in buffers.items())
+        else:
+            self.rule.load_state_dict(state)
 
     # ------------------------------------------------------------------ refusals
     def _refused(self, stage: str, pid: int, node: int, why: str) -> None:
@@ -214,7 +253,7 @@ class FlatStrategy(FlowerFedAvg):
         self.stats = RoundStats()
         self.failure_reasons = {}
         self._grid = grid  # retries go out on it (receive_train)
-        self.rule.model = codec.from_record(arrays)
+        self._set_model(codec.from_record(arrays))
         available = self.available_partitions(grid)
         chosen = self.participation.sample(server_round, list(available), self.fraction_train)
         self._nonce = new_nonce()
@@ -230,7 +269,10 @@ class FlatStrategy(FlowerFedAvg):
             raise RuntimeError(f"{self.spec.name}: the rule sends values {sorted(scalars)}, the registry "
                                f"declares {sorted(self.spec.values)}")
         values.update({name: float(v) for name, v in scalars.items()})
-        self._content = RecordDict({P.MODEL: arrays if start is self.rule.model else codec.to_record(start),
+        if self.buffer_keys:  # the start point's parameters with the global buffers
+            arrays = codec.to_record(bufs.merge(start, self.buffers, self.keys))
+        self._content = RecordDict({P.MODEL: arrays if start is self.rule.model or self.buffer_keys
+                                    else codec.to_record(start),
                                     P.CONFIG: ConfigRecord(values)})
         for name, tensors in self.rule.broadcast().items():
             self._content[name] = codec.to_record(tensors)
@@ -277,7 +319,7 @@ class FlatStrategy(FlowerFedAvg):
                 self.stats.bytes_up += codec.payload_bytes(reply.content)
                 if pid < 0 or pid in updates:
                     raise RejectedReply("a reply from a node that holds no partition, or a second one")
-                updates[pid] = parse_train_reply(reply, node, self.expected(pid, self._nonce))
+                updates[pid] = self._split_update(parse_train_reply(reply, node, self.expected(pid, self._nonce)))
             except Exception as why:  # noqa: BLE001 - one reply's fault, never the run's end
                 self._refused("train", pid, node, str(why))
         for msg in self._messages:
@@ -377,6 +419,8 @@ class FlatStrategy(FlowerFedAvg):
             if not self.rule.apply(server_round, updates, weights):
                 reason = "the server update gave non-finite values"
             else:  # these clients' states after this round are the ones they go on from
+                if self.buffer_keys:
+                    self.buffers = bufs.combine([u.buffers for u in updates], weights)
                 self.participation.commit(server_round, [u.partition_id for u in updates])
                 self.stats.rule = dict(self.rule.metrics)
         if reason:
@@ -407,6 +451,15 @@ class FlatStrategy(FlowerFedAvg):
         self._eval_nonce = new_nonce()
         content = RecordDict({P.MODEL: arrays, P.CONFIG: ConfigRecord(
             {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._eval_nonce})})
+        if self.cfg.buffers == "local" and self.buffer_keys:  # each evaluates with its own statistics
+            self._eval_messages = []
+            for p in chosen:
+                own = RecordDict(dict(content.items()))
+                own[P.CONFIG] = ConfigRecord({**dict(content[P.CONFIG]),
+                                              P.STATE_ROUND: self.participation.state_round(p)})
+                self._eval_messages.append(Message(own, dst_node_id=available[p], message_type=MessageType.EVALUATE,
+                                                   group_id=str(server_round)))
+            return self._eval_messages
         self._eval_messages = [Message(content, dst_node_id=available[p], message_type=MessageType.EVALUATE,
                                        group_id=str(server_round)) for p in chosen]
         return self._eval_messages

@@ -54,6 +54,9 @@ class ClientUpdate:
     model: OrderedDict  # w_i, the local model after training
     records: dict[str, OrderedDict] = field(default_factory=dict)  # the algorithm's uploads
     reported: dict[str, float] = field(default_factory=dict)  # REPORTED metrics: for clients.jsonl only
+    # the model's buffers (BatchNorm statistics), split off ``model`` by the strategy before its
+    # rule sees the update (strategies/buffers.py); empty for a model without buffers
+    buffers: OrderedDict = field(default_factory=OrderedDict)
 
 
 @dataclass(frozen=True)

@@ -111,4 +111,5 @@ def test_no_class_is_imported_by_name():
                 hits.append(name)
             if isinstance(node, ast.Name) and node.id in ("__import__", "import_module"):
                 hits.append(name)
-    assert hits == []
+    # common.references is the one importer of the user's own code (model = package.module:callable)
+    assert [h for h in hits if h != "common.references"] == []

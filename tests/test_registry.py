@@ -36,7 +36,8 @@ def test_every_algorithm_file_holds_a_registered_half():
     """No leftover half: each file of strategies/ and client/algorithms/ (but the shared
     machinery) is some algorithm's or family's."""
     stems = {_file_of(name) for name in ALGORITHMS}
-    shared = {"strategies": {"base", "strategy", "aggregate", "participation", "validation", "registry"},
+    shared = {"strategies": {"base", "strategy", "aggregate", "participation", "validation", "registry",
+                             "buffers"},
               "client/algorithms": {"base"}}
     for folder, machinery in shared.items():
         files = {p.stem for p in (ROOT / folder).glob("*.py")} - {"__init__"} - machinery

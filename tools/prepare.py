@@ -49,7 +49,8 @@ def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
     p.add_argument("--dataset", help="digits | synthetic | synthetic-fedprox | mnist1d | synthetic-cifar10 (offline); "
                    "mnist | fashion-mnist | cifar10 | cifar100 (torchvision); your own: npz | csv | imagefolder "
                    "(files in data-dir) or package.module:callable")
-    p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | lenet5 | resnet18-gn")
+    p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | lenet5 | resnet18-gn, or your "
+                   "own: package.module:callable (taking (input_shape, num_classes) or nothing, returning an nn.Module)")
     p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological | "
                    "natural (synthetic-fedprox's own clients) | fds:<Partitioner> (Flower Datasets'; "
                    "its keyword arguments in the key partition-args)")
@@ -344,6 +345,8 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
         raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
+    from common.references import BadReference
+
     data = dataset_for(cfg)
     try:
         check_train_transform(cfg.train_transform, data)
@@ -351,10 +354,14 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
         raise UsageError(str(err)) from None
     try:
         model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
+    except BadReference as err:  # the user's own model: already one line naming the key
+        raise UsageError(str(err)) from None
     except ValueError as err:
         raise UsageError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
     if cfg.resume:
-        _check_strategy_state(cfg, model.state_dict())
+        from common.models import buffer_names
+
+        _check_strategy_state(cfg, model.state_dict(), buffer_names(model))
     if engine == "vectorized":
         from tools.engines.vectorized import check_batchable
 
@@ -377,7 +384,7 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
                          "every round would be skipped")
 
 
-def _check_strategy_state(cfg: RunConfig, model_state: dict) -> None:
+def _check_strategy_state(cfg: RunConfig, model_state: dict, buffers: list[str]) -> None:
     """UsageError unless the checkpoint's strategy state is what this run's strategy allocates
     (as the ServerApp will load it), and RunDirError unless the client state it needs is there:
     a damaged checkpoint or client state is refused before anything starts."""
@@ -386,7 +393,7 @@ def _check_strategy_state(cfg: RunConfig, model_state: dict) -> None:
     from strategies.registry import get as get_spec
 
     strategy = get_spec(cfg.algorithm).new_strategy(
-        cfg, model_state, partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)])
+        cfg, model_state, partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)], buffers=buffers)
     ckpt = load_checkpoint(cfg.run_dir)
     try:
         strategy.load_state_dict(ckpt["strategy"])

@@ -25,6 +25,74 @@ from tools.progress import seconds_text
 OnPoll = Callable[[], None]
 
 
+REFERENCE_KEYS_EXCLUDED = ("run-dir", "client-state-dir", "data-dir")  # paths, never code
+
+
+def user_code(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """(the references of ``cfg``: every run-config value of the form package.module:callable,
+    such as ``model``; the directories their modules were imported from). A process this one
+    starts (a SuperNode, the ServerApp, a Ray worker) gets those directories on its
+    PYTHONPATH, so it resolves the same references; a reference that does not import here is
+    left to the run's own one-line error."""
+    from common.references import BadReference, is_reference, module_roots, resolve
+
+    texts = [v for k, v in cfg.to_dict().items() if k not in REFERENCE_KEYS_EXCLUDED and is_reference(v)]
+    for key, text in ((k, v) for k, v in cfg.to_dict().items() if v in texts):
+        with contextlib.suppress(BadReference):
+            resolve(text, key)
+    return texts, module_roots(texts)
+
+
+def fab_pattern(pattern: str):
+    """A ``fab-include`` glob as a regular expression (``**/`` = any directories, ``*`` = any
+    characters but ``/``)."""
+    import re
+
+    out = re.escape(pattern).replace(r"\*\*/", "(?:.*/)?").replace(r"\*", "[^/]*")
+    return re.compile(f"^{out}$")
+
+
+def outside_fab(app: Path, roots: list[str], texts: list[str]) -> list[str]:
+    """The files of the user's modules (``texts``' modules, found under ``roots``) that lie in
+    the app directory ``app`` but that its FAB leaves out (``[tool.flwr.app] fab-include``):
+    ``flwr run`` ships the FAB alone, so a real deployment's SuperNodes would not have them."""
+    import sys
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    try:
+        include = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["fab-include"]
+    except (OSError, KeyError, ValueError):
+        return []
+    patterns = [fab_pattern(p) for p in include]
+    missing = []
+    for text in texts:
+        module = sys.modules.get(text.split(":", 1)[0])
+        path = Path(getattr(module, "__file__", "") or "").resolve() if module else None
+        if path is None or not path.is_file() or not path.is_relative_to(app.resolve()):
+            continue
+        rel = path.relative_to(app.resolve()).as_posix()
+        if not any(p.match(rel) for p in patterns):
+            missing.append(rel)
+    return missing
+
+
+def hand_user_code(env: dict[str, str], cfg: RunConfig, app: Path) -> dict[str, str]:
+    """``env`` with the directories of the run's own code (:func:`user_code`) on PYTHONPATH,
+    after a note when that code lies in the app directory but outside its FAB."""
+    from common.references import with_pythonpath
+
+    texts, roots = user_code(cfg)
+    for rel in outside_fab(app, roots, texts):
+        print(f"note: {rel} (your code, in the app directory) is not in the FAB that 'flwr run' ships "
+              f"(pyproject.toml fab-include): this local federation finds it through PYTHONPATH, but a "
+              f"real deployment's SuperNodes need it installed or on their PYTHONPATH", flush=True)
+    return with_pythonpath(env, roots)
+
+
 @dataclass(frozen=True)
 class Outcome:
     ok: bool
@@ -47,8 +115,10 @@ def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: f
               f"{', fast polling' if fast_poll else ''} ({cfg.algorithm}, {cfg.dataset}, "
               f"{cfg.num_server_rounds} rounds)", flush=True)
         node_config = {"device": device} if device != "auto" else {}
-        with LocalFederation(clients, work, logs, node_config=node_config, tls=tls,
-                             clientapps=clientapps, fast_poll=fast_poll) as fed:
+        fed = LocalFederation(clients, work, logs, node_config=node_config, tls=tls,
+                              clientapps=clientapps, fast_poll=fast_poll)
+        fed.env = hand_user_code(fed.env, cfg, app)  # before any process starts
+        with fed:
             run_id = fed.submit(app, cfg.to_dict())
             print(f"submitted run {run_id}; waiting for rounds", flush=True)
             row = fed.wait(run_id, timeout, poll=0.5, on_poll=on_poll)
@@ -69,6 +139,7 @@ def run_ray(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: flo
     try:
         fed = LocalFederation(0, work, logs, simulation=True)
         fed.env["RAY_TMPDIR"] = str(work / "ray")
+        fed.env = hand_user_code(fed.env, cfg, app)
         print(f"Ray simulation: {clients} virtual clients, {cfg.algorithm}", flush=True)
         with fed:
             run_id = fed.submit(app, cfg.to_dict(), ray_federation_config(clients, cpus_per_client,

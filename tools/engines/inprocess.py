@@ -355,6 +355,19 @@ def _run(outcome) -> Message:
     return outcome.run()
 
 
+def check_vectorizable(cfg) -> None:
+    """ValueError (one line) before any round when the run's model cannot be batched by the
+    vectorised engine (buffers such as BatchNorm's statistics, dropout: tools.engines.vectorized.
+    check_batchable): the engine refuses it itself, not only the CLI."""
+    from common.data import dataset_for
+    from common.models import build_model
+    from tools.engines.vectorized import check_batchable
+
+    data = dataset_for(cfg)
+    check_batchable(build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0),
+                    cfg.resolved_model())
+
+
 def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
                   node_config: Mapping[str, Any] | None = None,
                   server_app: ServerApp | None = None,
@@ -369,6 +382,8 @@ def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
 
     cfg = RunConfig.from_mapping({"num-partitions": num_clients, **run_config})
     cfg = cfg.replace(run_dir=str(Path(cfg.run_dir or default_run_dir(cfg)).resolve()))
+    if vectorized:
+        check_vectorizable(cfg)
     kind = VectorizedGrid if vectorized else InProcessGrid
     # flatflower's ClientApp reads what it receives and builds fresh replies: no copies needed
     # (another ClientApp, e.g. the tests' malicious ones, gets copies, as over the wire)
