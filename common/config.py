@@ -48,6 +48,12 @@ class RunConfig:
     partition_seed: int = -1
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
+    # the model's input without a dataset on the server (partition = local): "1,8,8"; and
+    # the number of classes (0 = the dataset's own)
+    input_shape: str = ""
+    num_classes: int = 0
+    # partition = local: the largest training (or held-out) set a node may declare at its handshake
+    max_node_examples: int = 10_000_000
     # participation and server
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
@@ -167,7 +173,7 @@ class RunConfig:
         choice("algorithm", algorithm_params())
         choice("dataset", datasets.DATASETS)
         choice("model", ("auto", *models.MODELS))
-        choice("partition", partition.PARTITIONS)
+        choice("partition", (*partition.PARTITIONS, partition.LOCAL))
         choice("sampling", ("fixed", "bernoulli"))
         choice("aggregation", ("weighted", "uniform"))
         choice("aggregator", AGGREGATORS)
@@ -211,6 +217,7 @@ class RunConfig:
         elif self.partition == "natural":
             problems.append(f"partition=natural needs a dataset generated per client "
                             f"(synthetic-fedprox), not {self.dataset!r}")
+        problems += self._local_problems()
         check(-1 <= self.partition_seed <= MAX_SEED,
               f"partition-seed must be in [0, {MAX_SEED}], or -1 (use seed)")
         check(self.num_partitions >= 0,
@@ -269,6 +276,38 @@ class RunConfig:
         if problems:
             raise ConfigError("invalid run config: " + "; ".join(problems))
 
+    def _local_problems(self) -> list[str]:
+        """partition = local (each node trains on its own data; common/data.py): the server
+        builds the model from ``input-shape`` and ``num-classes``, with no data of its own."""
+        problems = []
+        if self.input_shape:
+            try:
+                parse_shape(self.input_shape)
+            except ConfigError as err:
+                problems.append(str(err))
+        if not 0 <= self.num_classes <= 1_000_000:
+            problems.append(f"num-classes must be in [0, 1000000] (0 = the dataset's own; got {self.num_classes})")
+        if not 1 <= self.max_node_examples <= MAX_INT:
+            problems.append(f"max-node-examples must be in [1, {MAX_INT}] (got {shown(self.max_node_examples)})")
+        if self.partition != "local":
+            return problems
+        if not self.input_shape or self.num_classes < 1:
+            problems.append("partition=local needs input-shape (e.g. \"1,8,8\") and num-classes >= 1: the "
+                            "server builds the model without any node's data")
+        if self.flatness_every > 0 and not self.data_dir:
+            problems.append("flatness-every > 0 with partition=local needs an evaluation set on the server "
+                            "(data-dir: its test split), where the flatness of the global model is measured")
+        return problems
+
+    def local_data(self) -> bool:
+        """partition = local: every node trains on all of its own data (common/data.py)."""
+        return self.partition == "local"
+
+    def central_evaluation(self) -> bool:
+        """Whether the server evaluates the global model on a test split of its own: always,
+        except with partition = local and no ``data-dir`` (then only federated evaluation)."""
+        return not self.local_data() or bool(self.data_dir)
+
     # ----------------------------------------------------------------- derived
     def measures_flatness(self, server_round: int) -> bool:
         """Whether round ``server_round`` measures the global model's sharpness and Hessian:
@@ -301,6 +340,16 @@ class RunConfig:
         from common.datasets import DEFAULT_MODEL
 
         return DEFAULT_MODEL[self.dataset] if self.model == "auto" else self.model
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``input-shape`` text ("1,8,8", "64") -> (1, 8, 8): one to four whole numbers >= 1."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if (not 1 <= len(parts) <= 4 or not all(p.isascii() and p.isdigit() for p in parts)
+            or not all(1 <= int(p) <= 1_000_000 for p in parts)):
+        raise ConfigError(f"input-shape={text!r} is not 1 to 4 whole numbers >= 1 separated by commas "
+                          "(e.g. \"1,8,8\": channels, height, width; \"64\": 64 features)")
+    return tuple(int(p) for p in parts)
 
 
 def local_step_count(n: int, batch_size: int, local_epochs: int, local_steps: int) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 PARTITIONS = ("iid", "dirichlet", "dirichlet-balanced", "pathological", "natural")
+# No partition at all: every node trains on all of its own data (common/data.py, docs/local-data.md)
+LOCAL = "local"
 
 _MAX_DIRICHLET_TRIES = 1000
 
