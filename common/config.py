@@ -28,6 +28,7 @@ AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan",
 MAX_SECONDS = 10_000_000.0  # ~116 days: any longer timeout is a typo (and overflows timers)
 MAX_INT = 2**31 - 1  # whole-number keys travel as 64-bit ints and index tensors
 MAX_SEED = 2**32 - 1  # numpy's and torch's seeds
+TRAIN_TRANSFORMS = ("none", "crop-flip")  # built-in augmentations (client/augment.py)
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,14 @@ class RunConfig:
     partition_seed: int = -1
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
-    # the model's input without a dataset on the server (partition = local): "1,8,8"; and
-    # the number of classes (0 = the dataset's own)
+    # the user's own data (common/userdata.py) and Flower Datasets' partitioners
+    csv_label: str = "label"  # dataset = csv: the label column
+    classes: str = ""  # dataset = imagefolder: class names in label order ("" = sorted train/ folders)
+    image_size: int = 0  # dataset = imagefolder: resize to a square (0 = all images share one size)
+    num_classes: int = 0  # the user's data: the number of classes (0 = inferred from the labels)
+    partition_args: str = ""  # partition = fds:<Partitioner>: its keyword arguments, "alpha=0.5, ..."
+    # the model's input without a dataset on the server (partition = local): "1,8,8"
     input_shape: str = ""
-    num_classes: int = 0
     # partition = local: the largest training (or held-out) set a node may declare at its handshake
     max_node_examples: int = 10_000_000
     # participation and server
@@ -89,6 +94,7 @@ class RunConfig:
     amp: str = "off"
     batching: str = "auto"  # vectorised engine: auto (measured once, recorded) | on | off
     eval_batch_size: int = 512
+    train_transform: str = "none"  # augmentation of local training batches: none | crop-flip | module:callable
     client_eval: bool = True  # clients report loss/accuracy before and after training (clients.jsonl)
     # client-level differential privacy (common/privacy.py): each client clips its round update
     # to dp.clip and adds Gaussian noise; 0 = off
@@ -154,7 +160,8 @@ class RunConfig:
     def validate(self, others: list[str] | None = None) -> None:
         """Raise ConfigError listing every invalid value (``others``: problems found in keys of
         other algorithms given with it)."""
-        from common import datasets, models, partition
+        from common import datasets, models, partition, userdata
+        from common.references import is_reference
 
         problems: list[str] = []
 
@@ -171,7 +178,8 @@ class RunConfig:
                 problems.append(message)
 
         choice("algorithm", algorithm_params())
-        choice("dataset", datasets.DATASETS)
+        if not userdata.is_user_dataset(self.dataset):
+            choice("dataset", datasets.DATASETS + userdata.FORMATS)
         choice("model", ("auto", *models.MODELS))
         choice("partition", (*partition.PARTITIONS, partition.LOCAL))
         choice("sampling", ("fixed", "bernoulli"))
@@ -218,6 +226,13 @@ class RunConfig:
             problems.append(f"partition=natural needs a dataset generated per client "
                             f"(synthetic-fedprox), not {self.dataset!r}")
         problems += self._local_problems()
+        check(bool(self.csv_label.strip()), "csv-label must name the CSV's label column")
+        check(0 <= self.image_size <= 4096, "image-size must be in [0, 4096] (0 = keep the images' own size)")
+        check(self.num_classes >= 0, "num-classes must be >= 0 (0 = inferred from the labels)")
+        if self.train_transform not in TRAIN_TRANSFORMS and not is_reference(self.train_transform):
+            problems.append(f"train-transform={self.train_transform!r} is not one of: "
+                            f"{', '.join(TRAIN_TRANSFORMS)}, or a package.module:callable"
+                            f"{did_you_mean(self.train_transform, TRAIN_TRANSFORMS)}")
         check(-1 <= self.partition_seed <= MAX_SEED,
               f"partition-seed must be in [0, {MAX_SEED}], or -1 (use seed)")
         check(self.num_partitions >= 0,
@@ -285,8 +300,6 @@ class RunConfig:
                 parse_shape(self.input_shape)
             except ConfigError as err:
                 problems.append(str(err))
-        if not 0 <= self.num_classes <= 1_000_000:
-            problems.append(f"num-classes must be in [0, 1000000] (0 = the dataset's own; got {self.num_classes})")
         if not 1 <= self.max_node_examples <= MAX_INT:
             problems.append(f"max-node-examples must be in [1, {MAX_INT}] (got {shown(self.max_node_examples)})")
         if self.partition != "local":
@@ -337,9 +350,9 @@ class RunConfig:
 
     def resolved_model(self) -> str:
         """The model name, with ``auto`` replaced by the dataset's default model."""
-        from common.datasets import DEFAULT_MODEL
+        from common.datasets import default_model
 
-        return DEFAULT_MODEL[self.dataset] if self.model == "auto" else self.model
+        return default_model(self.dataset) if self.model == "auto" else self.model
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

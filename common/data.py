@@ -18,11 +18,16 @@ import numpy as np
 from common.config import RunConfig, parse_shape
 from common.datasets import FederatedDataset, Split, load_dataset
 from common.partition import partition_indices
+from common.userdata import is_user_dataset
 
 
-def generator_options(cfg: RunConfig) -> dict[str, float]:
-    """The options of a generated dataset: synthetic-fedprox makes one client per partition,
-    from ``synthetic-alpha``, ``synthetic-beta`` and the partition seed."""
+def dataset_options(cfg: RunConfig) -> dict[str, float | str]:
+    """The options of the run's dataset: synthetic-fedprox makes one client per partition,
+    from ``synthetic-alpha``, ``synthetic-beta`` and the partition seed; the user's own data
+    (common/userdata.py) reads ``csv-label``, ``classes``, ``image-size`` and ``num-classes``."""
+    if is_user_dataset(cfg.dataset):
+        return {"csv_label": cfg.csv_label, "classes": cfg.classes, "image_size": cfg.image_size,
+                "num_classes": cfg.num_classes}
     if cfg.dataset != "synthetic-fedprox":
         return {}
     return {"clients": cfg.num_partitions, "alpha": cfg.synthetic_alpha,
@@ -31,7 +36,7 @@ def generator_options(cfg: RunConfig) -> dict[str, float]:
 
 def dataset_for(cfg: RunConfig, data_dir: str = "") -> FederatedDataset:
     """The run's dataset; a node's own ``data-dir`` wins over the run config's."""
-    return load_dataset(cfg.dataset, data_dir or cfg.data_dir, cfg.download, **generator_options(cfg))
+    return load_dataset(cfg.dataset, data_dir or cfg.data_dir, cfg.download, **dataset_options(cfg))
 
 
 @functools.lru_cache(maxsize=8)
@@ -44,7 +49,7 @@ def _partitions(dataset: str, data_dir: str, download: bool, generator: tuple, s
 
 def partitions_for(cfg: RunConfig, num_partitions: int, data_dir: str = "") -> tuple[np.ndarray, ...]:
     """Indices into the training split, one array per partition id."""
-    generator = tuple(sorted(generator_options(cfg).items()))
+    generator = tuple(sorted(dataset_options(cfg).items()))
     return _partitions(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator, cfg.partition,
                        num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client)
 
@@ -86,7 +91,7 @@ def client_split(cfg: RunConfig, partition_id: int, num_partitions: int, data_di
         )
     if cfg.local_data():
         return check_local_data(cfg, data_dir).train
-    generator = tuple(sorted(generator_options(cfg).items()))
+    generator = tuple(sorted(dataset_options(cfg).items()))
     return _client_split(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator, cfg.partition,
                          num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client,
                          partition_id)

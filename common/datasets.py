@@ -110,18 +110,31 @@ class FederatedDataset:
     test_groups: np.ndarray | None = None
 
 
+def default_model(name: str) -> str:
+    """The model ``model = auto`` builds for dataset ``name``: the built-ins' own; a CNN for an
+    image folder; an MLP (any input shape) for the user's other data."""
+    return DEFAULT_MODEL.get(name) or ("cnn" if name == "imagefolder" else "mlp")
+
+
 def default_data_dir() -> str:
     """``$FLATFLOWER_DATA`` if set, else ``~/.cache/flatflower/data``."""
     return os.path.expanduser(os.environ.get("FLATFLOWER_DATA") or "~/.cache/flatflower/data")
 
 
 def load_dataset(name: str, data_dir: str = "", download: bool = True,
-                 **generator: float) -> FederatedDataset:
+                 **options: float | str) -> FederatedDataset:
     """Load dataset ``name`` (cached per process); torchvision data lives in ``data_dir``.
-    ``generator``: the options of a generated dataset (synthetic-fedprox: ``clients``,
-    ``alpha``, ``beta``, ``seed``)."""
+    ``options``: the options of a generated dataset (synthetic-fedprox: ``clients``,
+    ``alpha``, ``beta``, ``seed``) or of the user's own data (common/userdata.py: a file
+    format in ``data_dir`` or a ``package.module:callable``)."""
+    from common import userdata
+
+    if userdata.is_user_dataset(name):
+        return userdata.load(name, data_dir, **options)
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS + userdata.FORMATS)}, "
+                         "or a package.module:callable")
+    generator = options
     root = os.path.abspath(os.path.expanduser(data_dir or default_data_dir()))
     return _load_cached(name, root, bool(download), tuple(sorted(generator.items())), system_dir(name))
 
