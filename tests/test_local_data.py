@@ -224,3 +224,26 @@ def test_a_restarted_node_cannot_declare_another_size_even_after_a_resume(tmp_pa
     resumed.handshake(grid, nodes, on_refused)  # node 0's handshake is its 3rd: inflated
     assert refused == [("handshake", 0, "declares 1200 examples, partition 0 has 120")]
     assert resumed.heldout == {0: 30, 1: 20, 2: 50}
+
+
+# ---------------------------------------------------------------- the same over real processes
+@pytest.mark.slow
+@pytest.mark.integration
+def test_three_supernodes_each_on_its_own_folder_over_loopback(tmp_path):
+    """A SuperLink and three SuperNodes on 127.0.0.1, each SuperNode with its own ``data-dir``
+    (node config) holding an NPZ folder of a different size and class mix; the ServerApp has
+    no data: partition = local, fraction-evaluate = 1."""
+    from tests.helpers import deployed
+
+    folders = sites(tmp_path / "data")
+    config = {k: v for k, v in local_config(tmp_path).items() if k != "run-dir"}
+    _, run_dir = deployed(tmp_path, "dep", {**config, "num-server-rounds": 2}, 3,
+                          node_configs=node_configs(folders))
+    rows = metrics(run_dir)
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all("test_accuracy" not in r for r in rows)
+    assert all(0 <= r["federated_accuracy"] <= 1 and r["federated_loss"] > 0 for r in rows), rows
+    assert all(r["clients_replied"] == 3 and not r["rejections"] for r in rows), rows
+    assert json.loads((run_dir / "partition.json").read_text())["sizes"] == {"0": 120, "1": 60, "2": 200}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["final_federated_accuracy"] == rows[-1]["federated_accuracy"]
