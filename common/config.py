@@ -307,6 +307,10 @@ class RunConfig:
         if not self.input_shape or self.num_classes < 1:
             problems.append("partition=local needs input-shape (e.g. \"1,8,8\") and num-classes >= 1: the "
                             "server builds the model without any node's data")
+        if self.fraction_evaluate == 0 and not self.data_dir:
+            problems.append("partition=local with no evaluation set on the server (data-dir) measures "
+                            "nothing: set fraction-evaluate > 0 (the clients evaluate the global model "
+                            "on their own held-out data), or data-dir")
         if self.flatness_every > 0 and not self.data_dir:
             problems.append("flatness-every > 0 with partition=local needs an evaluation set on the server "
                             "(data-dir: its test split), where the flatness of the global model is measured")

@@ -247,3 +247,53 @@ def test_three_supernodes_each_on_its_own_folder_over_loopback(tmp_path):
     assert json.loads((run_dir / "partition.json").read_text())["sizes"] == {"0": 120, "1": 60, "2": 200}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final_federated_accuracy"] == rows[-1]["federated_accuracy"]
+
+
+def test_a_local_run_with_nothing_to_measure_it_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="measures nothing: set fraction-evaluate > 0"):
+        RunConfig.from_mapping({**local_config(tmp_path), "fraction-evaluate": 0.0})
+
+
+# ---------------------------------------------------------------- the command line
+def test_simulate_with_a_folder_per_client(tmp_path, capsys):
+    """``flatflower simulate --node-data DIR`` once per client: partition = local, --clients
+    from the folders; the in-process and vectorised engines give the same federated numbers."""
+    from tools.cli import main as cli
+
+    folders = sites(tmp_path)
+    args = ["simulate", "--dataset", "npz", "--model", "logreg", "--set", f"input-shape={FEATURES}",
+            "--set", f"num-classes={CLASSES}", "--set", "fraction-evaluate=1", "--set", "local-epochs=1",
+            "--rounds", "2", *[x for f in folders for x in ("--node-data", str(f))]]
+    for engine in ("inprocess", "vectorized"):
+        assert cli([*args, "--engine", engine, "--run-dir", str(tmp_path / engine)]) == 0
+    assert "final federated accuracy" in capsys.readouterr().out
+    a, b = metrics(tmp_path / "inprocess"), metrics(tmp_path / "vectorized")
+    assert [r["federated_loss"] for r in a] == pytest.approx([r["federated_loss"] for r in b], rel=1e-5)
+    assert json.loads((tmp_path / "inprocess" / "partition.json").read_text())["sizes"] == {
+        "0": 120, "1": 60, "2": 200}
+    assert cli(["report", str(tmp_path / "inprocess")]) == 0
+    assert "accuracy there is federated evaluation's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, error", [
+    (["--node-data", "{missing}"], "--node-data {missing}: no such directory"),
+    (["--node-data", "{wide}"], "--node-data {wide}: data-dir '{wide}': examples of shape 20, the run's input-shape is 16"),
+    (["--clients", "2"], "--clients 2 disagrees with the 3 --node-data folders"),
+    (["--partition", "iid"], "--node-data gives each client its own data: partition must be local, not 'iid'"),
+    (["--engine", "ray"], "--node-data: Ray's simulation gives every virtual node the same node config"),
+])
+def test_bad_node_folders_are_one_line_before_anything_starts(tmp_path, capsys, change, error):
+    from tools.cli import main as cli
+
+    folders = sites(tmp_path)
+    paths = {"missing": str(tmp_path / "missing"),
+             "wide": str(write_site(tmp_path / "wide", 20, 5, range(10), seed=3, features=FEATURES + 4))}
+    change = [c.format(**paths) for c in change]
+    given = [str(f) for f in folders[:2]] + ([] if change[0] == "--node-data" else [str(folders[2])])
+    args = ["simulate", "--dataset", "npz", "--model", "logreg", "--set", f"input-shape={FEATURES}",
+            "--set", f"num-classes={CLASSES}", "--set", "fraction-evaluate=1", "--rounds", "1",
+            "--run-dir", str(tmp_path / "run"), *[x for f in given for x in ("--node-data", f)], *change]
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and error.format(**paths) in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
