@@ -297,3 +297,15 @@ def test_bad_node_folders_are_one_line_before_anything_starts(tmp_path, capsys, 
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and error.format(**paths) in err, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- federated evaluation on held-out data
+def test_federated_evaluation_uses_the_clients_held_out_data_where_they_have_some(tmp_path):
+    """synthetic-fedprox: each client holds out 10% of its generated data, and the server's
+    test split is the union of those held-out sets. So with every client evaluating, the
+    example-weighted federated accuracy and loss ARE the server's test accuracy and loss."""
+    run_dir, _ = run_inprocess({"dataset": "synthetic-fedprox", "partition": "natural", "num-server-rounds": 2,
+                                "fraction-evaluate": 1.0, "run-dir": str(tmp_path / "run")}, 5)
+    for row in metrics(run_dir)[1:]:
+        assert row["federated_accuracy"] == pytest.approx(row["test_accuracy"], abs=1e-12)
+        assert row["federated_loss"] == pytest.approx(row["test_loss"], rel=1e-5)
