@@ -25,6 +25,7 @@ from client.state import ContextState, StateMirror
 from client.train import LocalResult, build_rule, local_train, round_generator, rule_outputs
 from common import codec
 from common import protocol as P
+from common.augment import Augment, train_augment
 from common.config import RunConfig
 from common.data import client_split, client_test_split, model_shape
 from common.datasets import Split
@@ -138,6 +139,7 @@ class TrainCall:
     reported: dict | None  # the self-report before training (None: not made yet)
     pool_key: tuple
     after: dict | None = None  # the self-report after training, when the engine made it
+    augment: Augment | None = None  # train-transform, with this call's own generator (common/augment.py)
 
     @classmethod
     def open(cls, msg: Message, context: Context, self_report: bool = True) -> TrainCall:
@@ -169,7 +171,8 @@ class TrainCall:
             MODEL_POOL.give(key, model)
             raise
         return cls(msg, context, cfg, node, server_round, fault, data, held_out, model, rule,
-                   layout, lr, state, store, accepted, reported, key)
+                   layout, lr, state, store, accepted, reported, key,
+                   augment=train_augment(cfg.train_transform, cfg.seed, server_round, node.partition_id))
 
     def close(self) -> None:
         """Give the model back to the pool (the call is done with it)."""
@@ -179,7 +182,7 @@ class TrainCall:
         """Train this call's model alone (client.train.local_train), after its self-report."""
         if self.reported is None:  # opened without its self-report
             self.reported = _self_report(self.cfg, self.model, self.data, self.held_out, "before")
-        return local_train(self.model, self.data, self.rule, self.cfg, self.lr, self.generator())
+        return local_train(self.model, self.data, self.rule, self.cfg, self.lr, self.generator(), self.batch)
 
     def run(self) -> Message:
         """Train alone and reply: the ClientApp's path."""
@@ -187,6 +190,12 @@ class TrainCall:
             return self.reply(self.train())
         finally:
             self.close()
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One local training batch, the rows ``idx`` of this client's data, augmented by the
+        run's train-transform (its draws from this call's own generator, in step order): the
+        one place every engine builds a training batch."""
+        return self.data.get(idx, augment=self.augment)
 
     def generator(self) -> torch.Generator:
         """This call's shuffling RNG (client.train.round_generator)."""

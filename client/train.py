@@ -99,8 +99,12 @@ def local_train(
     cfg: RunConfig,
     lr: float,
     generator: torch.Generator,
+    batch: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> LocalResult:
-    """Train ``model`` in place on ``data`` with ``rule``'s directions."""
+    """Train ``model`` in place on ``data`` with ``rule``'s directions. ``batch``: a
+    mini-batch's rows -> (x, y) (the ClientApp's ``TrainCall.batch``, which applies the run's
+    train-transform); default ``data.get``."""
+    batch = batch or data.get
     if len(data) == 0:
         raise ValueError("this client's partition is empty: nothing to train on")
     device = next(model.parameters()).device
@@ -112,7 +116,7 @@ def local_train(
     losses: list[float] = []
     steps = cfg.num_steps(len(data))
     for k, idx in enumerate(batch_indices(len(data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, generator)):
-        x, y = data.get(idx)
+        x, y = batch(idx)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(cfg, device):
             loss, direction = rule.direction([p.detach() for p in params], ModelBatch(model, x, y))

@@ -160,7 +160,7 @@ class RunConfig:
     def validate(self, others: list[str] | None = None) -> None:
         """Raise ConfigError listing every invalid value (``others``: problems found in keys of
         other algorithms given with it)."""
-        from common import datasets, models, partition, userdata
+        from common import datasets, fds, models, partition, userdata
         from common.references import is_reference
 
         problems: list[str] = []
@@ -181,7 +181,9 @@ class RunConfig:
         if not userdata.is_user_dataset(self.dataset):
             choice("dataset", datasets.DATASETS + userdata.FORMATS)
         choice("model", ("auto", *models.MODELS))
-        choice("partition", (*partition.PARTITIONS, partition.LOCAL))
+        if not fds.is_fds(self.partition):
+            choice("partition", (*partition.PARTITIONS, partition.LOCAL))
+        problems.extend(fds.problems(self.partition, self.partition_args))
         choice("sampling", ("fixed", "bernoulli"))
         choice("aggregation", ("weighted", "uniform"))
         choice("aggregator", AGGREGATORS)

@@ -41,17 +41,18 @@ def dataset_for(cfg: RunConfig, data_dir: str = "") -> FederatedDataset:
 
 @functools.lru_cache(maxsize=8)
 def _partitions(dataset: str, data_dir: str, download: bool, generator: tuple, scheme: str, n: int,
-                seed: int, alpha: float, cpc: int) -> tuple[np.ndarray, ...]:
+                seed: int, alpha: float, cpc: int, args: str) -> tuple[np.ndarray, ...]:
     data = load_dataset(dataset, data_dir, download, **dict(generator))
     return tuple(partition_indices(data.train.y.numpy(), n, scheme, seed, alpha=alpha,
-                                   classes_per_client=cpc, groups=data.train_groups))
+                                   classes_per_client=cpc, groups=data.train_groups, args=args))
 
 
 def partitions_for(cfg: RunConfig, num_partitions: int, data_dir: str = "") -> tuple[np.ndarray, ...]:
     """Indices into the training split, one array per partition id."""
     generator = tuple(sorted(dataset_options(cfg).items()))
     return _partitions(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator, cfg.partition,
-                       num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client)
+                       num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client,
+                       cfg.partition_args)
 
 
 def model_shape(cfg: RunConfig, data_dir: str = "") -> tuple[tuple[int, ...], int]:
@@ -94,15 +95,15 @@ def client_split(cfg: RunConfig, partition_id: int, num_partitions: int, data_di
     generator = tuple(sorted(dataset_options(cfg).items()))
     return _client_split(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator, cfg.partition,
                          num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client,
-                         partition_id)
+                         cfg.partition_args, partition_id)
 
 
 @functools.lru_cache(maxsize=4096)
 def _client_split(dataset: str, data_dir: str, download: bool, generator: tuple, scheme: str, n: int,
-                  seed: int, alpha: float, cpc: int, partition_id: int) -> Split:
+                  seed: int, alpha: float, cpc: int, args: str, partition_id: int) -> Split:
     """A client's split, kept: clients call for it every round (its rows are copied once; a
     kept split is only read, every batch is a new tensor)."""
-    indices = _partitions(dataset, data_dir, download, generator, scheme, n, seed, alpha, cpc)[partition_id]
+    indices = _partitions(dataset, data_dir, download, generator, scheme, n, seed, alpha, cpc, args)[partition_id]
     data = load_dataset(dataset, data_dir, download, **dict(generator))
     return data.train.subset(indices)
 

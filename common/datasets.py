@@ -16,7 +16,7 @@ import functools
 import io
 import os
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -74,9 +74,14 @@ class Split:
     def __len__(self) -> int:
         return len(self.y)
 
-    def get(self, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 inputs (x / scale, then per-channel standardised) and int64 labels."""
+    def get(self, index: torch.Tensor | slice,
+            augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 inputs (x / scale, then per-channel standardised) and int64 labels;
+        ``augment`` (a local training batch's train-transform, common/augment.py) acts on the
+        raw x / scale, before the standardisation, as torchvision's transforms do."""
         x = self.x[index].float() / self.scale
+        if augment is not None:
+            x = augment(x)
         if self.mean is not None and self.std is not None:
             view = (1, -1) + (1,) * (x.dim() - 2)
             mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device).view(view)

@@ -25,6 +25,7 @@ from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
 from common import codec
+from common.augment import check_train_transform
 from common import protocol as P
 from common.config import RunConfig
 from common.data import check_local_data, dataset_for, model_shape, partitions_for
@@ -68,6 +69,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
                     "(DP-FedSAM's local optimizer alone); its authors' values: dp.clip = 0.2, "
                     "dp.noise-multiplier = 0.95")
     data = server_data(cfg)
+    if data is not None:  # partition = local: each node checks its own data (common/data.py)
+        check_train_transform(cfg.train_transform, data)
     input_shape, num_classes = model_shape(cfg)
     model = build_model(cfg.resolved_model(), input_shape, num_classes, seed=cfg.seed)
     torch.set_num_threads(1)

@@ -102,18 +102,23 @@ def load_tensors(path: Path, what: str) -> Any:
 
 def default_run_dir(cfg: RunConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.algorithm}-{cfg.dataset}-s{cfg.seed}-{stamp}-{os.getpid()}"
+    dataset = cfg.dataset.replace(":", ".")  # a package.module:callable dataset: no colon in a path
+    return Path("runs") / f"{cfg.algorithm}-{dataset}-s{cfg.seed}-{stamp}-{os.getpid()}"
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for dist in ("flatflower", "flwr"):
-        try:
-            out[dist] = version(dist)
-        except PackageNotFoundError:
-            out[dist] = "unknown"
+        out[dist] = _version(dist)
     code = code_version()
     if code:
         out["flatflower-code"] = code
@@ -294,6 +299,8 @@ class RunDir:
             "dataset": cfg.dataset, "scheme": cfg.partition, "num_partitions": len(parts),
             "seed": cfg.data_seed(), "dirichlet_alpha": cfg.dirichlet_alpha,
             "classes_per_client": cfg.classes_per_client,
+            **({"partition_args": cfg.partition_args, "flwr_datasets": _version("flwr-datasets")}
+               if cfg.partition.startswith("fds:") else {}),
             "partitions": {str(i): [int(j) for j in p] for i, p in enumerate(parts)},
         })
 

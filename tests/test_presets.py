@@ -71,6 +71,21 @@ def test_every_paper_preset_cites_a_table(name):
     assert preset.config["algorithm"].lower() in name
 
 
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_the_cifar_presets_train_with_the_papers_crop_and_flip_and_no_other_preset_does(name):
+    """Every CIFAR preset augments its local batches as the papers of this family do (pad-4
+    random crop + horizontal flip) and no longer lists augmentation as not reproduced; the
+    other presets (digits, Fashion-MNIST, the offline benchmarks) keep their data as it is."""
+    preset = load_preset(name)
+    text = preset.path.read_text()
+    not_reproduced = " ".join(line for line in text.splitlines() if line.startswith("# not reproduced:"))
+    if preset.config["dataset"] in ("cifar10", "cifar100"):
+        assert preset.config["train-transform"] == "crop-flip"
+        assert "augmentation" not in not_reproduced
+    else:
+        assert "train-transform" not in preset.config
+
 def test_load_by_path_equals_load_by_name():
     by_name = load_preset("fedtoga-cifar10-lenet-dir0.1")
     by_path = load_preset(str(PRESET_DIR / "fedtoga-cifar10-lenet-dir0.1.toml"))

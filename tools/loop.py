@@ -39,6 +39,7 @@ def measure_loop(config: dict[str, Any], clients: int) -> list[dict[str, Any]]:
 def run_loop(config: dict[str, Any], clients: int) -> Iterator[tuple[dict[str, Any], list[torch.Tensor]]]:
     """Each round of the loop: (its timing row, the new global model's trainable parameters)."""
     from client.train import batch_indices, round_generator
+    from common.augment import train_augment
     from common.config import RunConfig
     from common.data import dataset_for, partitions_for
     from common.evaluate import evaluate
@@ -67,9 +68,10 @@ def run_loop(config: dict[str, Any], clients: int) -> Iterator[tuple[dict[str, A
             model.train()
             opt = torch.optim.SGD(params, lr=cfg.round_lr(server_round), momentum=cfg.momentum,
                                   weight_decay=cfg.weight_decay)
+            augment = train_augment(cfg.train_transform, cfg.seed, server_round, pid)
             for idx in batch_indices(len(own), cfg.batch_size, cfg.local_epochs, cfg.local_steps,
                                      round_generator(cfg.seed, server_round, pid)):
-                x, y = data.train.get(own[idx])
+                x, y = data.train.get(own[idx], augment=augment)
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x), y).backward()
                 if rho > 0:

@@ -365,6 +365,7 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
     num-classes); each node's folder (``nodes``: --node-data) must load and fit, one line each."""
     from common.data import model_shape, partitions_for
 
+    from common.augment import check_train_transform
     from common.data import dataset_for
     from common.models import build_model
 
@@ -375,7 +376,10 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
         empty = [i for i, p in enumerate(parts) if len(p) == 0]
         if empty:
             raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
-        dataset_for(cfg)
+        try:
+            check_train_transform(cfg.train_transform, dataset_for(cfg))
+        except ValueError as err:  # TransformError, BadReference
+            raise UsageError(str(err)) from None
     input_shape, num_classes = model_shape(cfg)
     try:
         model = build_model(cfg.resolved_model(), input_shape, num_classes, seed=0)
@@ -409,6 +413,7 @@ def check_node_folders(cfg: RunConfig, nodes: dict[int, dict[str, str]] | None) 
     """partition = local: every node's folder (else the run config's data-dir, which nodes
     without one read) exists, loads and fits the run's model; the server's own data-dir, its
     evaluation set, too. UsageError naming the first that does not."""
+    from common.augment import check_train_transform
     from common.data import check_local_data
 
     folders = [(f"--node-data {c['data-dir']}", c["data-dir"]) for _, c in sorted((nodes or {}).items())]
@@ -418,8 +423,8 @@ def check_node_folders(cfg: RunConfig, nodes: dict[int, dict[str, str]] | None) 
         if folder and not Path(folder).expanduser().is_dir():
             raise UsageError(f"{what}: no such directory")
         try:
-            check_local_data(cfg, folder)
-        except ValueError as err:  # DataError is one too
+            check_train_transform(cfg.train_transform, check_local_data(cfg, folder))
+        except ValueError as err:  # DataError, TransformError
             raise UsageError(f"{what}: {err}") from None
 
 

@@ -348,7 +348,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     for k in range(max(steps)):
         live = [k < n for n in steps]
         active = None if all(live) else torch.tensor(live, device=device)
-        xs, ys = zip(*(c.data.get(next(draw) if on else empty) for c, draw, on in zip(calls, draws, live)))
+        xs, ys = zip(*(c.batch(next(draw)) if on else c.data.get(empty) for c, draw, on in zip(calls, draws, live)))
         x, y, weight = padded([t.to(device, non_blocking=True) for t in xs],
                               [t.to(device, non_blocking=True) for t in ys])
         with autocast(cfg, device):
