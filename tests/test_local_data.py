@@ -309,3 +309,34 @@ def test_federated_evaluation_uses_the_clients_held_out_data_where_they_have_som
     for row in metrics(run_dir)[1:]:
         assert row["federated_accuracy"] == pytest.approx(row["test_accuracy"], abs=1e-12)
         assert row["federated_loss"] == pytest.approx(row["test_loss"], rel=1e-5)
+
+
+# ---------------------------------------------------------------- docs/local-data.md
+def test_the_guides_commands_are_valid():
+    """Every node config, run config and flatflower command line of docs/local-data.md parses
+    (and the run config is a valid partition = local config)."""
+    import re
+    import shlex
+
+    from flwr.common.config import parse_config_args
+
+    from client.node import NodeSettings
+    from tools.cli import build_parser
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "local-data.md").read_text()
+    seen = set()
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["flatflower"]:
+                build_parser().parse_args(words[1:])
+                seen.add("flatflower")
+            for flag, value in zip(words, words[1:]):
+                if flag == "--node-config":
+                    assert NodeSettings.from_node_config(parse_config_args([value])).data_dir
+                    seen.add(flag)
+                if flag == "-c":
+                    cfg = RunConfig.from_mapping(parse_config_args([value]))
+                    assert cfg.local_data() and not cfg.central_evaluation()
+                    seen.add(flag)
+    assert seen == {"flatflower", "--node-config", "-c"}
