@@ -62,6 +62,7 @@ class RunConfig:
     # participation and server
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
+    evaluate_every: int = 1  # federated evaluation every K rounds (and the last), with fraction-evaluate > 0
     sampling: str = "fixed"
     num_partitions: int = 0  # N; 0 = the number of nodes connected when round 1 starts
     min_available_nodes: int = 1
@@ -282,6 +283,8 @@ class RunConfig:
             check(self.outlier_norm_factor == 0, "dp.clip > 0 needs outlier-norm-factor = 0: which "
                   "updates are kept would depend on each one's norm, which the privacy analysis of the "
                   "mean does not cover (clipping already bounds every update to dp.clip)")
+        check(self.evaluate_every >= 1, "evaluate-every must be >= 1 (federated evaluation every K rounds "
+              "and the last)")
         check(self.flatness_every >= 0, "flatness-every must be >= 0 (0 = no flatness measures; "
               "K = every K rounds and the last)")
         check(_pos(self.flatness_rho), f"flatness-rho must be a finite number > 0 (got {self.flatness_rho})")
@@ -333,6 +336,12 @@ class RunConfig:
         every ``flatness-every`` rounds, and the last round (never with ``flatness-every`` 0)."""
         return self.flatness_every > 0 and (server_round % self.flatness_every == 0
                                             or server_round == self.num_server_rounds)
+
+    def evaluates(self, server_round: int) -> bool:
+        """Whether round ``server_round`` ends with a federated evaluation: ``fraction-evaluate``
+        > 0, every ``evaluate-every`` rounds and the last."""
+        return self.fraction_evaluate > 0 and (server_round % self.evaluate_every == 0
+                                               or server_round == self.num_server_rounds)
 
     def num_steps(self, n: int) -> int:
         """The local steps (mini-batches) a client of ``n`` samples takes in a round (tau_i)."""

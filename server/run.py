@@ -155,7 +155,7 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
         elif not (run_dir.path / "partition.json").exists():
             run_dir.write_partition(cfg, partitions_for(cfg, strategy.num_partitions))
         row = {"round": rnd}
-        client_eval = strategy.evaluate_round(rnd, grid)
+        client_eval = strategy.evaluate_round(rnd, grid) if cfg.evaluates(rnd) else None
         row.update({k.replace("-", "_"): finite(v) for k, v in (client_eval or {}).items()})
         if client_eval:
             federated = {k: row[k] for k in ("federated_accuracy", "federated_loss")}

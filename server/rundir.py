@@ -179,7 +179,7 @@ CHECKPOINT_FORMAT = 3  # 3: the clients' last accepted rounds in the participati
 # client-state-dir too: the clients' duals and control variates live there).
 RESUME_MAY_CHANGE = ("num-server-rounds", "resume", "run-dir", "round-timeout", "node-wait-timeout",
                      "min-available-nodes", "checkpoint-every", "data-dir",
-                     "download", "fraction-evaluate", "eval-batch-size", "client-eval", "tensorboard",
+                     "download", "fraction-evaluate", "evaluate-every", "eval-batch-size", "client-eval", "tensorboard",
                      "flatness-every", "flatness-rho", "flatness-iters", "flatness-probes")
 
 

@@ -340,3 +340,12 @@ def test_the_guides_commands_are_valid():
                     assert cfg.local_data() and not cfg.central_evaluation()
                     seen.add(flag)
     assert seen == {"flatflower", "--node-config", "-c"}
+
+
+def test_federated_evaluation_every_k_rounds_and_the_last(tmp_path):
+    folders = sites(tmp_path)
+    run_dir, _ = run_inprocess(local_config(tmp_path, **{"num-server-rounds": 5, "evaluate-every": 2}), 3,
+                               node_configs=node_configs(folders))
+    rows = metrics(run_dir)
+    assert [r["round"] for r in rows if "federated_accuracy" in r] == [2, 4, 5]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
