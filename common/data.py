@@ -65,17 +65,18 @@ def model_shape(cfg: RunConfig, data_dir: str = "") -> tuple[tuple[int, ...], in
     return data.input_shape, data.num_classes
 
 
-def check_local_data(cfg: RunConfig, data_dir: str = "") -> FederatedDataset:
+def check_local_data(cfg: RunConfig, data_dir: str = "", trains: bool = True) -> FederatedDataset:
     """partition = local: a node's own dataset, once it is seen to fit the run's model (its
-    input shape, labels in [0, num-classes), a training split that is not empty); ValueError
-    naming the node's folder and what differs otherwise."""
+    input shape, labels in [0, num-classes), a training split that is not empty unless it
+    ``trains`` on none: the server's evaluation set); ValueError naming the node's folder and
+    what differs otherwise."""
     data = dataset_for(cfg, data_dir)
     where = f"data-dir {data_dir or cfg.data_dir or '(none)'!r}"
     shape = parse_shape(cfg.input_shape)
     if tuple(data.input_shape) != shape:
         raise ValueError(f"{where}: examples of shape {','.join(map(str, data.input_shape))}, the run's "
                          f"input-shape is {','.join(map(str, shape))}")
-    if not len(data.train):
+    if trains and not len(data.train):
         raise ValueError(f"{where}: the training split is empty")
     for name, split in (("train", data.train), ("test", data.test)):
         if len(split) and not 0 <= int(split.y.min()) <= int(split.y.max()) < cfg.num_classes:

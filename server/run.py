@@ -207,7 +207,7 @@ def server_data(cfg: RunConfig):
         log.info("partition=local and no data-dir on the server: no central evaluation; the run "
                  "measures itself by federated evaluation (fraction-evaluate=%g)", cfg.fraction_evaluate)
         return None
-    return check_local_data(cfg) if cfg.local_data() else dataset_for(cfg)
+    return check_local_data(cfg, trains=False) if cfg.local_data() else dataset_for(cfg)
 
 
 def measured(row: dict) -> str:

@@ -349,3 +349,20 @@ def test_federated_evaluation_every_k_rounds_and_the_last(tmp_path):
     rows = metrics(run_dir)
     assert [r["round"] for r in rows if "federated_accuracy" in r] == [2, 4, 5]
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
+
+
+def test_a_resumed_local_run_keeps_the_sizes_and_ends_as_an_unbroken_one(tmp_path):
+    """The learned sizes travel in the checkpoint: a run stopped after round 2 and resumed to
+    round 3 ends with the model and the rows of a run of 3 rounds."""
+    folders = sites(tmp_path)
+    full, _ = run_inprocess(local_config(tmp_path, **{"run-dir": str(tmp_path / "full")}), 3,
+                            node_configs=node_configs(folders))
+    cut, _ = run_inprocess(local_config(tmp_path, **{"run-dir": str(tmp_path / "cut"), "num-server-rounds": 2}),
+                           3, node_configs=node_configs(folders))
+    saved = torch.load(cut / "checkpoint.pt", weights_only=True)["strategy"]["participation"]
+    assert saved["sizes"] == {"0": 120, "1": 60, "2": 200} and saved["heldout"] == {"0": 30, "1": 20, "2": 50}
+    run_inprocess(local_config(tmp_path, **{"run-dir": str(cut), "resume": True}), 3,
+                  node_configs=node_configs(folders))
+    a, b = torch.load(full / "model_final.pt"), torch.load(cut / "model_final.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["federated_loss"] for r in metrics(cut)] == [r["federated_loss"] for r in metrics(full)]

@@ -416,14 +416,14 @@ def check_node_folders(cfg: RunConfig, nodes: dict[int, dict[str, str]] | None) 
     from common.augment import check_train_transform
     from common.data import check_local_data
 
-    folders = [(f"--node-data {c['data-dir']}", c["data-dir"]) for _, c in sorted((nodes or {}).items())]
-    if cfg.data_dir or not folders:
-        folders.append((f"data-dir {cfg.data_dir or '(none)'}", cfg.data_dir))
-    for what, folder in folders:
+    folders = [(f"--node-data {c['data-dir']}", c["data-dir"], True) for _, c in sorted((nodes or {}).items())]
+    if cfg.data_dir or not folders:  # the server's evaluation set; the nodes' data when they have none
+        folders.append((f"data-dir {cfg.data_dir or '(none)'}", cfg.data_dir, not folders))
+    for what, folder, trains in folders:
         if folder and not Path(folder).expanduser().is_dir():
             raise UsageError(f"{what}: no such directory")
         try:
-            check_train_transform(cfg.train_transform, check_local_data(cfg, folder))
+            check_train_transform(cfg.train_transform, check_local_data(cfg, folder, trains))
         except ValueError as err:  # DataError, TransformError
             raise UsageError(f"{what}: {err}") from None
 
