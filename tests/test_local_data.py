@@ -366,3 +366,26 @@ def test_a_resumed_local_run_keeps_the_sizes_and_ends_as_an_unbroken_one(tmp_pat
     a, b = torch.load(full / "model_final.pt"), torch.load(cut / "model_final.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["federated_loss"] for r in metrics(cut)] == [r["federated_loss"] for r in metrics(full)]
+
+
+def test_a_held_out_declaration_above_the_bound_is_refused(tmp_path):
+    """A node that declares a huge held-out set (to weigh more in federated evaluation) is
+    refused at its handshake, like one that declares a huge training set."""
+    folders = sites(tmp_path)
+
+    def query(msg: Message, context: Context) -> Message:
+        reply = honest.query(msg, context)
+        if int(context.node_config["partition-id"]) == 2:
+            reply = with_metric(reply, P.NUM_HELDOUT, 10**9)
+        return reply
+
+    app = ClientApp()
+    app.train()(honest.train)
+    app.evaluate()(honest.evaluate)
+    app.query()(query)
+    run_dir, _ = run_inprocess(local_config(tmp_path, **{"num-server-rounds": 1}), 3,
+                               node_configs=node_configs(folders), client_app=app)
+    refused = rejections(metrics(run_dir), "handshake")
+    assert refused and all(r["reason"] == "declares 1000000000 held-out examples, more than "
+                           "max-node-examples=10000000" for r in refused), refused
+    assert metrics(run_dir)[-1]["sampled_partitions"] == [0, 1]
