@@ -232,6 +232,9 @@ class RunConfig:
         check(bool(self.csv_label.strip()), "csv-label must name the CSV's label column")
         check(0 <= self.image_size <= 4096, "image-size must be in [0, 4096] (0 = keep the images' own size)")
         check(self.num_classes >= 0, "num-classes must be >= 0 (0 = inferred from the labels)")
+        check(self.num_classes == 0 or userdata.is_user_dataset(self.dataset) or self.local_data(),
+              f"num-classes is read only for your own data (npz, csv, imagefolder, package.module:callable) "
+              f"and partition=local; dataset {self.dataset!r} has its own classes")
         if self.train_transform not in TRAIN_TRANSFORMS and not is_reference(self.train_transform):
             problems.append(f"train-transform={self.train_transform!r} is not one of: "
                             f"{', '.join(TRAIN_TRANSFORMS)}, or a package.module:callable"

@@ -17,6 +17,7 @@ import numpy as np
 
 from common.config import RunConfig, parse_shape
 from common.datasets import FederatedDataset, Split, load_dataset
+from common import fds
 from common.partition import partition_indices
 from common.userdata import is_user_dataset
 
@@ -43,8 +44,11 @@ def dataset_for(cfg: RunConfig, data_dir: str = "") -> FederatedDataset:
 def _partitions(dataset: str, data_dir: str, download: bool, generator: tuple, scheme: str, n: int,
                 seed: int, alpha: float, cpc: int, args: str) -> tuple[np.ndarray, ...]:
     data = load_dataset(dataset, data_dir, download, **dict(generator))
-    return tuple(partition_indices(data.train.y.numpy(), n, scheme, seed, alpha=alpha,
-                                   classes_per_client=cpc, groups=data.train_groups, args=args))
+    labels = data.train.y.numpy()
+    if fds.is_fds(scheme):  # Flower Datasets' partitioner, with its keyword arguments ``args``
+        return tuple(fds.partition(labels, n, scheme, args, seed))
+    return tuple(partition_indices(labels, n, scheme, seed, alpha=alpha, classes_per_client=cpc,
+                                   groups=data.train_groups))
 
 
 def partitions_for(cfg: RunConfig, num_partitions: int, data_dir: str = "") -> tuple[np.ndarray, ...]:

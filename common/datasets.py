@@ -6,7 +6,8 @@ client), ``mnist1d`` (generated from templates by the ``mnist1d`` package) and
 ``synthetic-cifar10`` (random CIFAR-10-shaped images, for timing). The torchvision datasets
 are read from ``data_dir`` (downloaded there when allowed); ``fashion-mnist`` is also read
 from the system package's idx files (Debian/Ubuntu ``dataset-fashion-mnist``) before any
-download: see :func:`sources`.
+download: see :func:`sources`. The user's own data (files in ``data_dir`` or a
+``package.module:callable``) is common/userdata.py's; :func:`load_dataset` serves both.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import contextlib
 import functools
 import io
 import os
-from dataclasses import dataclass, replace
-from typing import Callable, Sequence
-
 import numpy as np
 import torch
+
+from common.splits import DatasetUnavailableError, FederatedDataset, Split  # noqa: F401 - re-exported
 
 DATASETS = ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "synthetic-cifar10", "mnist",
             "fashion-mnist", "cifar10", "cifar100")
@@ -55,64 +55,6 @@ SYSTEM_PACKAGES = {
 }
 IDX_FILES = {True: ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
              False: ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
-
-
-class DatasetUnavailableError(RuntimeError):
-    """A dataset is not on disk and could not be downloaded."""
-
-
-@dataclass
-class Split:
-    """Samples ``x`` (stored compactly) with int64 labels ``y`` and how to normalise x."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
-    scale: float = 1.0
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def get(self, index: torch.Tensor | slice,
-            augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 inputs (x / scale, then per-channel standardised) and int64 labels;
-        ``augment`` (a local training batch's train-transform, common/augment.py) acts on the
-        raw x / scale, before the standardisation, as torchvision's transforms do."""
-        x = self.x[index].float() / self.scale
-        if augment is not None:
-            x = augment(x)
-        if self.mean is not None and self.std is not None:
-            view = (1, -1) + (1,) * (x.dim() - 2)
-            mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device).view(view)
-            std = torch.tensor(self.std, dtype=torch.float32, device=x.device).view(view)
-            x = (x - mean) / std
-        return x, self.y[index].long()
-
-    def to(self, device: torch.device | str) -> Split:
-        """The split on ``device``. A client's partition is small (CIFAR-10, 100 clients: 1.5 MB
-        as uint8), so a GPU client keeps all of it on the GPU and builds every batch there: no
-        per-batch host-to-device copies, no pinned-memory staging and no loader workers."""
-        return replace(self, x=self.x.to(device), y=self.y.to(device))
-
-    def subset(self, indices: Sequence[int] | np.ndarray) -> Split:
-        """The rows ``indices``, with the same normalisation."""
-        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
-        return replace(self, x=self.x[idx], y=self.y[idx])
-
-
-@dataclass
-class FederatedDataset:
-    """A dataset's train and test splits and what a model needs to know about it."""
-
-    name: str
-    train: Split
-    test: Split
-    num_classes: int
-    input_shape: tuple[int, ...]
-    # generated per client (synthetic-fedprox): the client each train / test sample belongs to
-    train_groups: np.ndarray | None = None
-    test_groups: np.ndarray | None = None
 
 
 def default_model(name: str) -> str:

@@ -104,7 +104,8 @@ def partition(labels: np.ndarray, num_partitions: int, scheme: str, args: str, s
     ``scheme`` (``fds:<Name>``): disjoint, sorted int64 arrays (a partitioner may leave samples
     out, as ShardPartitioner does with an incomplete shard). PartitionError, one line, when
     flwr-datasets is missing, the partitioner is unknown or refuses its arguments."""
-    from common.config import did_you_mean
+    import difflib
+
     from common.partition import PartitionError
 
     try:
@@ -113,12 +114,16 @@ def partition(labels: np.ndarray, num_partitions: int, scheme: str, args: str, s
     except ImportError:
         raise PartitionError(f"partition={scheme!r} needs Flower Datasets, which is not installed here: "
                              "pip install 'flatflower[fds]'") from None
+    if not 1 <= num_partitions <= len(labels):
+        raise PartitionError(f"num_partitions must be between 1 and the number of samples ({len(labels)}), "
+                             f"got {num_partitions}")
     name = scheme[len(PREFIX):]
     names = sorted(n for n in dir(fdp) if n.endswith("Partitioner") and n != "Partitioner")
     cls = getattr(fdp, name, None)
     if name not in names or not isinstance(cls, type):
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
         raise PartitionError(f"partition={scheme!r}: flwr_datasets.partitioner has no {name!r}"
-                             f"{did_you_mean(name, names)}; its partitioners: {', '.join(names)}")
+                             f"{f' (did you mean {close[0]!r}?)' if close else ''}; its partitioners: {', '.join(names)}")
     try:
         kwargs = parse_args(args)
     except ValueError as err:

@@ -27,20 +27,11 @@ def partition_indices(
     alpha: float = 0.5,
     classes_per_client: int = 2,
     groups: np.ndarray | None = None,
-    args: str = "",
 ) -> list[np.ndarray]:
     """Indices into ``labels`` for each of ``num_partitions`` clients under ``scheme``;
     ``natural``: partition i = the samples whose ``groups`` entry is i (a dataset generated per
-    client); ``fds:<Partitioner>``: Flower Datasets' partitioner with keyword arguments ``args``
-    (common/fds.py)."""
+    client). Flower Datasets' partitioners (``fds:<Partitioner>``) are common/fds.py's."""
     labels = np.asarray(labels)
-    if scheme.startswith("fds:"):
-        from common import fds
-
-        if not 1 <= num_partitions <= len(labels):
-            raise PartitionError(f"num_partitions must be between 1 and the number of samples "
-                                 f"({len(labels)}), got {num_partitions}")
-        return fds.partition(labels, num_partitions, scheme, args, seed)
     _validate(labels, num_partitions, scheme, alpha, classes_per_client)
     rng = np.random.default_rng(seed)
     if scheme == "natural":

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.datasets import DatasetUnavailableError, FederatedDataset, Split
+from common.splits import DatasetUnavailableError, FederatedDataset, Split
 
 FORMATS = ("npz", "csv", "imagefolder")
 _GRAY_MODES = ("1", "L")

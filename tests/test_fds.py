@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError, RunConfig
-from common.fds import parse_args
-from common.partition import PartitionError, partition_indices
+from common.fds import parse_args, partition
+from common.partition import PartitionError
 from tests.helpers import fast_config
 from tools.engines.inprocess import run_inprocess
 
@@ -20,7 +20,7 @@ LABELS = np.repeat(np.arange(10), 60)  # 600 samples, 10 classes
 
 
 def dirichlet(seed: int, n: int = 8, args: str = "alpha=0.5, min_partition_size=5") -> list[np.ndarray]:
-    return partition_indices(LABELS, n, "fds:DirichletPartitioner", seed, args=args)
+    return partition(LABELS, n, "fds:DirichletPartitioner", args, seed)
 
 
 def test_dirichlet_partitioner_is_a_valid_seeded_partition() -> None:
@@ -49,7 +49,7 @@ def test_dirichlet_matches_flower_datasets_run_directly() -> None:
 
 
 def test_iid_partitioner_takes_no_seed_or_label() -> None:
-    parts = partition_indices(LABELS, 4, "fds:IidPartitioner", seed=0)
+    parts = partition(LABELS, 4, "fds:IidPartitioner", "", seed=0)
     assert [len(p) for p in parts] == [150] * 4
 
 
@@ -72,7 +72,7 @@ def test_partition_args_are_toml_values(text, expected) -> None:
 ])
 def test_bad_partitioner_or_args_is_one_line(scheme, args, match) -> None:
     with pytest.raises(PartitionError) as err:
-        partition_indices(LABELS, 4, scheme, 0, args=args)
+        partition(LABELS, 4, scheme, args, 0)
     assert match in str(err.value) and "\n" not in str(err.value)
 
 
@@ -92,7 +92,7 @@ def test_flower_datasets_missing_is_one_line(monkeypatch) -> None:
 
     monkeypatch.setitem(sys.modules, "flwr_datasets.partitioner", None)  # import fails as if not installed
     with pytest.raises(PartitionError, match=r"pip install 'flatflower\[fds\]'"):
-        partition_indices(LABELS, 4, "fds:IidPartitioner", 0)
+        partition(LABELS, 4, "fds:IidPartitioner", "", 0)
 
 
 def test_two_round_federation_on_a_dirichlet_partition(tmp_path) -> None:

@@ -291,7 +291,8 @@ def test_config_accepts_the_formats_and_references() -> None:
     with pytest.raises(ConfigError, match="dataset='npzz' is not one of.*did you mean 'npz'"):
         RunConfig.from_mapping({"dataset": "npzz"})
     for bad, match in (({"image-size": -1}, "image-size"), ({"num-classes": -2}, "num-classes"),
-                       ({"csv-label": " "}, "csv-label")):
+                       ({"csv-label": " "}, "csv-label"),
+                       ({"num-classes": 5}, "num-classes is read only for your own data")):
         with pytest.raises(ConfigError, match=match):
             RunConfig.from_mapping(bad)
 

@@ -47,10 +47,12 @@ def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
                    help=f"number of clients (default: the preset's, else {DEFAULT_CLIENTS})")
     p.add_argument("--rounds", "-r", type=cli_int, help="server rounds (num-server-rounds)")
     p.add_argument("--dataset", help="digits | synthetic | synthetic-fedprox | mnist1d | synthetic-cifar10 (offline); "
-                   "mnist | fashion-mnist | cifar10 | cifar100 (torchvision)")
+                   "mnist | fashion-mnist | cifar10 | cifar100 (torchvision); your own: npz | csv | imagefolder "
+                   "(files in data-dir) or package.module:callable")
     p.add_argument("--model", help="auto | logreg | mlp | cnn | cifar-cnn | lenet | lenet5 | resnet18-gn")
     p.add_argument("--partition", help="iid | dirichlet | dirichlet-balanced | pathological | "
-                   "natural (synthetic-fedprox's own clients)")
+                   "natural (synthetic-fedprox's own clients) | fds:<Partitioner> (Flower Datasets'; "
+                   "its keyword arguments in the key partition-args)")
     if per_run:
         p.add_argument("--seed", type=cli_int)
     p.add_argument("--fraction", type=cli_float, help="fraction of clients per round (fraction-train)")
