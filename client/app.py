@@ -27,7 +27,7 @@ from common import codec
 from common import protocol as P
 from common.augment import Augment, train_augment
 from common.config import RunConfig
-from common.data import client_split, client_test_split, dataset_for
+from common.data import client_split, client_test_split, model_shape
 from common.datasets import Split
 from common.evaluate import evaluate as evaluate_model
 from common.models import ModelPool, build_model, check_importable
@@ -63,8 +63,8 @@ MODEL_POOL = ModelPool()  # the models of this process's train and evaluate call
 
 def _model(cfg: RunConfig, node: NodeSettings, arrays: ArrayRecord, device: torch.device):
     """(pool key, a model holding ``arrays``): give it back to MODEL_POOL when done."""
-    data = dataset_for(cfg, node.data_dir)
-    key, model = MODEL_POOL.take(cfg.resolved_model(), data.input_shape, data.num_classes, device)
+    input_shape, num_classes = model_shape(cfg, node.data_dir)
+    key, model = MODEL_POOL.take(cfg.resolved_model(), input_shape, num_classes, device)
     try:
         Layout.of(model).load(codec.from_record(arrays))
     except BaseException:
@@ -75,8 +75,8 @@ def _model(cfg: RunConfig, node: NodeSettings, arrays: ArrayRecord, device: torc
 
 def _initial_weights(cfg: RunConfig, node: NodeSettings):
     """w^0, the run's initial global model (the server builds it from the same seed)."""
-    data = dataset_for(cfg, node.data_dir)
-    return build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed).state_dict()
+    input_shape, num_classes = model_shape(cfg, node.data_dir)
+    return build_model(cfg.resolved_model(), input_shape, num_classes, seed=cfg.seed).state_dict()
 
 
 def _store(cfg: RunConfig, node: NodeSettings, context: Context) -> ContextState | StateMirror:
@@ -288,11 +288,20 @@ def report_of(when: str, train: tuple[float, float], heldout_accuracy: float | N
     return {k: v for k, v in out.items() if math.isfinite(v)}  # an overflowed loss is not reported
 
 
+def evaluation_split(cfg: RunConfig, node: NodeSettings) -> Split:
+    """What federated evaluation measures the global model on: this client's own held-out
+    data where it has some (partition = local: its test split), else its training split."""
+    held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+    return held_out if held_out is not None and len(held_out) else client_split(cfg, node.partition_id, node.num_partitions,
+                                                              node.data_dir)
+
+
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Loss and accuracy of the received model on this client's local data."""
+    """Loss and accuracy of the received model on this client's held-out data (its training
+    data when it has none): :func:`evaluation_split`."""
     cfg, node, device = _setup(context)
-    data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+    data = evaluation_split(cfg, node)
     key, model = _model(cfg, node, msg.content[P.MODEL], device)
     try:
         if keeps_buffers(cfg, model) and P.STATE_ROUND in msg.content[P.CONFIG]:  # its own statistics
@@ -309,15 +318,20 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Handshake: which partition this node holds (and that its data loads and the run's own
-    model code imports here: a node without it is refused, the reason naming the module)."""
+    """Handshake: which partition this node holds, its training set's size and, where it has
+    held-out data, that set's size (federated evaluation's weight); that its data loads (and,
+    with partition = local, fits the run's model: a one-line refusal naming its folder), and that
+    the run's own model code imports here (a node without it is refused, the reason naming the
+    module)."""
     cfg, node, device = _setup(context)
     check_importable(cfg.resolved_model())
     fault = Fault.parse(node.inject_fault)
     if fault:
         fault.before_query()
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
+    held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
     metrics = MetricRecord({P.PARTITION_ID: node.partition_id, P.NUM_PARTITIONS: node.num_partitions,
-                            P.NUM_EXAMPLES: len(data), P.NONCE: _nonce(msg)})
+                            P.NUM_EXAMPLES: len(data), P.NONCE: _nonce(msg),
+                            **({P.NUM_HELDOUT: len(held_out)} if held_out is not None and len(held_out) else {})})
     return Message(RecordDict({P.METRICS: metrics, P.NODE: ConfigRecord({P.DEVICE: str(device)})}),
                    reply_to=msg)

@@ -59,9 +59,14 @@ class RunConfig:
     image_size: int = 0  # dataset = imagefolder: resize to a square (0 = all images share one size)
     num_classes: int = 0  # the user's data: the number of classes (0 = inferred from the labels)
     partition_args: str = ""  # partition = fds:<Partitioner>: its keyword arguments, "alpha=0.5, ..."
+    # the model's input without a dataset on the server (partition = local): "1,8,8"
+    input_shape: str = ""
+    # partition = local: the largest training (or held-out) set a node may declare at its handshake
+    max_node_examples: int = 10_000_000
     # participation and server
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
+    evaluate_every: int = 1  # federated evaluation every K rounds (and the last), with fraction-evaluate > 0
     sampling: str = "fixed"
     num_partitions: int = 0  # N; 0 = the number of nodes connected when round 1 starts
     min_available_nodes: int = 1
@@ -186,7 +191,7 @@ class RunConfig:
                             f"reference package.module:callable{did_you_mean(str(self.model), names)}")
         choice("buffers", ("global", "local"))
         if not fds.is_fds(self.partition):
-            choice("partition", partition.PARTITIONS)
+            choice("partition", (*partition.PARTITIONS, partition.LOCAL))
         problems.extend(fds.problems(self.partition, self.partition_args))
         choice("sampling", ("fixed", "bernoulli"))
         choice("aggregation", ("weighted", "uniform"))
@@ -231,12 +236,13 @@ class RunConfig:
         elif self.partition == "natural":
             problems.append(f"partition=natural needs a dataset generated per client "
                             f"(synthetic-fedprox), not {self.dataset!r}")
+        problems += self._local_problems()
         check(bool(self.csv_label.strip()), "csv-label must name the CSV's label column")
         check(0 <= self.image_size <= 4096, "image-size must be in [0, 4096] (0 = keep the images' own size)")
         check(self.num_classes >= 0, "num-classes must be >= 0 (0 = inferred from the labels)")
-        check(self.num_classes == 0 or userdata.is_user_dataset(self.dataset),
-              f"num-classes is read only for your own data (npz, csv, imagefolder, package.module:callable); "
-              f"dataset {self.dataset!r} has its own classes")
+        check(self.num_classes == 0 or userdata.is_user_dataset(self.dataset) or self.local_data(),
+              f"num-classes is read only for your own data (npz, csv, imagefolder, package.module:callable) "
+              f"and partition=local; dataset {self.dataset!r} has its own classes")
         if self.train_transform not in TRAIN_TRANSFORMS and not is_reference(self.train_transform):
             problems.append(f"train-transform={self.train_transform!r} is not one of: "
                             f"{', '.join(TRAIN_TRANSFORMS)}, or a package.module:callable"
@@ -288,6 +294,8 @@ class RunConfig:
             check(self.outlier_norm_factor == 0, "dp.clip > 0 needs outlier-norm-factor = 0: which "
                   "updates are kept would depend on each one's norm, which the privacy analysis of the "
                   "mean does not cover (clipping already bounds every update to dp.clip)")
+        check(self.evaluate_every >= 1, "evaluate-every must be >= 1 (federated evaluation every K rounds "
+              "and the last)")
         check(self.flatness_every >= 0, "flatness-every must be >= 0 (0 = no flatness measures; "
               "K = every K rounds and the last)")
         check(_pos(self.flatness_rho), f"flatness-rho must be a finite number > 0 (got {self.flatness_rho})")
@@ -299,12 +307,52 @@ class RunConfig:
         if problems:
             raise ConfigError("invalid run config: " + "; ".join(problems))
 
+    def _local_problems(self) -> list[str]:
+        """partition = local (each node trains on its own data; common/data.py): the server
+        builds the model from ``input-shape`` and ``num-classes``, with no data of its own."""
+        problems = []
+        if self.input_shape:
+            try:
+                parse_shape(self.input_shape)
+            except ConfigError as err:
+                problems.append(str(err))
+        if not 1 <= self.max_node_examples <= MAX_INT:
+            problems.append(f"max-node-examples must be in [1, {MAX_INT}] (got {shown(self.max_node_examples)})")
+        if self.partition != "local":
+            return problems
+        if not self.input_shape or self.num_classes < 1:
+            problems.append("partition=local needs input-shape (e.g. \"1,8,8\") and num-classes >= 1: the "
+                            "server builds the model without any node's data")
+        if self.fraction_evaluate == 0 and not self.data_dir:
+            problems.append("partition=local with no evaluation set on the server (data-dir) measures "
+                            "nothing: set fraction-evaluate > 0 (the clients evaluate the global model "
+                            "on their own held-out data), or data-dir")
+        if self.flatness_every > 0 and not self.data_dir:
+            problems.append("flatness-every > 0 with partition=local needs an evaluation set on the server "
+                            "(data-dir: its test split), where the flatness of the global model is measured")
+        return problems
+
+    def local_data(self) -> bool:
+        """partition = local: every node trains on all of its own data (common/data.py)."""
+        return self.partition == "local"
+
+    def central_evaluation(self) -> bool:
+        """Whether the server evaluates the global model on a test split of its own: always,
+        except with partition = local and no ``data-dir`` (then only federated evaluation)."""
+        return not self.local_data() or bool(self.data_dir)
+
     # ----------------------------------------------------------------- derived
     def measures_flatness(self, server_round: int) -> bool:
         """Whether round ``server_round`` measures the global model's sharpness and Hessian:
         every ``flatness-every`` rounds, and the last round (never with ``flatness-every`` 0)."""
         return self.flatness_every > 0 and (server_round % self.flatness_every == 0
                                             or server_round == self.num_server_rounds)
+
+    def evaluates(self, server_round: int) -> bool:
+        """Whether round ``server_round`` ends with a federated evaluation: ``fraction-evaluate``
+        > 0, every ``evaluate-every`` rounds and the last."""
+        return self.fraction_evaluate > 0 and (server_round % self.evaluate_every == 0
+                                               or server_round == self.num_server_rounds)
 
     def num_steps(self, n: int) -> int:
         """The local steps (mini-batches) a client of ``n`` samples takes in a round (tau_i)."""
@@ -332,6 +380,16 @@ class RunConfig:
         from common.datasets import default_model
 
         return default_model(self.dataset) if self.model == "auto" else self.model
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``input-shape`` text ("1,8,8", "64") -> (1, 8, 8): one to four whole numbers >= 1."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if (not 1 <= len(parts) <= 4 or not all(p.isascii() and p.isdigit() for p in parts)
+            or not all(1 <= int(p) <= 1_000_000 for p in parts)):
+        raise ConfigError(f"input-shape={text!r} is not 1 to 4 whole numbers >= 1 separated by commas "
+                          "(e.g. \"1,8,8\": channels, height, width; \"64\": 64 features)")
+    return tuple(int(p) for p in parts)
 
 
 def local_step_count(n: int, batch_size: int, local_epochs: int, local_steps: int) -> int:

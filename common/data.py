@@ -2,6 +2,11 @@
 
 Every node computes the same partition from (dataset, scheme, num-partitions, seed), so no
 coordination is needed; the server writes it to partition.json for the record.
+
+``partition = local`` is no partition: every node trains on all of its own data (the training
+split of the dataset in its node config's ``data-dir``) and holds its test split out for
+federated evaluation; the server knows only ``input-shape`` and ``num-classes``, and each
+node checks at its handshake that its data fits them (:func:`check_local_data`).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import functools
 
 import numpy as np
 
-from common.config import RunConfig
+from common.config import RunConfig, parse_shape
 from common.datasets import FederatedDataset, Split, load_dataset
 from common import fds
 from common.partition import partition_indices
@@ -54,12 +59,44 @@ def partitions_for(cfg: RunConfig, num_partitions: int, data_dir: str = "") -> t
                        cfg.partition_args)
 
 
+def model_shape(cfg: RunConfig, data_dir: str = "") -> tuple[tuple[int, ...], int]:
+    """(input shape, number of classes) the run's model is built for: the run config's
+    ``input-shape`` and ``num-classes`` with partition = local (the server has no data to
+    read them from), else the dataset's."""
+    if cfg.local_data():
+        return parse_shape(cfg.input_shape), cfg.num_classes
+    data = dataset_for(cfg, data_dir)
+    return data.input_shape, data.num_classes
+
+
+def check_local_data(cfg: RunConfig, data_dir: str = "", trains: bool = True) -> FederatedDataset:
+    """partition = local: a node's own dataset, once it is seen to fit the run's model (its
+    input shape, labels in [0, num-classes), a training split that is not empty unless it
+    ``trains`` on none: the server's evaluation set); ValueError naming the node's folder and
+    what differs otherwise."""
+    data = dataset_for(cfg, data_dir)
+    where = f"data-dir {data_dir or cfg.data_dir or '(none)'!r}"
+    shape = parse_shape(cfg.input_shape)
+    if tuple(data.input_shape) != shape:
+        raise ValueError(f"{where}: examples of shape {','.join(map(str, data.input_shape))}, the run's "
+                         f"input-shape is {','.join(map(str, shape))}")
+    if trains and not len(data.train):
+        raise ValueError(f"{where}: the training split is empty")
+    for name, split in (("train", data.train), ("test", data.test)):
+        if len(split) and not 0 <= int(split.y.min()) <= int(split.y.max()) < cfg.num_classes:
+            raise ValueError(f"{where}: {name} labels span {int(split.y.min())}..{int(split.y.max())}, "
+                             f"the run's num-classes={cfg.num_classes} allows 0..{cfg.num_classes - 1}")
+    return data
+
+
 def client_split(cfg: RunConfig, partition_id: int, num_partitions: int, data_dir: str = "") -> Split:
-    """The training samples of one client."""
+    """The training samples of one client (partition = local: all of its own)."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(
             f"partition-id {partition_id} is out of range for num-partitions={num_partitions}"
         )
+    if cfg.local_data():
+        return check_local_data(cfg, data_dir).train
     generator = tuple(sorted(dataset_options(cfg).items()))
     return _client_split(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator, cfg.partition,
                          num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client,
@@ -79,7 +116,11 @@ def _client_split(dataset: str, data_dir: str, download: bool, generator: tuple,
 def client_test_split(cfg: RunConfig, partition_id: int, num_partitions: int,
                       data_dir: str = "") -> Split | None:
     """A client's own held-out data, where the dataset has some (synthetic-fedprox: the 10%
-    of its generated samples it does not train on); None otherwise."""
+    of its generated samples it does not train on; partition = local: its own test split,
+    when not empty); None otherwise."""
+    if cfg.local_data():
+        test = check_local_data(cfg, data_dir).test
+        return test if len(test) else None
     data = dataset_for(cfg, data_dir)
     if data.test_groups is None or cfg.partition != "natural":
         return None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 PARTITIONS = ("iid", "dirichlet", "dirichlet-balanced", "pathological", "natural")
+# No partition at all: every node trains on all of its own data (common/data.py, docs/local-data.md)
+LOCAL = "local"
 
 _MAX_DIRICHLET_TRIES = 1000
 
@@ -61,6 +63,9 @@ def label_histogram(labels: np.ndarray, parts: list[np.ndarray], num_classes: in
 def _validate(
     labels: np.ndarray, n: int, scheme: str, alpha: float, classes_per_client: int
 ) -> None:
+    if scheme == LOCAL:
+        raise PartitionError("partition 'local' cuts nothing: each node trains on all of its own data "
+                             "(common/data.py), and no tool computes a partition of it")
     if scheme not in PARTITIONS:
         raise PartitionError(f"unknown partition scheme {scheme!r}; valid: {', '.join(PARTITIONS)}")
     if labels.ndim != 1:

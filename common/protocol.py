@@ -61,6 +61,9 @@ NUM_STEPS = "num-steps"  # metrics of a train reply: local steps run
 TRAIN_LOSS = "train-loss"  # metrics of a train reply: mean local training loss
 PARTITION_ID = "partition-id"  # metrics: the partition the client holds
 NUM_PARTITIONS = "num-partitions"  # metrics of a handshake reply: the N the node was configured for
+# metrics of a handshake reply, where the client holds data out of training: that set's size (what
+# its evaluate replies must claim as num-examples, and federated evaluation's weight)
+NUM_HELDOUT = "num-heldout"
 EVAL_LOSS = "eval-loss"  # metrics of an evaluate reply
 EVAL_ACCURACY = "eval-accuracy"  # metrics of an evaluate reply
 NODE = "node"  # a handshake reply's ConfigRecord: what the node runs on (not used by the server)

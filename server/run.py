@@ -3,6 +3,12 @@
 Round r: the strategy samples and configures clients, the grid carries the messages,
 the strategy validates and aggregates, then the global model is evaluated centrally on the
 test split and one metrics.jsonl line is written.
+
+With ``partition = local`` the server holds no client's data: it builds the model from
+``input-shape`` and ``num-classes``, learns each node's size at its handshake, and evaluates
+centrally only when its own ``data-dir`` is set (that folder's test split); otherwise
+metrics.jsonl has no test_accuracy/test_loss, and federated evaluation (``fraction-evaluate``:
+federated_accuracy, federated_loss) is how the run measures itself.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from common import codec
 from common.augment import check_train_transform
 from common import protocol as P
 from common.config import RunConfig
-from common.data import dataset_for, partitions_for
+from common.data import check_local_data, dataset_for, model_shape, partitions_for
 from common.evaluate import evaluate
 from common.flatness import flatness_distance, measure, seed_of
 from common.models import buffer_names, build_model
@@ -62,12 +68,15 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         log.warning("dp-fedsam with dp.clip = 0: no clipping and no noise, so no privacy and no dp_epsilon "
                     "(DP-FedSAM's local optimizer alone); its authors' values: dp.clip = 0.2, "
                     "dp.noise-multiplier = 0.95")
-    data = dataset_for(cfg)
-    check_train_transform(cfg.train_transform, data)
-    model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed)
+    data = server_data(cfg)
+    if data is not None:  # partition = local: each node checks its own data (common/data.py)
+        check_train_transform(cfg.train_transform, data)
+    input_shape, num_classes = model_shape(cfg)
+    model = build_model(cfg.resolved_model(), input_shape, num_classes, seed=cfg.seed)
     torch.set_num_threads(1)
     strategy = get_spec(cfg.algorithm).new_strategy(
-        cfg, model.state_dict(), partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)],
+        cfg, model.state_dict(),
+        partition_sizes=None if cfg.local_data() else lambda n: [len(p) for p in partitions_for(cfg, n)],
         buffers=buffer_names(model))
     first = 1
     if cfg.resume:
@@ -85,9 +94,14 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         run_dir.save_model("model_init.pt", model.state_dict())
     run_dir.write_config(cfg, model=cfg.resolved_model(), engine=engine_of(grid))
 
-    def central_eval() -> tuple[float, float]:
+    def central_eval() -> dict:
+        """The global model's test_loss and test_accuracy on the server's test split ({}: the
+        server has none, partition = local without data-dir)."""
+        if data is None:
+            return {}
         model.load_state_dict(strategy.model)
-        return evaluate(model, data.test, cfg.eval_batch_size)
+        loss, acc = evaluate(model, data.test, cfg.eval_batch_size)
+        return {"test_accuracy": acc, "test_loss": finite(loss)}
 
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
 
@@ -120,13 +134,14 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
 
 def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval, flatness,
             first: int, board: Board, t_start: float, ledger: PrivacyLedger | None) -> Path:
-    loss, acc = central_eval()
-    if not cfg.resume:
-        run_dir.append_metrics({"round": 0, "test_accuracy": acc, "test_loss": finite(loss)})
-        board.add_round({"round": 0, "test_accuracy": acc, "test_loss": finite(loss)})
-        log.info("round 0: test accuracy %.4f, loss %.4f", acc, loss)
+    central = central_eval()
+    if not cfg.resume and central:  # no evaluation set on the server: no round 0 to record
+        run_dir.append_metrics({"round": 0, **central})
+        board.add_round({"round": 0, **central})
+        log.info("round 0: %s", measured(central))
     RoundProgress(grid, run_dir.path, cfg.num_server_rounds)  # progress.json inside each round
     skipped = 0
+    federated = None  # the last federated evaluation's results
     for rnd in range(first, cfg.num_server_rounds + 1):
         t_round = time.monotonic()
         stats = strategy.train_round(rnd, grid)
@@ -136,13 +151,17 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
             strategy.participation.wait_for_nodes(grid)  # NoNodesError after node-wait-timeout
             stats = strategy.train_round(rnd, grid)
         skipped += stats.skipped
-        if not (run_dir.path / "partition.json").exists():
+        if cfg.local_data():  # the sizes learned so far (nodes may join late)
+            run_dir.write_local_partition(cfg, strategy.participation)
+        elif not (run_dir.path / "partition.json").exists():
             run_dir.write_partition(cfg, partitions_for(cfg, strategy.num_partitions))
         row = {"round": rnd}
-        client_eval = strategy.evaluate_round(rnd, grid)
-        row.update({k.replace("-", "_"): v for k, v in (client_eval or {}).items()})
-        loss, acc = central_eval()
-        row.update({"test_accuracy": acc, "test_loss": finite(loss), **round_fields(stats),
+        client_eval = strategy.evaluate_round(rnd, grid) if cfg.evaluates(rnd) else None
+        row.update({k.replace("-", "_"): finite(v) for k, v in (client_eval or {}).items()})
+        if client_eval:
+            federated = {k: row[k] for k in ("federated_accuracy", "federated_loss")}
+        central = central_eval()
+        row.update({**central, **round_fields(stats),
                     "lr": cfg.round_lr(rnd), "seconds": round(time.monotonic() - t_round, 4)})
         row.update(flatness(rnd, stats))  # after "seconds": its cost is flatness_seconds
         if ledger is not None:  # the clients released noised updates this round, skipped or not
@@ -156,28 +175,52 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
         board.add_round(row, clients)
         if cfg.checkpoint_every and (rnd % cfg.checkpoint_every == 0 or rnd == cfg.num_server_rounds):
             run_dir.save_checkpoint(cfg, rnd, strategy.state_dict())
-        log.info("round %d: test accuracy %.4f, loss %.4f, clients %d/%d ok, %.1fs", rnd, acc, loss,
+        log.info("round %d: %s, clients %d/%d ok, %.1fs", rnd, measured(row),
                  row["clients_replied"] - row["clients_rejected"], row["clients_sampled"], row["seconds"])
-        if not math.isfinite(loss):
-            log.warning("round %d: test loss is %s", rnd, loss)
+        if central and central["test_loss"] is None:
+            log.warning("round %d: test loss is not finite", rnd)
     if first <= cfg.num_server_rounds and skipped == cfg.num_server_rounds - first + 1:
         raise RunFailed(f"every round ({first}-{cfg.num_server_rounds}) was skipped: no round had "
                         "enough accepted client updates (see the rejections in metrics.jsonl)")
     if not all_finite(strategy.model):
         raise RunFailed("the final model holds NaN or Inf values")
     run_dir.save_model("model_final.pt", strategy.model)
-    if not math.isfinite(loss):  # e.g. a BatchNorm variance driven negative: never a plain "completed"
-        raise RunFailed(f"the final global model's test loss is {loss} (not finite): its test accuracy "
-                        f"{acc:.4f} means nothing; metrics.jsonl and model_final.pt hold what was computed")
-    run_dir.write_summary({"status": "completed", "final_test_accuracy": acc, "final_test_loss": finite(loss),
-                           "rounds": cfg.num_server_rounds,
+    finals = {f"final_{k}": v for k, v in central.items()}
+    if federated is not None:  # the last federated evaluation's, when it ran
+        finals.update(final_federated_accuracy=federated["federated_accuracy"],
+                      final_federated_loss=federated["federated_loss"])
+    lost = [k[len("final_"):] for k in ("final_test_loss", "final_federated_loss") if k in finals and finals[k] is None]
+    if lost:  # e.g. a BatchNorm variance driven negative: never a plain "completed"
+        raise RunFailed(f"the final global model's {' and '.join(lost)} is not finite: its accuracy means "
+                        "nothing; metrics.jsonl and model_final.pt hold what was computed")
+    run_dir.write_summary({"status": "completed", **finals, "rounds": cfg.num_server_rounds,
                            "seconds": round(time.monotonic() - t_start, 2),
                            "num_partitions": strategy.num_partitions,
                            "model_bytes": codec.payload_bytes(RecordDict({P.MODEL: codec.to_record(strategy.model)})),
                            "records_down": list(strategy.spec.down),
                            "records_up": list(strategy.spec.up)})
-    log.info("flatflower: finished, final test accuracy %.4f, run directory %s", acc, run_dir.path)
+    log.info("flatflower: finished, final %s, run directory %s", measured({**central, **(federated or {})}),
+             run_dir.path)
     return run_dir.path
+
+
+def server_data(cfg: RunConfig):
+    """The dataset whose test split the server evaluates on, or None: partition = local
+    without a ``data-dir`` of the server's own (the server holds no client's data). A server
+    evaluation set under partition = local must fit the run's model, as every node's must."""
+    if not cfg.central_evaluation():
+        log.info("partition=local and no data-dir on the server: no central evaluation; the run "
+                 "measures itself by federated evaluation (fraction-evaluate=%g)", cfg.fraction_evaluate)
+        return None
+    return check_local_data(cfg, trains=False) if cfg.local_data() else dataset_for(cfg)
+
+
+def measured(row: dict) -> str:
+    """The round's accuracy and loss for the log: the server's test split's, and the clients'
+    federated evaluation's, where each was measured."""
+    parts = [f"{what} accuracy {row[f'{key}_accuracy']:.4f}, loss {row.get(f'{key}_loss') or float('nan'):.4f}"
+             for key, what in (("test", "test"), ("federated", "federated")) if row.get(f"{key}_accuracy") is not None]
+    return "; ".join(parts) or "no evaluation"
 
 
 def privacy_ledger(cfg: RunConfig, run_dir: RunDir, first: int) -> PrivacyLedger:

@@ -1,7 +1,8 @@
 """The run directory: everything needed to audit or reproduce a run.
 
     config.json      resolved run config + versions + seed
-    partition.json   partition id -> indices into the training split
+    partition.json   partition id -> indices into the training split (partition = local: each
+                     node's training and held-out sizes, as declared at its first handshake)
     metrics.jsonl    one line per round (round 0 = the initial model)
     clients.jsonl    one line per sampled client per round (server/clients.py)
     privacy.jsonl    dp.clip > 0: each round's sampling rate and noise multiplier, append-only
@@ -179,7 +180,7 @@ CHECKPOINT_FORMAT = 3  # 3: the clients' last accepted rounds in the participati
 # client-state-dir too: the clients' duals and control variates live there).
 RESUME_MAY_CHANGE = ("num-server-rounds", "resume", "run-dir", "round-timeout", "node-wait-timeout",
                      "min-available-nodes", "checkpoint-every", "data-dir",
-                     "download", "fraction-evaluate", "eval-batch-size", "client-eval", "tensorboard",
+                     "download", "fraction-evaluate", "evaluate-every", "eval-batch-size", "client-eval", "tensorboard",
                      "flatness-every", "flatness-rho", "flatness-iters", "flatness-probes")
 
 
@@ -303,6 +304,21 @@ class RunDir:
                if cfg.partition.startswith("fds:") else {}),
             "partitions": {str(i): [int(j) for j in p] for i, p in enumerate(parts)},
         })
+
+    def write_local_partition(self, cfg: RunConfig, participation: Any) -> None:
+        """partition = local: no indices (each node trains on its own data), but the sizes the
+        server learned at the handshakes (strategies/participation.py), fixed for the run;
+        rewritten while nodes join."""
+        table = {"dataset": cfg.dataset, "scheme": cfg.partition, "num_partitions": participation.num_partitions,
+                 "max_node_examples": cfg.max_node_examples,
+                 "sizes": {str(p): n for p, n in sorted(participation.sizes.items())},
+                 "heldout_sizes": {str(p): n for p, n in sorted(participation.heldout.items())}}
+        path = self.path / "partition.json"
+        with contextlib.suppress(OSError, ValueError):
+            with open_file(path) as f:
+                if json.load(f) == table:
+                    return
+        write_json(path, table)
 
     def append_metrics(self, row: Mapping[str, Any]) -> None:
         self.append_rows("metrics.jsonl", [row])

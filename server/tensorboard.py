@@ -1,6 +1,7 @@
 """TensorBoard event files in the run directory (``tensorboard --logdir runs/``).
 
-Every number of a metrics.jsonl line as a scalar (``metrics/<field>``; the flatness fields of
+Every number of a metrics.jsonl line as a scalar (``metrics/<field>``: ``metrics/test_accuracy``, and
+``metrics/federated_accuracy`` / ``federated_loss`` where federated evaluation ran; the flatness fields of
 common/flatness.py as ``flatness/<field>``), the round's clients
 as histograms (``clients/<field>``: update norm, cosine to the mean update, losses and
 accuracies before/after) and their drift summary as scalars (``drift/...``). On when the

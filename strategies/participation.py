@@ -12,6 +12,18 @@ only where the server checks it:
   nodes); where it cannot know a size, the size a node declares at its handshake is fixed for
   the rest of the run. Aggregation weights and the expected number of local steps follow.
 
+Trust model of the sizes the server cannot compute (``partition = local``: each node trains on
+its own data; docs/local-data.md). The server cannot verify a node's data. It takes the
+training-set size (and held-out size, the weight of the node's federated evaluation) a node
+declares at the FIRST handshake of its partition, refuses a declaration < 1 or above
+``max-node-examples``, and fixes it for the run (the checkpoint keeps it, so a resume holds
+the node to it): a later handshake (a restarted node) or any train/evaluate reply that
+declares another size is refused. So a node can lie once, within the bound, and never inflate
+its weight mid-run; and since the local steps asked of a node follow from its declared size
+(``local-epochs`` passes), a node that declares more examples must also run (and is checked
+to report) more steps. ``aggregation = uniform`` removes sizes from the aggregation weights
+entirely, for federations that trust no node's declaration.
+
 Sampling is deterministic in (seed, round) over partition ids, so the same seed samples the
 same clients in-process, in simulation and in a deployment.
 """
@@ -124,6 +136,9 @@ class Participation:
         self.cfg = cfg
         self.num_partitions: int | None = cfg.num_partitions or None
         self.sizes: dict[int, int] = {}  # partition id -> number of training examples
+        # partition id -> its held-out examples, declared at its first handshake (0: it holds
+        # none out, and federated evaluation measures its training data)
+        self.heldout: dict[int, int] = {}
         self.partition_sizes = partition_sizes
         self.partition_of: dict[int, int] = {}  # node id -> partition id
         # partition id -> the last round whose reply entered a server update (absent: none);
@@ -135,18 +150,25 @@ class Participation:
 
     # ------------------------------------------------------------------ checkpointable state
     def state_dict(self) -> dict:
-        return {"num_partitions": self.num_partitions,
-                "sizes": {str(p): n for p, n in sorted(self.sizes.items())},
-                "accepted": {str(p): r for p, r in sorted(self.accepted.items())}}
+        state = {"num_partitions": self.num_partitions,
+                 "sizes": {str(p): n for p, n in sorted(self.sizes.items())},
+                 "accepted": {str(p): r for p, r in sorted(self.accepted.items())}}
+        if any(self.heldout.values()):  # only once a node declared one (older checkpoints have none)
+            state["heldout"] = {str(p): n for p, n in sorted(self.heldout.items())}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict`; ValueError naming the first field that is wrong (or
         that disagrees with this run's N and partition sizes), and nothing restored then."""
+        schema.any_table(state, "participation")
+        state = {"heldout": {}, **state}
         schema.table(state, "participation", num_partitions=schema.whole(1), sizes=schema.anything,
-                     accepted=schema.anything)
-        n, sizes = state["num_partitions"], state["sizes"]
+                     accepted=schema.anything, heldout=schema.anything)
+        n, sizes, heldout = state["num_partitions"], state["sizes"], state["heldout"]
         known = [str(p) for p in range(n) if isinstance(sizes, dict) and str(p) in sizes]
         schema.table(sizes, "participation.sizes", **dict.fromkeys(known, schema.whole(0)))
+        schema.table(heldout, "participation.heldout",
+                     **dict.fromkeys([str(p) for p in range(n) if str(p) in heldout], schema.whole(0)))
         sizes = {int(p): size for p, size in sizes.items()}  # the partitions known so far
         if self.num_partitions is not None and n != self.num_partitions:
             raise ValueError(f"participation.num_partitions is {n}, this run's is {self.num_partitions}")
@@ -157,6 +179,7 @@ class Participation:
         schema.table(accepted, "participation.accepted",
                      **dict.fromkeys([k for k in accepted if k in known], schema.whole(1)))
         self.num_partitions, self.sizes = n, sizes
+        self.heldout = {int(p): m for p, m in heldout.items()}
         self.accepted = {int(p): r for p, r in accepted.items()}
 
     def state_round(self, partition_id: int) -> int:
@@ -180,6 +203,11 @@ class Participation:
 
     def num_examples(self, partition_id: int) -> int:
         return self.sizes[partition_id]
+
+    def num_evaluated(self, partition_id: int) -> int:
+        """The examples a federated evaluation of this partition measures (its evaluate reply
+        must claim them; its weight): its held-out set, else its training set."""
+        return self.heldout.get(partition_id) or self.sizes[partition_id]
 
     def num_steps(self, partition_id: int) -> int:
         """The local steps a client of this partition takes in a round (tau_i)."""
@@ -270,15 +298,19 @@ class Participation:
             refuse(node, -1, error_text(reply))
             return
         try:
-            pid, declared = parse_handshake_reply(reply, nonce, self.num_partitions)
+            claim = parse_handshake_reply(reply, nonce, self.num_partitions, self.cfg.max_node_examples)
         except RejectedReply as why:
             refuse(node, -1, str(why))
             return
+        pid, declared, heldout = claim.partition_id, claim.num_examples, claim.num_heldout or 0
         holder = next((n for n, p in self.partition_of.items() if p == pid), None)
         if holder is not None:
             refuse(node, pid, f"claims partition {pid}, which node {holder} holds")
         elif self.sizes.setdefault(pid, declared) != declared:
             refuse(node, pid, f"declares {declared} examples, partition {pid} has {self.sizes[pid]}")
+        elif self.heldout.setdefault(pid, heldout) != heldout:
+            refuse(node, pid, f"declares {heldout} held-out examples, partition {pid} has "
+                              f"{self.heldout[pid]} (fixed at its first handshake)")
         else:
             self.partition_of[node] = pid
 

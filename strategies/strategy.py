@@ -57,6 +57,9 @@ log = logging.getLogger("flwr.flatflower.server")
 
 __all__ = ["FlatStrategy", "NoNodesError", "RoundRecord", "RoundStats"]
 
+# federated evaluation's results (aggregate_evaluate): metrics.jsonl's federated_loss / _accuracy
+FEDERATED_LOSS, FEDERATED_ACCURACY = "federated-loss", "federated-accuracy"
+
 
 @dataclass
 class RoundStats:
@@ -465,8 +468,10 @@ class FlatStrategy(FlowerFedAvg):
         return self._eval_messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Sample-weighted mean of the clients' eval-loss and eval-accuracy (invalid replies
-        are refused with their reason)."""
+        """``federated-loss`` and ``federated-accuracy``: the means of the clients' eval-loss and
+        eval-accuracy weighted by the sizes of their evaluated sets (their held-out sets, as
+        declared at their first handshake; else their training sets). A reply must claim that
+        size; invalid replies are refused with their reason."""
         rows: dict[int, tuple[float, float]] = {}
         sent = destinations(self._eval_messages)
         for reply in replies:
@@ -479,13 +484,14 @@ class FlatStrategy(FlowerFedAvg):
             try:
                 if pid < 0 or pid in rows:
                     raise RejectedReply("a reply from a node that holds no partition, or a second one")
-                rows[pid] = parse_evaluate_reply(reply, self.expected(pid, self._eval_nonce))
+                part = self.participation
+                rows[pid] = parse_evaluate_reply(reply, Expected(pid, part.num_evaluated(pid), self._eval_nonce))
             except Exception as why:  # noqa: BLE001 - one reply's fault, never the run's end
                 self._refused("evaluate", pid, node, str(why))
         if not rows:
             return None
-        sizes = {p: self.participation.num_examples(p) for p in rows}
+        sizes = {p: self.participation.num_evaluated(p) for p in rows}
         total = float(sum(sizes.values()))
         return MetricRecord({key: sum(rows[p][i] * sizes[p] for p in rows) / total
-                             for i, key in enumerate((P.EVAL_LOSS, P.EVAL_ACCURACY))})
+                             for i, key in enumerate((FEDERATED_LOSS, FEDERATED_ACCURACY))})
 

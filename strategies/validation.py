@@ -166,7 +166,7 @@ def reported_metrics(metrics: Any) -> dict[str, float]:
 # What each reply holds (client/app.py); anything else is refused before a value is read.
 TRAIN_METRICS = frozenset({P.NUM_EXAMPLES, P.NUM_STEPS, P.TRAIN_LOSS, P.PARTITION_ID, P.NONCE, *REPORTED})
 EVALUATE_METRICS = frozenset({P.NUM_EXAMPLES, P.EVAL_LOSS, P.EVAL_ACCURACY, P.PARTITION_ID, P.NONCE})
-HANDSHAKE_METRICS = frozenset({P.PARTITION_ID, P.NUM_PARTITIONS, P.NUM_EXAMPLES, P.NONCE})
+HANDSHAKE_METRICS = frozenset({P.PARTITION_ID, P.NUM_PARTITIONS, P.NUM_EXAMPLES, P.NONCE, P.NUM_HELDOUT})
 HANDSHAKE_CONFIGS = {P.NODE: frozenset({P.DEVICE})}  # what the node runs on (not used by the server)
 CONFIG_CHARS = 100  # the longest text a protocol ConfigRecord value may be
 
@@ -243,9 +243,20 @@ def parse_evaluate_reply(msg: Message, expected: Expected) -> tuple[float, float
     return guarded(read)
 
 
-def parse_handshake_reply(msg: Message, nonce: int, num_partitions: int) -> tuple[int, int]:
-    """(partition id, declared number of examples) of a handshake reply, or RejectedReply."""
-    def read() -> tuple[int, int]:
+@dataclass(frozen=True)
+class Handshake:
+    """What a valid handshake reply declares."""
+
+    partition_id: int
+    num_examples: int  # the training set's size
+    num_heldout: int | None  # the held-out set's size, where the node holds data out (else None)
+
+
+def parse_handshake_reply(msg: Message, nonce: int, num_partitions: int,
+                          max_examples: int = 2**31 - 1) -> Handshake:
+    """The declarations of a handshake reply, or RejectedReply: sizes are whole numbers in
+    [1, ``max_examples``] (a held-out set may be empty: 0)."""
+    def read() -> Handshake:
         metrics = metrics_of(msg, HANDSHAKE_METRICS, configs=HANDSHAKE_CONFIGS)
         if metric(metrics, P.NONCE, int) != nonce:
             raise RejectedReply("handshake reply does not echo its nonce (a stale or replayed reply)")
@@ -253,6 +264,14 @@ def parse_handshake_reply(msg: Message, nonce: int, num_partitions: int) -> tupl
         if n != num_partitions:
             raise RejectedReply(f"node is configured for num-partitions={n}, the run has {num_partitions}")
         pid = metric(metrics, P.PARTITION_ID, int, 0, num_partitions - 1)
-        return int(pid), int(metric(metrics, P.NUM_EXAMPLES, int, 1))
+        examples = metric(metrics, P.NUM_EXAMPLES, int, 1)
+        if examples > max_examples:
+            raise RejectedReply(f"declares {examples} training examples, more than max-node-examples="
+                                f"{max_examples}")
+        heldout = metric(metrics, P.NUM_HELDOUT, int, 0) if P.NUM_HELDOUT in metrics else None
+        if heldout is not None and heldout > max_examples:
+            raise RejectedReply(f"declares {heldout} held-out examples, more than max-node-examples="
+                                f"{max_examples}")
+        return Handshake(int(pid), int(examples), None if heldout is None else int(heldout))
 
     return guarded(read)

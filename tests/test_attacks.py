@@ -249,8 +249,8 @@ def test_an_impossible_evaluation_is_refused(tmp_path, attack, clean_evaluation)
     for row, ref in zip(rows[1:], clean_evaluation[1:]):
         (refusal,) = refusals([row], "evaluate")
         assert refusal["partition"] == ATTACKER and EVALUATE_ATTACKS[attack] in refusal["reason"]
-        assert 0.0 <= row["eval_accuracy"] <= 1.0 and ref["eval_accuracy"] <= 1.0
-        assert row["eval_loss"] < 1e6
+        assert 0.0 <= row["federated_accuracy"] <= 1.0 and ref["federated_accuracy"] <= 1.0
+        assert row["federated_loss"] < 1e6
 
 
 # ---------------------------------------------------------------- fuzzing: malformed replies for every algorithm

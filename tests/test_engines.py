@@ -52,7 +52,7 @@ def test_inprocess_real_apps_learn_and_fill_run_dir(tmp_path):
                                    "algorithm": "mofedsam", "fraction-evaluate": 1.0}, num_clients=3)
     rows = check_run_dir(run_dir, rounds=3, clients=3, num_train=1437)
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.3
-    assert 0 < rows[-1]["eval_accuracy"] <= 1  # federated evaluation ran on the clients
+    assert 0 < rows[-1]["federated_accuracy"] <= 1  # federated evaluation ran on the clients
     # MoFedSAM sends the model and its global update: 2 model-sized records down, 1 up
     assert rows[1]["bytes_down"] == pytest.approx(2 * rows[1]["bytes_up"], rel=0.01)
 

@@ -426,7 +426,7 @@ def test_malformed_evaluate_reply_is_refused_with_its_reason() -> None:
     messages = strategy.configure_evaluate(1, codec.to_record(strategy.model), ConfigRecord(), grid)
     replies = grid.send_and_receive(messages)
     expected = dict(strategy.aggregate_evaluate(1, replies))
-    assert 0.0 <= expected["eval-accuracy"] <= 1.0
+    assert 0.0 <= expected["federated-accuracy"] <= 1.0
     cases = {"eval-accuracy": (1000.0, "'eval-accuracy'=1000.0 is out of range [0, 1]"),
              "eval-loss": (float("nan"), "'eval-loss'=nan is out of range"),
              "num-examples": (10**6, "reply claims 1000000 examples")}

@@ -126,10 +126,10 @@ def assert_same_rows(inp: Path, vec_dir: Path) -> None:
         for key in ("round", "sampled_partitions", "clients_sampled", "clients_replied",
                     "clients_rejected", "clients_failed", "failed_partitions", "bytes_down", "bytes_up"):
             assert x.get(key) == y.get(key), (key, x, y)
-        for key in ("test_loss", "train_loss", "eval_loss"):
+        for key in ("test_loss", "train_loss", "federated_loss"):
             if key in x:
                 assert y[key] == pytest.approx(x[key], rel=1e-5), (key, x, y)
-        for key in ("test_accuracy", "eval_accuracy"):
+        for key in ("test_accuracy", "federated_accuracy"):
             if key in x:  # a prediction tie may flip: within one test sample
                 assert y[key] == pytest.approx(x[key], abs=1.01 / 360), (key, x, y)
     ca, cb = clients_rows(inp), clients_rows(vec_dir)

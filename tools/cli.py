@@ -26,7 +26,7 @@ import sys
 
 from common.config import cli_int
 from tools import commands
-from tools.prepare import Parser, add_run_arguments, add_simulate_arguments
+from tools.prepare import Parser, add_node_data_argument, add_run_arguments, add_simulate_arguments
 
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
@@ -91,10 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--tls", action="store_true",
                        help="TLS on the SuperLink's APIs and SuperNode authentication "
                             "(certificates and node keys generated for the run)")
+    add_node_data_argument(local)
     sim = sub.add_parser("simulate", help="run on one machine: in one process (default: inprocess, "
                          "or vectorized), or Flower's Ray simulation engine (--engine ray)")
     add_run_arguments(sim)
     add_simulate_arguments(sim)
+    add_node_data_argument(sim)
     sub.add_parser("report", help="compare run directories (table + PNG)", add_help=False)
     sub.add_parser("landscape", help="loss surfaces around saved models, or the interpolation "
                    "from the initial to the final model (PNG + NPZ)", add_help=False)

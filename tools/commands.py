@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tools import engines
-from tools.prepare import UsageError, app_dir, log_dir, preflight, resolve_config
+from tools.prepare import UsageError, app_dir, log_dir, node_configs, preflight, resolve_config
 from tools.presets import PresetError, available, load_preset
 from tools.progress import EXIT_FAILED, EXIT_OK, Progress, finish
 
@@ -78,12 +78,14 @@ def local(args: argparse.Namespace) -> int:
     """A real SuperLink + SuperNodes on 127.0.0.1."""
     cfg = resolve_config(args, {"min-available-nodes": args.clients})
     app = app_dir(args.app_dir)
-    preflight(cfg, args.clients)
+    nodes = node_configs(args)
+    preflight(cfg, args.clients, nodes=nodes)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
     try:
         outcome = engines.run_local(cfg, args.clients, app, log_dir(cfg), timeout=args.timeout,
                                     on_poll=progress, device=args.device, tls=args.tls,
-                                    clientapps=args.clientapps, fast_poll=args.fast_poll)
+                                    clientapps=args.clientapps, fast_poll=args.fast_poll,
+                                    node_configs=nodes)
     except BaseException:
         progress.close()
         raise
@@ -93,12 +95,13 @@ def local(args: argparse.Namespace) -> int:
 def simulate(args: argparse.Namespace) -> int:
     """Flower's Ray simulation engine, or the in-process engine (vectorised or not)."""
     cfg = resolve_config(args)
-    preflight(cfg, args.clients, args.engine)
+    nodes = node_configs(args)
+    preflight(cfg, args.clients, args.engine, nodes=nodes)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
     try:
         if args.engine in ("inprocess", "vectorized"):
             outcome = engines.run_in_process(cfg, args.clients, on_poll=progress,
-                                             vectorized=args.engine == "vectorized")
+                                             vectorized=args.engine == "vectorized", node_configs=nodes)
         else:
             outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
                                       timeout=args.timeout, on_poll=progress,
@@ -114,7 +117,7 @@ def simulate(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     """What ``simulate`` checks before it starts (config, data, partition, model), and nothing
     else: the sweep asks it before starting runs in parallel processes."""
-    preflight(resolve_config(args), args.clients, args.engine)
+    preflight(resolve_config(args), args.clients, args.engine, nodes=node_configs(args))
     return EXIT_OK
 
 

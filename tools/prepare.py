@@ -75,6 +75,21 @@ def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
                    help=f"give up after this many seconds (at most {MAX_SECONDS:.0f})")
 
 
+def add_node_data_argument(p: argparse.ArgumentParser) -> None:
+    """``--node-data DIR`` (local, simulate): each client's own folder, one per client, in
+    partition order; the run is ``partition = local`` (docs/local-data.md)."""
+    p.add_argument("--node-data", action="append", default=[], metavar="DIR",
+                   help="one client's own data folder (its node config's data-dir), once per client "
+                        "in partition order: every client trains on all of its own data "
+                        "(partition=local; set input-shape and num-classes, and dataset, e.g. npz)")
+
+
+def node_configs(args: argparse.Namespace) -> dict[int, dict[str, str]] | None:
+    """Partition id -> its node config's own keys (``data-dir`` from ``--node-data``), or None."""
+    dirs = getattr(args, "node_data", None) or []
+    return {i: {"data-dir": str(user_path(d, "--node-data").resolve())} for i, d in enumerate(dirs)} or None
+
+
 ENGINES = ("ray", "inprocess", "vectorized")
 # simulate's engine without --engine: the fastest that gives Ray's result (bit-identical models,
 # without Ray's start-up or its per-message serialisation: docs/benchmarks.md)
@@ -111,6 +126,8 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
             args.engine = engine_of(args, preset)
         if getattr(args, "engine", None):
             check_engine_options(args)
+        if args.clients is None and getattr(args, "node_data", None):
+            args.clients = len(args.node_data)  # one client per --node-data folder
         if args.clients is None and args.resume:
             args.clients = resume_clients(args.resume)
         if args.clients is None:
@@ -136,6 +153,10 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     values.update({k: v for k, v in flags.items() if v is not None})
     if values.get("dataset") == "synthetic-fedprox":
         values.setdefault("partition", "natural")  # its clients are generated, not split
+    if getattr(args, "node_data", None):  # each client on its own folder: no partition to cut
+        if values.setdefault("partition", "local") != "local":
+            raise UsageError(f"--node-data gives each client its own data: partition must be local, "
+                             f"not {values['partition']!r}")
     for key, value in (extra or {}).items():
         values.setdefault(key, value)
     check_run_arguments(args)
@@ -162,6 +183,13 @@ def check_run_arguments(args: argparse.Namespace) -> None:
     """UsageError for out-of-range command-line numbers (before anything starts)."""
     if args.clients is not None and args.clients < 1:
         raise UsageError("--clients must be >= 1")
+    dirs = getattr(args, "node_data", None)
+    if dirs and args.clients != len(dirs):
+        raise UsageError(f"--clients {args.clients} disagrees with the {len(dirs)} --node-data folders "
+                         "(one per client)")
+    if dirs and getattr(args, "engine", None) == "ray":
+        raise UsageError("--node-data: Ray's simulation gives every virtual node the same node config; "
+                         "use --engine inprocess or vectorized, or flatflower local")
     if not 0 < args.timeout <= MAX_SECONDS:
         raise UsageError(f"--timeout must be in (0, {MAX_SECONDS:.0f}] seconds (got {args.timeout:g})")
 
@@ -332,28 +360,31 @@ def _default_run_dir(cfg: RunConfig) -> Path:
     return default_run_dir(cfg)
 
 
-def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
+def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
+              nodes: dict[int, dict[str, str]] | None = None) -> None:
     """Load the data and build the partition here, so bad input fails before any process starts
-    (and, for the vectorised engine, that the model can be batched)."""
-    from common.data import partitions_for
-
+    (and, for the vectorised engine, that the model can be batched). partition = local: no
+    partition and no dataset on the server (the model is built from input-shape and
+    num-classes); each node's folder (``nodes``: --node-data) must load and fit, one line each."""
     from common.augment import check_train_transform
-    from common.data import dataset_for
+    from common.data import dataset_for, model_shape, partitions_for
     from common.models import build_model
-
-    parts = partitions_for(cfg, num_clients)
-    empty = [i for i, p in enumerate(parts) if len(p) == 0]
-    if empty:
-        raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
     from common.references import BadReference
 
-    data = dataset_for(cfg)
+    if cfg.local_data():
+        check_node_folders(cfg, nodes)
+    else:
+        parts = partitions_for(cfg, num_clients)
+        empty = [i for i, p in enumerate(parts) if len(p) == 0]
+        if empty:
+            raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
+        try:
+            check_train_transform(cfg.train_transform, dataset_for(cfg))
+        except ValueError as err:  # TransformError, BadReference
+            raise UsageError(str(err)) from None
+    input_shape, num_classes = model_shape(cfg)
     try:
-        check_train_transform(cfg.train_transform, data)
-    except ValueError as err:  # TransformError, BadReference
-        raise UsageError(str(err)) from None
-    try:
-        model = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0)
+        model = build_model(cfg.resolved_model(), input_shape, num_classes, seed=0)
     except BadReference as err:  # the user's own model: already one line naming the key
         raise UsageError(str(err)) from None
     except ValueError as err:
@@ -384,6 +415,25 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "") -> None:
                          "every round would be skipped")
 
 
+def check_node_folders(cfg: RunConfig, nodes: dict[int, dict[str, str]] | None) -> None:
+    """partition = local: every node's folder (else the run config's data-dir, which nodes
+    without one read) exists, loads and fits the run's model; the server's own data-dir, its
+    evaluation set, too. UsageError naming the first that does not."""
+    from common.augment import check_train_transform
+    from common.data import check_local_data
+
+    folders = [(f"--node-data {c['data-dir']}", c["data-dir"], True) for _, c in sorted((nodes or {}).items())]
+    if cfg.data_dir or not folders:  # the server's evaluation set; the nodes' data when they have none
+        folders.append((f"data-dir {cfg.data_dir or '(none)'}", cfg.data_dir, not folders))
+    for what, folder, trains in folders:
+        if folder and not Path(folder).expanduser().is_dir():
+            raise UsageError(f"{what}: no such directory")
+        try:
+            check_train_transform(cfg.train_transform, check_local_data(cfg, folder, trains))
+        except ValueError as err:  # DataError, TransformError
+            raise UsageError(f"{what}: {err}") from None
+
+
 def _check_strategy_state(cfg: RunConfig, model_state: dict, buffers: list[str]) -> None:
     """UsageError unless the checkpoint's strategy state is what this run's strategy allocates
     (as the ServerApp will load it), and RunDirError unless the client state it needs is there:
@@ -393,7 +443,9 @@ def _check_strategy_state(cfg: RunConfig, model_state: dict, buffers: list[str])
     from strategies.registry import get as get_spec
 
     strategy = get_spec(cfg.algorithm).new_strategy(
-        cfg, model_state, partition_sizes=lambda n: [len(p) for p in partitions_for(cfg, n)], buffers=buffers)
+        cfg, model_state,
+        partition_sizes=None if cfg.local_data() else lambda n: [len(p) for p in partitions_for(cfg, n)],
+        buffers=buffers)
     ckpt = load_checkpoint(cfg.run_dir)
     try:
         strategy.load_state_dict(ckpt["strategy"])

@@ -42,6 +42,21 @@ def seconds_text(value: Any) -> str:
         return printable(value, 40)
 
 
+def accuracy_text(row: dict[str, Any], loss: bool = False) -> str:
+    """``test accuracy 61.20%`` (``loss``: with its loss) of a metrics.jsonl row; a run with no
+    evaluation set on the server (partition = local) shows its federated evaluation's
+    (``federated accuracy``), and a round with neither ``no evaluation``."""
+    for key in ("test", "federated"):
+        accuracy = row.get(f"{key}_accuracy")
+        if isinstance(accuracy, (int, float)):
+            text = f"{key} accuracy {100 * accuracy:6.2f}%"
+            value = row.get(f"{key}_loss")
+            if loss:
+                text += f"  loss {value:.4f}" if isinstance(value, (int, float)) else "  loss -"
+            return text
+    return "no evaluation"
+
+
 def round_line(row: dict[str, Any], rounds: int, eta: float | None) -> str:
     """The plain line of one metrics.jsonl row."""
     extra = ""
@@ -50,8 +65,7 @@ def round_line(row: dict[str, Any], rounds: int, eta: float | None) -> str:
         extra = f"  clients {ok}/{row['clients_sampled']}  {row['seconds']:.1f}s"
         if eta is not None and row["round"] < rounds:
             extra += f"  ETA {duration(eta)}"
-    return (f"round {row['round']:>3}/{rounds}  test accuracy {100 * row['test_accuracy']:6.2f}%"
-            f"  loss {row['test_loss']:.4f}{extra}")
+    return f"round {row['round']:>3}/{rounds}  {accuracy_text(row, loss=True)}{extra}"
 
 
 def client_lines(row: dict[str, Any]) -> list[str]:
@@ -158,7 +172,7 @@ class _LiveBars:
         self.bars.start()
 
     def round_done(self, row: dict[str, Any], eta: float | None) -> None:
-        info = f"test accuracy {100 * row['test_accuracy']:.2f}%"
+        info = " ".join(accuracy_text(row).split())
         if eta is not None and row["round"] > 0:
             info += f"  ETA {duration(eta)}"
         self.bars.update(self.rounds, completed=row["round"], info=info)
@@ -208,7 +222,7 @@ def finish(cfg: RunConfig, ok: bool, progress: Progress, details: str = "") -> i
     progress()
     progress.close()
     if ok and progress.last is not None:
-        print(f"final test accuracy {100 * progress.last['test_accuracy']:.2f}% after round "
+        print(f"final {' '.join(accuracy_text(progress.last).split())} after round "
               f"{progress.last['round']}; run directory: {run_dir}")
         return EXIT_OK
     reason = failure_reason(run_dir) or details

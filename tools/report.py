@@ -7,6 +7,11 @@ the plots), client drift per algorithm (cosine of the clients' updates to their 
 their norms), flatness (FedNSAM's flatness distance, sharpness and the Hessian's top eigenvalue,
 where the runs measured them), and a warning (``--strict``: a refusal) when the runs compared differ in their
 setting (clients, rounds, dataset, partition).
+
+A run's accuracy is the server's test split's (``test_accuracy``); a run with no evaluation set
+on the server (``partition = local`` without ``data-dir``) is measured by its federated
+evaluation instead (``federated_accuracy``: the clients' own held-out data, example-weighted),
+which the report says (``RunSummary.measure``, the plot's axis, a note under the table).
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ class RunSummary:
     record: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl
     drift: dict[int, dict[str, float]] = field(default_factory=dict)  # round -> clients.jsonl summary
+    # what ``accuracy`` and ``loss`` measure: "test" (the server's test split) or "federated"
+    # (federated evaluation, for a run with no evaluation set on the server)
+    measure: str = "test"
 
 
 # ---------------------------------------------------------------------------
@@ -77,8 +85,10 @@ def _read_config(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return (section if isinstance(section, dict) else {}), data
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    """One dict per round line, sorted by round; a truncated or blank line is skipped."""
+def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], str]:
+    """(one dict per round line that holds the run's accuracy, sorted by round; the measure:
+    "test", or "federated" for a run whose lines hold no test_accuracy at all). A truncated or
+    blank line is skipped."""
     rows = []
     for line in path.read_text().splitlines():
         line = line.strip()
@@ -88,9 +98,11 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a run still writing its last line
-        if isinstance(row, dict) and "round" in row and "test_accuracy" in row:
+        if isinstance(row, dict) and "round" in row:
             rows.append(row)
-    return sorted(rows, key=lambda row: int(row["round"]))
+    measure = "test" if any("test_accuracy" in row for row in rows) or not rows else "federated"
+    rows = [row for row in rows if isinstance(row.get(f"{measure}_accuracy"), (int, float))]
+    return sorted(rows, key=lambda row: int(row["round"])), measure
 
 
 def _read_drift(path: Path) -> dict[int, dict[str, float]]:
@@ -123,7 +135,7 @@ def setting(config: dict[str, Any]) -> dict[str, str]:
         scheme = f"{scheme}({config.get('classes-per-client', '?')} classes)"
     seed = config.get("partition-seed", -1)
     seed = config.get("seed", "?") if seed == -1 else seed
-    if scheme != "natural":  # synthetic-fedprox's seed is its generator's, named with the dataset
+    if scheme not in ("natural", "local"):  # synthetic-fedprox's seed is its generator's, named with the dataset
         scheme = f"{scheme}, partition seed {seed}"
     dataset = str(config.get("dataset", "?"))
     if dataset == "synthetic-fedprox":
@@ -180,7 +192,7 @@ def load_run(run_dir: str | Path) -> RunSummary:
     metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
         raise ReportError(f"metrics file not found: {metrics_path}")
-    rows = _read_metrics(metrics_path)
+    rows, measure = _read_metrics(metrics_path)
     if not rows:
         raise ReportError(f"no rounds recorded in {metrics_path}")
     config, record = _read_config(run_dir)
@@ -191,8 +203,10 @@ def load_run(run_dir: str | Path) -> RunSummary:
         algorithm=str(config.get("algorithm", run_dir.name)),
         seed=config.get("seed"),
         rounds=[int(row["round"]) for row in rows],
-        accuracy=[float(row["test_accuracy"]) for row in rows],
-        loss=[float(row.get("test_loss", float("nan"))) for row in rows],
+        accuracy=[float(row[f"{measure}_accuracy"]) for row in rows],
+        loss=[float(row.get(f"{measure}_loss") if row.get(f"{measure}_loss") is not None else float("nan"))
+              for row in rows],
+        measure=measure,
         bytes_total=sum(int(row.get("bytes_down", 0)) + int(row.get("bytes_up", 0)) for row in rows),
         cumulative_bytes=list(np.cumsum([int(row.get("bytes_down", 0)) + int(row.get("bytes_up", 0))
                                          for row in rows]).tolist()),
@@ -402,6 +416,14 @@ def _legend(ax, n_curves: int, fontsize: float | None = None) -> None:
         ax.legend(fontsize=fontsize)
 
 
+def accuracy_name(runs: Sequence[RunSummary]) -> str:
+    """What the runs' accuracy is: "test accuracy", "federated accuracy", or both named."""
+    measures = {run.measure for run in runs}
+    if measures == {"federated"}:
+        return "federated accuracy"
+    return "test accuracy" if measures == {"test"} else "accuracy (test; federated where no test set)"
+
+
 def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "round") -> Path:
     """Test accuracy vs round (``x="round"``) or vs cumulative bytes down + up (``"bytes"``),
     one line per run (per algorithm, averaged, when it has several seeds), saved as a PNG."""
@@ -418,8 +440,10 @@ def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "rou
     try:
         _plot(ax, curves)
         ax.set_xlabel("round" if x == "round" else "cumulative bytes down + up (MB)")
-        ax.set_ylabel("test accuracy")
-        ax.set_title("Test accuracy per round" if x == "round" else "Test accuracy vs communication")
+        what = accuracy_name(runs)
+        ax.set_ylabel(what)
+        ax.set_title(f"{what[0].upper()}{what[1:]} per round" if x == "round" else
+                     f"{what[0].upper()}{what[1:]} vs communication")
         ax.grid(True, alpha=0.3)
         _legend(ax, len(curves))
         fig.tight_layout()
@@ -686,6 +710,11 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [summarize(run, last_k=args.last_k, target=args.target, flatness=flatness, privacy=privacy)
                  for run in runs]
     print(render_table(summaries, title=f"Runs (last {args.last_k} rounds)"))
+    federated = [run.run_dir.name for run in runs if run.measure == "federated"]
+    if federated:
+        print(f"note: no evaluation set on the server in {', '.join(federated[:5])}"
+              f"{' ...' if len(federated) > 5 else ''}: accuracy there is federated evaluation's "
+              "(federated_accuracy: the clients' own held-out data, weighted by its size)")
     grouped = group_by_algorithm(summaries)
     show_groups = args.by_algorithm or any(row["num_seeds"] > 1 for row in grouped)
     if show_groups:

@@ -257,7 +257,8 @@ def _status(run_dir: Path) -> str:
     try:
         last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
         rounds = json.loads((run_dir / "config.json").read_text())["config"]["num-server-rounds"]
-        return f"{run_dir.name} {last['round']}/{rounds} {100 * last['test_accuracy']:.1f}%"
+        accuracy = last.get("test_accuracy", last.get("federated_accuracy"))
+        return f"{run_dir.name} {last['round']}/{rounds} {100 * accuracy:.1f}%"
     except (OSError, ValueError, IndexError, KeyError, TypeError):
         return f"{run_dir.name} starting"
 

@@ -101,9 +101,10 @@ class Outcome:
 
 def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
               on_poll: OnPoll, device: str = "auto", tls: bool = False, clientapps: str = "warm",
-              fast_poll: bool = False) -> Outcome:
+              fast_poll: bool = False, node_configs: dict[int, dict] | None = None) -> Outcome:
     """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (tools/engines/federation.py), each
-    with a warm ClientApp worker (or Flower's process per message: ``clientapps="stock"``)."""
+    with a warm ClientApp worker (or Flower's process per message: ``clientapps="stock"``);
+    ``node_configs``: partition id -> that SuperNode's own node-config keys (its data-dir)."""
     from tools.engines.federation import COMPLETED, LocalFederation
 
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
@@ -116,7 +117,7 @@ def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: f
               f"{cfg.num_server_rounds} rounds)", flush=True)
         node_config = {"device": device} if device != "auto" else {}
         fed = LocalFederation(clients, work, logs, node_config=node_config, tls=tls,
-                              clientapps=clientapps, fast_poll=fast_poll)
+                              clientapps=clientapps, fast_poll=fast_poll, node_configs=node_configs)
         fed.env = hand_user_code(fed.env, cfg, app)  # before any process starts
         with fed:
             run_id = fed.submit(app, cfg.to_dict())
@@ -169,7 +170,8 @@ def quiet_flower():
         logger.setLevel(level)
 
 
-def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized: bool = False) -> Outcome:
+def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized: bool = False,
+                   node_configs: dict[int, dict] | None = None) -> Outcome:
     """The real ServerApp and ClientApps in this process (tools/engines/inprocess.py), in a worker
     thread while ``on_poll`` runs here; a failure of the run is raised here. ``vectorized``:
     each round's local training in batched passes (tools/engines/vectorized.py)."""
@@ -184,7 +186,7 @@ def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized:
 
     def work() -> None:
         try:
-            run_inprocess(cfg.to_dict(), clients, vectorized=vectorized)
+            run_inprocess(cfg.to_dict(), clients, vectorized=vectorized, node_configs=node_configs)
         except BaseException as err:  # reported below, in the calling thread
             failure.append(err)
 

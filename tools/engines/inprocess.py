@@ -93,7 +93,9 @@ class Slots:
 class InProcessGrid(Grid):
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: Mapping[str, Any],
                  node_config: Mapping[str, Any] | None = None, first_node_id: int = 1000,
-                 copy_messages: bool = True):
+                 copy_messages: bool = True, node_configs: Mapping[int, Mapping[str, Any]] | None = None):
+        """``node_config``: every node's; ``node_configs``: partition id -> one node's own keys
+        on top (e.g. its ``data-dir``: partition = local)."""
         # Message() reads this process-wide identity; Flower's runtimes set it once per process too
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 0
         _one_ast_parse_at_a_time()
@@ -102,7 +104,8 @@ class InProcessGrid(Grid):
         self.contexts = {
             first_node_id + i: Context(
                 run_id=1, node_id=first_node_id + i, state=RecordDict(), run_config=dict(run_config),
-                node_config={"partition-id": i, "num-partitions": num_nodes, **(node_config or {})},
+                node_config={"partition-id": i, "num-partitions": num_nodes, **(node_config or {}),
+                             **(node_configs or {}).get(i, {})},
             )
             for i in range(num_nodes)
         }
@@ -372,9 +375,11 @@ def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
                   node_config: Mapping[str, Any] | None = None,
                   server_app: ServerApp | None = None,
                   client_app: ClientApp | None = None,
-                  vectorized: bool = False) -> tuple[Path, InProcessGrid]:
+                  vectorized: bool = False,
+                  node_configs: Mapping[int, Mapping[str, Any]] | None = None) -> tuple[Path, InProcessGrid]:
     """Run the real ServerApp against ``num_clients`` in-process ClientApps (``vectorized``:
-    their local training batched, :class:`VectorizedGrid`)."""
+    their local training batched, :class:`VectorizedGrid`); ``node_configs``: partition id ->
+    that node's own node-config keys (its ``data-dir``)."""
     from client.app import app as default_client_app
     from common.config import RunConfig
     from server.app import app as default_server_app
@@ -388,7 +393,7 @@ def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
     # flatflower's ClientApp reads what it receives and builds fresh replies: no copies needed
     # (another ClientApp, e.g. the tests' malicious ones, gets copies, as over the wire)
     grid = kind(client_app or default_client_app, num_clients, cfg.to_dict(), node_config,
-                copy_messages=client_app is not None)
+                copy_messages=client_app is not None, node_configs=node_configs)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())
     (server_app or default_server_app)(grid, context)
     return Path(cfg.run_dir), grid
