@@ -278,7 +278,7 @@ def test_a_non_finite_final_test_loss_fails_the_run_and_keeps_what_was_computed(
     from common.models import register_model
 
     register_model("nan-when-evaluated", lambda: NaNWhenEvaluated())
-    with pytest.raises(RunFailed, match="test loss is nan"):
+    with pytest.raises(RunFailed, match="test_loss is not finite"):
         run_inprocess({"algorithm": "fedavg", **TINY, "model": "nan-when-evaluated", "client-eval": False,
                        "run-dir": str(tmp_path / "r")}, 2)
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
@@ -308,7 +308,7 @@ def test_federated_evaluation_uses_each_clients_own_statistics(tmp_path):
         run_dir, _ = run_inprocess({"algorithm": "fedavg", **TINY, "model": BN, "buffers": policy,
                                     "fraction-evaluate": 1.0, "run-dir": str(tmp_path / policy)}, 2)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        losses[policy] = [r["eval_loss"] for r in rows[1:]]
+        losses[policy] = [r["federated_loss"] for r in rows[1:]]
         assert all(math.isfinite(x) for x in losses[policy])
     assert losses["global"] != losses["local"]
 

@@ -362,13 +362,12 @@ def check_vectorizable(cfg) -> None:
     """ValueError (one line) before any round when the run's model cannot be batched by the
     vectorised engine (buffers such as BatchNorm's statistics, dropout: tools.engines.vectorized.
     check_batchable): the engine refuses it itself, not only the CLI."""
-    from common.data import dataset_for
+    from common.data import model_shape
     from common.models import build_model
     from tools.engines.vectorized import check_batchable
 
-    data = dataset_for(cfg)
-    check_batchable(build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=0),
-                    cfg.resolved_model())
+    input_shape, num_classes = model_shape(cfg)  # partition = local: from the run config, no data here
+    check_batchable(build_model(cfg.resolved_model(), input_shape, num_classes, seed=0), cfg.resolved_model())
 
 
 def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
