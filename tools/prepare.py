@@ -176,7 +176,10 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     # clients mirror their state into the run directory (a relative client-state-dir is inside
     # it: the directory can be moved or copied), so --resume is exact
     state_dir = cfg.client_state_dir or CLIENT_STATE
-    return cfg.replace(run_dir=str(run_dir), client_state_dir=state_dir)
+    # a data-dir relative to where the command runs means the same folder to the ServerApp and
+    # the SuperNodes this command starts, whose working directories are elsewhere
+    data_dir = str(user_path(cfg.data_dir, "data-dir").resolve()) if cfg.data_dir else ""
+    return cfg.replace(run_dir=str(run_dir), client_state_dir=state_dir, data_dir=data_dir)
 
 
 def check_run_arguments(args: argparse.Namespace) -> None:
