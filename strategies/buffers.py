@@ -15,7 +15,9 @@ only and keeps the buffers here:
 * after a round the server applied, the buffers become the accepted clients' combination
   (:func:`combine`): floating-point buffers their mean with the round's aggregation weights
   p_i (the weights of the rule's mean: sizes, or uniform), integer buffers (counters) the
-  largest of the clients' values, never a float mean. A skipped round leaves them unchanged;
+  largest of the clients' values, never a float mean; under a robust ``aggregator`` the
+  coordinate-wise median of the clients' (one client cannot move them). A skipped round leaves
+  them unchanged;
 * the model sent down, checkpointed and evaluated is the parameters and buffers merged in the
   model's own key order (:func:`merge`).
 
@@ -54,15 +56,21 @@ def check(buffers: Mapping[str, torch.Tensor], where: str = "record 'arrays'") -
                              f"(min {float(value.min()):.4g})")
 
 
-def combine(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> OrderedDict:
+def combine(items: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
+            robust: bool = False) -> OrderedDict:
     """The round's buffers from the accepted clients' (``items``, with aggregation weights
     ``weights`` summing to 1): a floating-point buffer is sum_i p_i b_i (in float64, cast back),
     an integer one (a counter such as ``num_batches_tracked``) the largest b_i, so it keeps its
-    dtype and never passes through a float."""
+    dtype and never passes through a float. ``robust`` (a robust ``aggregator`` protects the
+    parameters): every buffer is the coordinate-wise median of the clients' instead (the lower
+    median for an even count, so it is one of the values and an integer stays an integer), so
+    one client's running statistics or counter cannot move the global ones arbitrarily."""
     out = OrderedDict()
     for key, first in items[0].items():
         values = [item[key] for item in items]
-        if first.is_floating_point():
+        if robust:
+            out[key] = torch.stack(values).median(dim=0).values.to(first.dtype)
+        elif first.is_floating_point():
             total = sum(float(w) * v.double() for w, v in zip(weights, values))
             out[key] = total.to(first.dtype)
         else:

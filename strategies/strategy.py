@@ -423,7 +423,7 @@ class FlatStrategy(FlowerFedAvg):
                 reason = "the server update gave non-finite values"
             else:  # these clients' states after this round are the ones they go on from
                 if self.buffer_keys:
-                    self.buffers = bufs.combine([u.buffers for u in updates], weights)
+                    self.buffers = bufs.combine([u.buffers for u in updates], weights, robust=aggregator.name != "mean")
                 self.participation.commit(server_round, [u.partition_id for u in updates])
                 self.stats.rule = dict(self.rule.metrics)
         if reason:

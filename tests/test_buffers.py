@@ -185,6 +185,30 @@ def test_integer_buffers_keep_their_dtype_and_take_the_maximum():
     assert out["m"].dtype == torch.float32 and torch.equal(out["m"], torch.tensor([2.5, 3.5]))
 
 
+def test_under_a_robust_aggregator_one_client_cannot_move_the_buffers():
+    """aggregator = median: the parameters' estimate is robust, and so are the buffers (the
+    coordinate-wise median of the clients', a value one of them sent): a client sending a running
+    mean of 1e20 and a counter of 2^62 moves neither."""
+    torch.manual_seed(0)
+    model = small_bn_cnn((1, 8, 8), 10)
+    strategy = _strategy("fedavg", model, aggregator="median", **{"num-partitions": 3})
+    updates = []
+    for pid, (mean, count) in enumerate([(1.0, 5), (2.0, 6), (1e20, 2**62)]):
+        w = OrderedDict((k, v.clone()) for k, v in model.state_dict().items())
+        w["1.running_mean"] = torch.full((4,), mean)
+        w["1.num_batches_tracked"] = torch.tensor(count)
+        updates.append(strategy._split_update(_update(pid, w)))
+    strategy.rule.num_partitions = 3
+    strategy.participation.sizes = {0: 10, 1: 20, 2: 30}
+    strategy.finish_round(1, updates)
+    final = strategy.model
+    assert torch.equal(final["1.running_mean"], torch.full((4,), 2.0))
+    assert final["1.num_batches_tracked"].dtype == torch.int64 and int(final["1.num_batches_tracked"]) == 6
+    # the plain mean would have taken them: the rule that keeps the papers' weighted mean
+    mean = bufs.combine([u.buffers for u in updates], [1 / 6, 2 / 6, 3 / 6])
+    assert float(mean["1.running_mean"][0]) > 1e19 and int(mean["1.num_batches_tracked"]) == 2**62
+
+
 # ------------------------------------------------------------------ SAM's passes and the statistics
 def test_only_the_first_pass_of_a_sam_step_moves_the_running_statistics():
     """FedSAM: each step takes a gradient at w and one at w + e; num_batches_tracked advances by
