@@ -216,3 +216,13 @@ def test_the_flatness_and_landscape_examples_read_runs_their_sweeps_make():
             for run in getattr(args, "run_dirs", None) or [args.run_dir]:
                 if run != "RUN_DIR" and "*" not in run:
                     assert run in made, f"flatness.md reads {run}, which no documented command makes"
+
+
+def test_the_documented_misspelling_hint_is_the_one_the_config_gives():
+    from common.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_mapping({"algorithm": "fedsma"})
+    hint = re.search(r"\(did you mean '[^']+'\?\)", str(err.value)).group(0)
+    text = " ".join((DOCS / "configuration.md").read_text().split())
+    assert re.findall(r"algorithm='fedsma' is not one of: \.\.\. (\(did you mean '[^']+'\?\))", text) == [hint]
