@@ -13,7 +13,6 @@ import argparse
 import importlib
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
