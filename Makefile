@@ -29,13 +29,13 @@ demo: $(STAMP)
 		--run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 # The suite but its long end-to-end tests (marker `slow`): unit, algorithm, in-process, vectorised
-# and a loopback deployment, on two workers (under 10 minutes on 2 cores). The Ray tests run one
+# and a loopback deployment, on two workers (measured times: CONTRIBUTING.md, "Tests"). The Ray tests run one
 # at a time (their xdist group), deployments side by side on free ports.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=12 -m "not slow" tests
 
 # The long end-to-end tests alone: processes killed and restarted, TLS, Ray, whole CLI runs and
-# sweeps (about 25 minutes on 2 cores). CI runs `make test` and then this.
+# sweeps (CONTRIBUTING.md, "Tests", has its time). CI runs `make test` and then this.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=12 -m slow tests
 

@@ -3,7 +3,7 @@
 Each case of issue 13 is an attack by one client (tests/malicious.py): over the in-process
 grid, the attacker's replies are refused with a reason and the final model is that of a run in
 which the attacker simply fails; handshake lies leave the other nodes untouched. A fuzz test
-sends more than 500 randomly malformed replies over the 20 algorithms; one real loopback
+sends at least 25 randomly malformed replies to each algorithm of the registry; one real loopback
 deployment shows the same over Flower's transport."""
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def test_malformed_replies_never_crash_the_server_and_are_each_refused(tmp_path,
     rows, fuzzed = one_run(tmp_path, "fuzzed", algorithm, app)
     sent = [s for s in malicious.SENT if s["node"] == 1000 + FUZZER]
     refused = [r for row in rows for r in row.get("rejections", []) if r["node"] == 1000 + FUZZER]
-    assert len(sent) >= 25, f"only {len(sent)} malformed replies"  # >= 500 over the 20 algorithms
+    assert len(sent) >= 25, f"only {len(sent)} malformed replies"  # for each algorithm of the registry
     print(f"{algorithm}: {len(sent)} malformed replies refused")
     assert {s["stage"] for s in sent} == {"query", "train", "evaluate"}
     assert sorted(r["stage"] for r in refused) == sorted(

@@ -1,6 +1,6 @@
 """The ``flatflower`` command: bad input before anything starts, existing and unwritable run
 directories, a failed run (tests/test_bad_input.py has the full table of bad input); what the
-algorithm specs generate (the docs' key table, ``flatflower algorithms``), ``--version`` and
+algorithm specs generate (the docs' key tables, ``flatflower algorithms``), ``--version`` and
 the wheel's contents."""
 
 from __future__ import annotations
@@ -81,16 +81,32 @@ def test_docs_key_table_is_flatflower_algorithms_markdown(capsys):
     assert capsys.readouterr().out.strip() == algorithm_table(markdown=True)
 
 
-def test_readme_lists_every_general_key_and_no_algorithm_key():
-    from common.config import general_fields
-    from common.config import algorithm_keys
+def test_configuration_doc_lists_every_general_key_with_its_default_and_no_algorithm_key():
+    """docs/configuration.md's key table: every general key of RunConfig, each with the
+    default the code has, and no algorithm key (those are `flatflower algorithms`')."""
+    from common.config import algorithm_keys, general_fields
 
-    text = (ROOT / "README.md").read_text()
-    table = text.split("## Choosing the algorithm and hyperparameters", 1)[1].split("\nNode settings", 1)[0]
-    listed = set(re.findall(r"`([a-z][a-z0-9.-]*)`", "\n".join(
-        line.split("|")[1] for line in table.splitlines() if line.startswith("| `"))))
-    assert set(general_fields()) <= listed, sorted(set(general_fields()) - listed)
-    assert not listed & set(algorithm_keys()), "algorithm keys belong to `flatflower algorithms`"
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    table = text.split("## General keys", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    listed = {}
+    for keys, defaults in rows:
+        names = re.findall(r"`([a-z][a-z0-9.-]*)`", keys)
+        values = [re.sub(r"\s*\(.*\)$", "", v.strip()).strip("`") for v in defaults.split(", ")]
+        assert len(values) == len(names), (names, defaults)
+        listed.update(zip(names, values))
+    fields = general_fields()
+    assert set(fields) <= set(listed), sorted(set(fields) - set(listed))
+    assert not set(listed) & set(algorithm_keys()), "algorithm keys belong to `flatflower algorithms`"
+    for key, field in fields.items():
+        shown = listed[key]
+        code = field.default
+        if isinstance(code, bool):
+            assert shown == str(code).lower(), (key, shown, code)
+        elif isinstance(code, (int, float)):
+            assert float(shown) == code, (key, shown, code)
+        else:
+            assert shown == (code or '""'), (key, shown, code)
 
 
 def test_algorithms_lists_each_algorithm_with_its_keys_and_meanings(capsys):

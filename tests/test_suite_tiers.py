@@ -1,4 +1,4 @@
-"""The two tiers of the suite (README, "Tests"): `make test` runs every test but those marked
+"""The two tiers of the suite (CONTRIBUTING.md, "Tests"): `make test` runs every test but those marked
 ``slow``, `make test-slow` runs those alone, and CI (`.ci/run`) runs both, so nothing in
 tests/ is left out of CI; a real loopback deployment stays in `make test`."""
 

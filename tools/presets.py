@@ -167,3 +167,18 @@ def _algorithm_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
             raise PresetError(f"{path}: [algorithms.{name}] cannot set algorithm")
         out[name] = values
     return out
+
+
+def markdown_table(directory: Path = PRESET_DIR) -> str:
+    """The table of docs/presets.md: every preset with its clients, what it is and what it
+    reproduces, from the files themselves (a test keeps the page equal to it, so adding a
+    preset cannot leave the docs behind)."""
+
+    def cell(text: str) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")
+
+    rows = ["| preset | clients | what it is | reproduces (`source`) |", "|---|---|---|---|"]
+    for name in available(directory):
+        preset = load_preset(name, directory)
+        rows.append(f"| `{name}` | {preset.clients or '-'} | {cell(preset.description)} | {cell(preset.source or '-')} |")
+    return "\n".join(rows)
