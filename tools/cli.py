@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     local = sub.add_parser("local", help="run a real Flower federation on 127.0.0.1")
     add_run_arguments(local)
-    local.add_argument("--device", default="auto", help="SuperNode device: auto | cpu | cuda[:i]")
+    local.add_argument("--device", default="auto", help="SuperNode device: auto | cpu | cuda[:i] | mps "
+                       "(one this machine lacks is refused before anything starts)")
     local.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
     local.add_argument("--clientapps", choices=("warm", "stock"), default="warm",
                        help="warm (default): one long-lived ClientApp worker per SuperNode "

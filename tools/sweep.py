@@ -51,8 +51,6 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
         raise ValueError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds must be distinct integers >= 0, got {args.seeds!r}")
-    if args.last_k < 1:
-        raise ValueError("--last-k must be >= 1")
     if args.jobs < 1:
         raise ValueError("--jobs must be >= 1")
     return algorithms, seeds
