@@ -32,6 +32,7 @@ from tools.prepare import Parser, add_node_data_argument, add_run_arguments, add
 # error answer before a command's modules load (tools.commands and what it runs, after parsing;
 # tests/test_cli_fast.py fails if one of these paths imports torch).
 
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
