@@ -1,7 +1,8 @@
 """Per-node settings from ``context.node_config`` (``flower-supernode --node-config``).
 
 Keys: ``partition-id`` and ``num-partitions`` (required; the simulation engine injects
-them), ``device`` (``auto`` = CUDA when present, else CPU; or ``cpu``, ``cuda``, ``cuda:1``),
+them), ``device`` (``auto`` = CUDA when present, else CPU; or ``cpu``, ``cuda``, ``cuda:1``,
+``mps``; one this machine lacks is refused at the handshake, in one line),
 ``data-dir`` (where this node keeps its datasets; overrides the run config's),
 ``state-dir`` (a node-local directory where the client mirrors its state, so a restarted
 SuperNode or a resumed run continues from it; overrides the run config's
@@ -45,8 +46,8 @@ class NodeSettings:
                     or (isinstance(value, str) and not value.strip().lstrip("-").isdigit())):
                 raise ValueError(f"node config '{key}' must be a whole number (got {value!r})")
         device = str(node_config.get("device", "auto"))
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-            raise ValueError(f"node config device={device!r} is not one of: auto, cpu, cuda, cuda:<i>")
+        if not re.fullmatch(DEVICES, device):
+            raise ValueError(f"node config device={device!r} is not one of: auto, cpu, cuda, cuda:<i>, mps")
         try:
             settings = cls(
                 partition_id=int(node_config["partition-id"]),
@@ -75,8 +76,26 @@ class NodeSettings:
         """The device to train on; ``auto`` picks CUDA when available."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"partition {self.partition_id}: device={self.device!r} requested but CUDA "
-                             "is not available on this node")
-        return device
+        missing = device_missing(self.device)
+        if missing:
+            raise ValueError(f"partition {self.partition_id}: device={self.device!r} requested but {missing} "
+                             "on this node")
+        return torch.device(self.device)
+
+
+DEVICES = r"auto|cpu|cuda(:\d+)?|mps"  # what a node config's device (and `flatflower local --device`) may say
+
+
+def device_missing(text: str) -> str:
+    """Why this machine cannot train on device ``text`` (one of DEVICES), or "" when it can: the
+    CLI asks before anything starts, a SuperNode at the handshake (instead of failing in round 1)."""
+    device = torch.device("cpu" if text == "auto" else text)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            return "CUDA is not available"
+        if (device.index or 0) >= count:
+            return f"there is no CUDA device {device.index} ({count} GPU{'s' if count > 1 else ''}: cuda:0..{count - 1})"
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        return "MPS (Apple's GPU) is not available"
+    return ""

@@ -599,6 +599,16 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def check_types(values: Mapping[str, Any]) -> None:
+    """ConfigError for a general key whose value is not of its type: each ``--set`` value is
+    checked itself, also one that a named flag then overrides (``--set num-server-rounds=abc
+    --rounds 5`` is a mistake, not a silently dropped value). Ranges are the run config's."""
+    by_key = general_fields()
+    for key, value in values.items():
+        if key in by_key:
+            _coerce(key, value, by_key[key].type)
+
+
 def defaults() -> dict[str, Any]:
     """Every run-config key -> its default: the general keys and every algorithm's."""
     return {**{k: f.default for k, f in general_fields().items()}, **algorithm_keys()}

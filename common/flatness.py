@@ -30,11 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.datasets import Split
+from common.flatness_settings import (DEFAULT_ITERS, DEFAULT_PROBES, DEFAULT_RHO,  # noqa: F401 (re-exported)
+                                     HVP_METHODS, TOLERANCE)
 
 Vector = list[torch.Tensor]  # one tensor per trainable parameter, in model.parameters() order
-HVP_METHODS = ("func", "double-backward")
-DEFAULT_RHO, DEFAULT_ITERS, DEFAULT_PROBES = 0.05, 20, 10
-TOLERANCE = 1e-4  # power iteration stops once the eigenvalue's relative change is below this
 
 
 def dot(a: Vector, b: Vector) -> float:

@@ -223,6 +223,11 @@ CONFIG_CASES = [
                  id="aggregator-krum-too-few-clients"),
     pytest.param(["--set", "num-partitions=5"], "num-partitions=5 disagrees with --clients 3",
                  id="num-partitions-disagrees-with-clients"),
+    # a --set value that a named flag overrides (QUICK gives --rounds) is still checked (issue 43)
+    pytest.param(["--set", "num-server-rounds=abc"], "num-server-rounds='abc' is not a valid int",
+                 id="set-value-overridden-by-flag"),
+    pytest.param(["--set", "fraction-train=most", "--fraction", "0.5"], "fraction-train='most' is not a valid float",
+                 id="set-fraction-overridden-by-flag"),
 ]
 
 
@@ -337,6 +342,10 @@ FILE_CASES = [
     # presets
     pytest.param(None, [*SIM, "--preset", "{tmp}/missing.toml", *NEW], "preset file {tmp}/missing.toml not found",
                  id="preset-file-missing"),
+    pytest.param(None, [*SIM, "--preset", "{tmp}/run", *NEW], "preset {tmp}/run is a directory",
+                 id="preset-path-is-a-directory"),
+    pytest.param(None, [*SIM, "--preset", "{tmp}", *NEW], "preset {tmp} is a directory",
+                 id="preset-path-is-a-directory-without-slash-at-the-end"),
     pytest.param(None, [*SIM, "--preset", "no-such-preset", *NEW],
                  "unknown preset 'no-such-preset'; available presets: digits-quick", id="preset-name-unknown"),
     pytest.param(preset('[preset\ndescription = "d"\n'), [*SIM, "--preset", "{tmp}/p.toml", *NEW],
@@ -484,6 +493,8 @@ NODE_CASES = [
                  "device='cuda' requested but CUDA is not available", id="device-cuda-without-cuda"),
     pytest.param(node(partition_id=0, num_partitions=3, device="cuda:1"),
                  "device='cuda:1' requested but CUDA is not available", id="device-cuda-1-without-cuda"),
+    pytest.param(node(partition_id=0, num_partitions=3, device="mps"),
+                 "device='mps' requested but MPS (Apple's GPU) is not available", id="device-mps-without-mps"),
     pytest.param(node(partition_id=0, num_partitions=3, inject_fault="boom"),
                  "inject-fault='boom' is not one of: raise, exit, hang, nan, scale:F", id="inject-fault-unknown"),
     pytest.param(node(partition_id=0, num_partitions=3, inject_fault="scale"),
@@ -498,8 +509,37 @@ NODE_CASES = [
 @pytest.mark.parametrize("call, message", NODE_CASES)
 def test_bad_node_config(monkeypatch, call, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "a machine without CUDA"
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)  # nor Apple's GPU
     with pytest.raises(ValueError, match=re.escape(message)):
         call()
+
+
+def test_node_device_index_beyond_the_gpus_is_refused_at_the_handshake(monkeypatch):
+    """cuda:1 on a node with one GPU: one line naming the GPUs there (the handshake's query calls
+    torch_device), not a CUDA error in round 1; cuda:0 is that GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=re.escape("device='cuda:1' requested but there is no CUDA device 1 "
+                                                   "(1 GPU: cuda:0..0) on this node")):
+        node(partition_id=0, num_partitions=3, device="cuda:1")()
+    assert node(partition_id=0, num_partitions=3, device="cuda:0")() == torch.device("cuda:0")
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda:0", "--device cuda:0: CUDA is not available on this machine"),
+    ("cuda", "--device cuda: CUDA is not available on this machine"),
+    ("mps", "--device mps: MPS (Apple's GPU) is not available on this machine"),
+    ("gpu", "--device 'gpu' is not one of: auto, cpu, cuda, cuda:<i>, mps"),
+])
+def test_local_device_this_machine_lacks_is_refused_before_anything_starts(tmp_path, capfd, caplog, monkeypatch,
+                                                                             device, message):
+    """`flatflower local --device cuda:0` without CUDA: one line at once (it failed after 83 s,
+    once the SuperNodes had started and the handshake timed out)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    argv = ["local", "--clients", "2", "--rounds", "1", "--dataset", "synthetic", "--model", "logreg",
+            "--device", device, "--run-dir", "{tmp}/run"]
+    check_cli(argv, tmp_path, capfd, caplog, USAGE, message)
 
 
 ARGPARSE_CASES = [
@@ -522,6 +562,11 @@ ARGPARSE_CASES = [
     pytest.param(["simulate", "--seed", "abc"], "argument --seed: invalid int value: 'abc'", id="seed-not-a-number"),
     pytest.param(["report", "--last-k", "x", "r"], "argument --last-k: invalid int value: 'x'",
                  id="report-last-k-not-a-number"),
+    pytest.param(["report", "--last-k", "0", "r"], "argument --last-k: must be >= 1, not 0", id="report-last-k-zero"),
+    pytest.param(["sweep", "--algorithms", "fedavg", "--out", "{tmp}/s", "--last-k", "-1"],
+                 "argument --last-k: must be >= 1, not -1", id="sweep-last-k-negative"),
+    pytest.param(["bench", "--classes", "x"], "argument --classes: invalid int value: 'x'", id="bench-classes-not-a-number"),
+    pytest.param(["flatness", "r", "--hvp", "x"], "argument --hvp: invalid choice: 'x'", id="flatness-hvp-unknown"),
     pytest.param(["sweep", "--algorithms", "fedavg", "--out", "{tmp}/s", "--algorithm", "fedsam"],
                  "unrecognized arguments: --algorithm fedsam", id="sweep-algorithm"),
 ]

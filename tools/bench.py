@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from client.batch import ModelBatch
 from common import protocol as P
-from common.config import RunConfig, cli_float, cli_int
+from common.config import RunConfig, cli_int
 from common.datasets import Split
 from common.flatness import DEFAULT_ITERS, DEFAULT_PROBES, HVP_METHODS, SplitLoss, measure, random_vector
 from common.models import build_model
@@ -61,6 +61,8 @@ from strategies.registry import ALGORITHMS
 from strategies.registry import get as get_spec
 from server.rundir import load_checkpoint, load_tensors
 from tools.engines import quiet_flower
+from tools.parsers import BENCH_SECTIONS as SECTIONS
+from tools.parsers import bench as build_parser
 from tools.throughput import ThroughputSettings, bench_throughput
 from tools.throughput import render as render_throughput
 
@@ -70,7 +72,6 @@ VARIANTS = [(name, name, {}) for name in ALGORITHMS] + [
 ]
 EXPECTED_OVERRIDES = {"fedtoga (N)": 1.0}  # passes of a variant whose config changes them
 MEMORY_CLIENTS_QUICK, MEMORY_CLIENTS_FULL = (2, 4), (4, 8, 16)
-SECTIONS = ("compute", "overhead", "communication", "memory", "throughput", "flatness")
 # the throughput section's defaults: --quick keeps `make test` fast; --full adds Ray
 THROUGHPUT_QUICK = {"models": ("mlp",), "clients": (10, 20), "rounds": 3, "repeats": 2}
 THROUGHPUT_FULL = {"models": ("mlp", "cnn", "lenet"), "clients": (10, 100, 500), "rounds": 4, "repeats": 2}
@@ -794,48 +795,6 @@ def _flatness_table(report: dict[str, Any]) -> str:
     title = (f"flatness: one measure() ({f['iters']} power iterations at most, {f['probes']} probes) "
              f"and one {steps}x{steps} landscape vs a round, {f['device']}")
     return render_table(rows, title) + "\n".join(lines) + "\n"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flatflower bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a few minutes on a 2-core CPU: small model, fewer repeats")
-    p.add_argument("--full", action="store_true",
-                   help="also time one round in Ray simulation and a loopback deployment, and Ray's throughput")
-    p.add_argument("--model", default=None, help="model of the compute table (default: cnn quick, lenet otherwise)")
-    p.add_argument("--input-shape", default=None, help="e.g. 3,32,32 (CIFAR-shaped; random tensors, no download)")
-    p.add_argument("--classes", type=cli_int, default=10)
-    p.add_argument("--batch-size", type=cli_int, default=None)
-    p.add_argument("--steps", type=cli_int, default=None, help="local steps per timed round")
-    p.add_argument("--repeats", type=cli_int, default=None)
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:i")
-    p.add_argument("--threads", type=cli_int, default=1,
-                   help="torch CPU threads (default 1: steadier timings; 0 = torch's default)")
-    p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default bench.json)")
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"which sections to run, comma-separated (default all: {','.join(SECTIONS)})")
-    t = p.add_argument_group("throughput", "the simulation-throughput section (tools/throughput.py)")
-    t.add_argument("--throughput-models", help="mlp,cnn (digits), lenet (CIFAR-shaped synthetic-cifar10), "
-                                               "lenet5 (Fashion-MNIST); default mlp with --quick, "
-                                               "else mlp,cnn,lenet")
-    t.add_argument("--throughput-clients", help="numbers of clients N, e.g. 10,100,500 (the default; 10,20 with --quick)")
-    t.add_argument("--throughput-engines", help="inprocess,vectorized,ray,loop (default: inprocess,vectorized; "
-                                                "ray with --full; loop = the papers' plain sequential "
-                                                "PyTorch loop, FedAvg / FedSAM, the yardstick)")
-    t.add_argument("--throughput-algorithms", help="algorithms, e.g. fedavg,fedsam (default fedavg)")
-    t.add_argument("--throughput-rounds", type=cli_int, default=None,
-                   help="rounds per run: 2 .. R-1 are timed (round 1 warms up, R ends R-1); default 4, 3 with --quick")
-    t.add_argument("--throughput-repeats", type=cli_int, default=None,
-                   help="interleaved runs per engine, the fastest round counts (default 2)")
-    t.add_argument("--throughput-ray-max-clients", type=cli_int, default=500,
-                   help="skip Ray runs of more clients (default 500)")
-    t.add_argument("--throughput-fraction", type=cli_float, default=1.0,
-                   help="fraction of the N clients trained each round (default 1)")
-    t.add_argument("--throughput-epochs", type=cli_int, default=1, help="local epochs (default 1)")
-    t.add_argument("--throughput-batch-size", type=cli_int, default=32, help="batch size (default 32)")
-    f = p.add_argument_group("flatness", "the flatness-cost section")
-    f.add_argument("--flatness-models", help="mlp,cnn (digits), lenet (synthetic-cifar10; 5-8 min here); "
-                                             "default mlp,cnn with --quick, else all three")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,13 @@ import argparse
 import sys
 
 from common.config import cli_int
-from tools import commands
+from tools.parsers import PARSERS
 from tools.prepare import Parser, add_node_data_argument, add_run_arguments, add_simulate_arguments
+
+# Nothing above imports PyTorch, NumPy or Flower: ``--help``, ``--version`` and every argument
+# error answer before a command's modules load (tools.commands and what it runs, after parsing;
+# tests/test_cli_fast.py fails if one of these paths imports torch).
+
 
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
@@ -41,8 +46,9 @@ def version() -> str:
     return f"flatflower {of('flatflower')} (flwr {of('flwr')}, torch {of('torch')})"
 
 
-# the commands that parse their own arguments (their modules load only when run); the others
-# are tools.commands.COMMANDS, over what build_parser parses: both go through commands.run
+# the commands that parse their own arguments (their parsers in tools/parsers.py; their modules
+# load only once the arguments parsed); the others are tools.commands.COMMANDS, over what
+# build_parser parses: both go through commands.run
 def _report(argv: list[str]) -> int:
     from tools.report import main
     return main(argv)
@@ -80,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     local = sub.add_parser("local", help="run a real Flower federation on 127.0.0.1")
     add_run_arguments(local)
-    local.add_argument("--device", default="auto", help="SuperNode device: auto | cpu | cuda[:i]")
+    local.add_argument("--device", default="auto", help="SuperNode device: auto | cpu | cuda[:i] | mps "
+                       "(one this machine lacks is refused before anything starts)")
     local.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
     local.add_argument("--clientapps", choices=("warm", "stock"), default="warm",
                        help="warm (default): one long-lived ClientApp worker per SuperNode "
@@ -150,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in OWN_PARSERS:  # it parses its own arguments
         command, args, handler = argv[0], argv[1:], OWN_PARSERS[argv[0]]
+        PARSERS[command]().parse_args(args)  # --help and argument errors end here, before its imports
     else:
         parsed = build_parser().parse_args(argv)
         command, args, handler = parsed.command, parsed, None
+    from tools import commands
     _stop_on_signals()  # SIGTERM too ends a run, a sweep's runs, a landscape, ...
     code = commands.run(command, args, handler)
     return commands.EXIT_PIPE if commands.stdout_gone() else code
@@ -167,6 +176,8 @@ def entry() -> None:
     without an active exception", SIGABRT) instead of exiting 130: seen under load after an
     in-process run's SIGTERM."""
     code = main()
+    from tools import commands
+
     if code == commands.EXIT_INTERRUPTED and "ray" not in sys.modules:
         import logging
         import os

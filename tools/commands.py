@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tools import engines
-from tools.prepare import UsageError, app_dir, log_dir, node_configs, preflight, resolve_config
+from tools.prepare import UsageError, app_dir, check_device, log_dir, node_configs, preflight, resolve_config
 from tools.presets import PresetError, available, load_preset
 from tools.progress import EXIT_FAILED, EXIT_OK, Progress, finish
 
@@ -76,6 +76,7 @@ def run(command: str, args: argparse.Namespace | list[str], handler: Callable[[A
 
 def local(args: argparse.Namespace) -> int:
     """A real SuperLink + SuperNodes on 127.0.0.1."""
+    check_device(args.device)
     cfg = resolve_config(args, {"min-available-nodes": args.clients})
     app = app_dir(args.app_dir)
     nodes = node_configs(args)

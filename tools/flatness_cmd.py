@@ -17,50 +17,13 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
-from common.config import cli_float, cli_int
-from common.flatness import DEFAULT_RHO, HVP_METHODS, TOLERANCE, measure
-from tools.prepare import Parser
-from tools.saved import MODEL_FILES, SPLITS, SavedRun, check_device
+from common.flatness import measure
+from tools.parsers import flatness as build_parser
+from tools.saved import SavedRun, check_device
 
 EXIT_USAGE = 2
-ITERS, PROBES = 100, 100  # this command's defaults: more precise than the per-round 20 and 10
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="flatflower flatness", description=__doc__.split("\n\n")[0].replace("``", "'"),
-               allow_abbrev=False)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (flatflower local / simulate)")
-    p.add_argument("--model", choices=tuple(MODEL_FILES), default="final",
-                   help="final (model_final.pt, default), init (model_init.pt, before round 1) or "
-                        "checkpoint (the global model of checkpoint.pt)")
-    p.add_argument("--split", choices=SPLITS, default="test",
-                   help="test (the server's evaluation split, default) or train (the union of "
-                        "all clients' training data, partition.json)")
-    p.add_argument("--rho", type=cli_float, default=DEFAULT_RHO,
-                   help=f"radius of the sharpness perturbation (default {DEFAULT_RHO})")
-    p.add_argument("--iters", type=cli_int, default=ITERS,
-                   help=f"power-iteration steps at most (default {ITERS})")
-    p.add_argument("--tol", type=cli_float, default=TOLERANCE,
-                   help=f"power iteration stops once the eigenvalue changes by less than this, "
-                        f"relative (default {TOLERANCE:g}; a small eigengap needs a smaller one)")
-    p.add_argument("--probes", type=cli_int, default=PROBES,
-                   help=f"Rademacher probes of the Hutchinson trace (default {PROBES})")
-    p.add_argument("--seed", type=cli_int, default=0, help="seed of the random vectors (default 0)")
-    p.add_argument("--batch-size", type=cli_int, default=None,
-                   help="examples per chunk of the whole-split sums (default: the run's eval-batch-size)")
-    p.add_argument("--hvp", choices=HVP_METHODS, default="double-backward",
-                   help="Hessian-vector products by double backward (default) or torch.func "
-                        "(forward-over-reverse); the same numbers")
-    p.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:i")
-    p.add_argument("--threads", type=cli_int, default=1,
-                   help="torch CPU threads (default 1, as a run's server: several threads on a busy "
-                        "machine can be far slower; 0 = torch's default)")
-    p.add_argument("--json", type=Path, default=None, help="also write the numbers as JSON here")
-    p.add_argument("--force", action="store_true", help="write over an existing --json file")
-    return p
 
 
 def check(args: argparse.Namespace) -> None:

@@ -39,11 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import cli_float, cli_int
 from common.flatness import SplitLoss, perturbed
-from tools.saved import MODEL_FILES, SPLITS, SavedRun, SavedRunError, check_device
-
-DEFAULT_SPAN, INTERPOLATE_SPAN, DEFAULT_STEPS = 1.0, 0.5, 21
+from tools.parsers import DEFAULT_SPAN, INTERPOLATE_SPAN
+from tools.parsers import landscape as build_parser
+from tools.saved import SavedRun, SavedRunError, check_device
 
 
 @dataclass
@@ -280,43 +279,6 @@ def summary(s: Surface, coords: np.ndarray, interpolate: bool) -> str:
 # ---------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from tools.prepare import Parser
-
-    parser = Parser(prog="flatflower landscape",
-                    description="Loss surfaces around saved global models (filter-normalised random "
-                                "directions, Li et al. 2018), or the linear interpolation from the "
-                                "initial to the final model (--interpolate), several runs on one figure.")
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (one architecture)")
-    parser.add_argument("--dims", type=cli_int, choices=(1, 2), default=None,
-                        help="1: a curve along d0; 2: a surface over d0, d1 (default 2)")
-    parser.add_argument("--span", type=cli_float, default=None,
-                        help=f"the grid covers [-S, S] (default {DEFAULT_SPAN}); with --interpolate "
-                             f"a covers [-S, 1 + S] (default {INTERPOLATE_SPAN})")
-    parser.add_argument("--steps", type=cli_int, default=DEFAULT_STEPS,
-                        help=f"grid points per axis, >= 3 (default {DEFAULT_STEPS})")
-    parser.add_argument("--split", choices=SPLITS, default="test",
-                        help="test: the server's evaluation split (default); train: the union of the "
-                             "clients' training data")
-    parser.add_argument("--model", choices=tuple(MODEL_FILES), default=None,
-                        help="the model at the centre: final (default), init or checkpoint")
-    parser.add_argument("--interpolate", action="store_true",
-                        help="1-D: (1 - a) w_init + a w_final, from model_init.pt to model_final.pt")
-    parser.add_argument("--seed", type=cli_int, default=0, help="seed of the random directions (default 0)")
-    parser.add_argument("--batch-size", type=cli_int, default=None,
-                        help="examples per forward pass (default: each run's eval-batch-size)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:i")
-    parser.add_argument("--threads", type=cli_int, default=1,
-                        help="torch CPU threads (default 1: several fight over a busy machine's cores; "
-                             "0 = torch's default)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="the figure (default: landscape.png in the run directory, or in the "
-                             "directory that holds all the RUN_DIRs)")
-    parser.add_argument("--data", type=Path, default=None, help="also write the numbers as NPZ here")
-    parser.add_argument("--force", action="store_true", help="write over existing --out / --data files")
-    return parser
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from common.config import (MAX_SECONDS, ConfigError, RunConfig, cli_float, cli_int, parse_assignments,
-                           user_path)
+from common.config import (MAX_SECONDS, ConfigError, RunConfig, check_types, cli_float, cli_int,
+                           parse_assignments, user_path)
 from tools.presets import load_preset
 
 DEFAULT_CLIENTS = 4
@@ -143,6 +143,7 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
         return _resume_config(args, extra)
     values = dict(apply_preset(args))
     sets = parse_assignments(args.sets)
+    check_types(sets)  # a --set value a flag overrides is checked too
     algorithm = args.algorithm or sets.get("algorithm") or values.get("algorithm") or RunConfig.algorithm
     values.update(args.preset_algorithms.get(algorithm, {}))  # the preset's table for the algorithm
     values.update(sets)
@@ -301,6 +302,20 @@ def check_engine_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--gpus-per-client {args.gpus_per_client:g} gives each client a share of a GPU, "
                          f"and PyTorch sees no CUDA GPU here: Ray could place no client (leave the flag "
                          f"out to run the clients on the CPU)")
+
+
+def check_device(text: str) -> None:
+    """UsageError unless the SuperNodes of this machine can train on ``--device text``: a GPU
+    that is not here is refused at once, not after the federation started."""
+    import re
+
+    from client.node import DEVICES, device_missing
+
+    if not re.fullmatch(DEVICES, text):
+        raise UsageError(f"--device {text!r} is not one of: auto, cpu, cuda, cuda:<i>, mps")
+    missing = device_missing(text)
+    if missing:
+        raise UsageError(f"--device {text}: {missing} on this machine")
 
 
 def ray_installed() -> bool:

@@ -75,11 +75,14 @@ def find_preset(name_or_path: str | Path, directory: Path = PRESET_DIR) -> Path:
     if path.is_file():
         return path
     text = str(name_or_path)
-    if "/" in text or "\\" in text or text.endswith(".toml"):
-        raise PresetError(f"preset file {text} not found")
+    path_like = "/" in text or "\\" in text or text.endswith(".toml")
     candidate = directory / f"{text}.toml"
-    if candidate.is_file():
+    if not path_like and candidate.is_file():  # a preset's name wins over a folder of that name here
         return candidate
+    if path.is_dir():
+        raise PresetError(f"preset {text} is a directory: give a preset's TOML file or name")
+    if path_like:
+        raise PresetError(f"preset file {text} not found")
     names = ", ".join(available(directory)) or "none"
     raise PresetError(f"unknown preset {text!r}{did_you_mean(text, available(directory))}; "
                       f"available presets: {names}")

@@ -30,7 +30,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from common.config import cli_float, cli_int
+from tools.parsers import FLATNESS_FILE
+from tools.parsers import report as build_parser  # noqa: F401 (tools.cli, tests)
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -579,34 +580,6 @@ def render_table(rows: Sequence[dict[str, Any]], title: str, width: int = 160) -
 # ---------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``flatflower report`` argument parser."""
-    from tools.prepare import Parser
-
-    parser = Parser(prog="flatflower report", description="Summarize run directories.")
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to summarize")
-    parser.add_argument("--last-k", type=cli_int, default=5, help="rounds averaged for the last-k mean (default 5)")
-    parser.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="accuracy plot (default: report.png in the run directory, or in the "
-                             "directory that holds all the RUN_DIRs)")
-    parser.add_argument("--out-bytes", type=Path, default=None,
-                        help="accuracy vs cumulative bytes plot (default: <out stem>-bytes.png)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
-    parser.add_argument("--csv", type=Path, default=None,
-                        help="also write every round of every run as CSV here (one row per run and round)")
-    parser.add_argument("--runs-csv", type=Path, default=None,
-                        help="also write one row per run here: algorithm, seed, engine, final / last-k / "
-                             "best accuracy, best round, rounds to --target, seconds, bytes up and down, "
-                             "flatness (the last-k flatness distance; sharpness and top Hessian eigenvalue "
-                             f"from each run's {FLATNESS_FILE})")
-    parser.add_argument("--strict", action="store_true",
-                        help="refuse runs whose settings differ (clients, rounds, dataset, partition) "
-                             "instead of warning")
-    parser.add_argument("--by-algorithm", action="store_true", help="always print the per-algorithm table")
-    return parser
-
-
 def _csv_cell(value: Any) -> Any:
     """Numbers as they are; a list of numbers space-separated; anything else as JSON."""
     if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
@@ -617,7 +590,6 @@ def _csv_cell(value: Any) -> Any:
 RUN_COLUMNS = ("algorithm", "seed", "engine", "rounds", "final_accuracy", "last_k_mean", "best_accuracy",
                "best_round", "rounds_to_target", "seconds", "bytes_up", "bytes_down", "flatness_distance",
                "sharpness", "hessian_max_eig", "flatness_split", "run")
-FLATNESS_FILE = "flatness.json"  # `flatflower flatness RUN --json RUN/flatness.json`: the final model's
 
 
 def run_row(run: RunSummary, last_k: int, target: float | None) -> dict[str, Any]:

@@ -22,9 +22,8 @@ from common.config import ConfigError, RunConfig
 from common.datasets import DatasetUnavailableError, FederatedDataset, Split
 from common.models import build_model
 from server.rundir import RunDirError, load_checkpoint, load_tensors, open_file
+from tools.parsers import MODEL_FILES, SPLITS
 
-MODEL_FILES = {"final": "model_final.pt", "init": "model_init.pt", "checkpoint": "checkpoint.pt"}
-SPLITS = ("test", "train")
 
 
 def check_device(text: str) -> str:

@@ -29,33 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.config import cli_float, cli_int, did_you_mean
+from common.config import did_you_mean
 from strategies.registry import ALGORITHMS
 from tools import commands
-from tools.prepare import (Parser, UsageError, add_run_arguments, add_simulate_arguments, check_engine_options,
-                           engine_of)
+from tools.parsers import sweep as build_parser
+from tools.prepare import UsageError, check_engine_options, engine_of
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="flatflower sweep", description=__doc__.split("\n\n")[0].replace("``", "'"),
-        allow_abbrev=False, epilog="The other options are `flatflower simulate`'s.")
-    p.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedsam,fedtoga")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    p.add_argument("--out", type=Path, required=True, help="directory for the runs and the report")
-    p.add_argument("--last-k", type=cli_int, default=5, help="rounds averaged for the last-k mean (default 5)")
-    p.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
-    p.add_argument("--resume-existing", action="store_true",
-                   help="skip (algorithm, seed) runs that already finished in OUT, continue "
-                        "interrupted ones from their checkpoint")
-    p.add_argument("--jobs", "-j", type=cli_int, default=1,
-                   help="runs at a time, each in its own process (default 1: one after the other, "
-                        "in this process); at most the number of CPU cores helps")
-    add_run_arguments(p, per_run=False)  # each run's algorithm, seed and directory: the sweep's
-    add_simulate_arguments(p)
-    return p
 
 
 def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
@@ -71,8 +51,6 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
         raise ValueError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds must be distinct integers >= 0, got {args.seeds!r}")
-    if args.last_k < 1:
-        raise ValueError("--last-k must be >= 1")
     if args.jobs < 1:
         raise ValueError("--jobs must be >= 1")
     return algorithms, seeds

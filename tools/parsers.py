@@ -1,0 +1,198 @@
+"""The argument parsers of the commands that parse their own arguments (report, landscape,
+bench, sweep, flatness), apart from the commands' work: this module imports no PyTorch, NumPy,
+Flower or plotting library, so that ``--help`` and every argument error answer at once
+(tools/cli.py parses with these before it loads the command; tests/test_cli_fast.py keeps it so).
+The command-line defaults they show live here too; each command imports its parser from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from common.config import cli_float, cli_int
+from common.flatness_settings import DEFAULT_RHO, HVP_METHODS, TOLERANCE
+from tools.prepare import Parser, add_run_arguments, add_simulate_arguments
+
+# flatflower flatness / landscape: which saved model (its file in the run directory), which split
+MODEL_FILES = {"final": "model_final.pt", "init": "model_init.pt", "checkpoint": "checkpoint.pt"}
+SPLITS = ("test", "train")
+FLATNESS_FILE = "flatness.json"  # `flatflower flatness RUN --json RUN/flatness.json`: the final model's
+DEFAULT_SPAN, INTERPOLATE_SPAN, DEFAULT_STEPS = 1.0, 0.5, 21  # landscape's grid
+ITERS, PROBES = 100, 100  # flatness's defaults: more precise than the per-round 20 and 10
+BENCH_SECTIONS = ("compute", "overhead", "communication", "memory", "throughput", "flatness")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (``--last-k 0`` would average no round)."""
+    value = cli_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+positive_int.__name__ = "int"
+
+
+def report() -> argparse.ArgumentParser:
+    """The ``flatflower report`` argument parser."""
+    parser = Parser(prog="flatflower report", description="Summarize run directories.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to summarize")
+    parser.add_argument("--last-k", type=positive_int, default=5, help="rounds averaged for the last-k mean (default 5)")
+    parser.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="accuracy plot (default: report.png in the run directory, or in the "
+                             "directory that holds all the RUN_DIRs)")
+    parser.add_argument("--out-bytes", type=Path, default=None,
+                        help="accuracy vs cumulative bytes plot (default: <out stem>-bytes.png)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--csv", type=Path, default=None,
+                        help="also write every round of every run as CSV here (one row per run and round)")
+    parser.add_argument("--runs-csv", type=Path, default=None,
+                        help="also write one row per run here: algorithm, seed, engine, final / last-k / "
+                             "best accuracy, best round, rounds to --target, seconds, bytes up and down, "
+                             "flatness (the last-k flatness distance; sharpness and top Hessian eigenvalue "
+                             f"from each run's {FLATNESS_FILE})")
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse runs whose settings differ (clients, rounds, dataset, partition) "
+                             "instead of warning")
+    parser.add_argument("--by-algorithm", action="store_true", help="always print the per-algorithm table")
+    return parser
+
+
+def landscape() -> argparse.ArgumentParser:
+    parser = Parser(prog="flatflower landscape",
+                    description="Loss surfaces around saved global models (filter-normalised random "
+                                "directions, Li et al. 2018), or the linear interpolation from the "
+                                "initial to the final model (--interpolate), several runs on one figure.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (one architecture)")
+    parser.add_argument("--dims", type=cli_int, choices=(1, 2), default=None,
+                        help="1: a curve along d0; 2: a surface over d0, d1 (default 2)")
+    parser.add_argument("--span", type=cli_float, default=None,
+                        help=f"the grid covers [-S, S] (default {DEFAULT_SPAN}); with --interpolate "
+                             f"a covers [-S, 1 + S] (default {INTERPOLATE_SPAN})")
+    parser.add_argument("--steps", type=cli_int, default=DEFAULT_STEPS,
+                        help=f"grid points per axis, >= 3 (default {DEFAULT_STEPS})")
+    parser.add_argument("--split", choices=SPLITS, default="test",
+                        help="test: the server's evaluation split (default); train: the union of the "
+                             "clients' training data")
+    parser.add_argument("--model", choices=tuple(MODEL_FILES), default=None,
+                        help="the model at the centre: final (default), init or checkpoint")
+    parser.add_argument("--interpolate", action="store_true",
+                        help="1-D: (1 - a) w_init + a w_final, from model_init.pt to model_final.pt")
+    parser.add_argument("--seed", type=cli_int, default=0, help="seed of the random directions (default 0)")
+    parser.add_argument("--batch-size", type=cli_int, default=None,
+                        help="examples per forward pass (default: each run's eval-batch-size)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:i")
+    parser.add_argument("--threads", type=cli_int, default=1,
+                        help="torch CPU threads (default 1: several fight over a busy machine's cores; "
+                             "0 = torch's default)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the figure (default: landscape.png in the run directory, or in the "
+                             "directory that holds all the RUN_DIRs)")
+    parser.add_argument("--data", type=Path, default=None, help="also write the numbers as NPZ here")
+    parser.add_argument("--force", action="store_true", help="write over existing --out / --data files")
+    return parser
+
+
+def bench() -> argparse.ArgumentParser:
+    p = Parser(prog="flatflower bench", description="``flatflower bench``: what each "
+                               "algorithm costs, measured on this implementation.")
+    p.add_argument("--quick", action="store_true", help="a few minutes on a 2-core CPU: small model, fewer repeats")
+    p.add_argument("--full", action="store_true",
+                   help="also time one round in Ray simulation and a loopback deployment, and Ray's throughput")
+    p.add_argument("--model", default=None, help="model of the compute table (default: cnn quick, lenet otherwise)")
+    p.add_argument("--input-shape", default=None, help="e.g. 3,32,32 (CIFAR-shaped; random tensors, no download)")
+    p.add_argument("--classes", type=cli_int, default=10)
+    p.add_argument("--batch-size", type=cli_int, default=None)
+    p.add_argument("--steps", type=cli_int, default=None, help="local steps per timed round")
+    p.add_argument("--repeats", type=cli_int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:i")
+    p.add_argument("--threads", type=cli_int, default=1,
+                   help="torch CPU threads (default 1: steadier timings; 0 = torch's default)")
+    p.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default bench.json)")
+    p.add_argument("--sections", default=",".join(BENCH_SECTIONS),
+                   help=f"which sections to run, comma-separated (default all: {','.join(BENCH_SECTIONS)})")
+    t = p.add_argument_group("throughput", "the simulation-throughput section (tools/throughput.py)")
+    t.add_argument("--throughput-models", help="mlp,cnn (digits), lenet (CIFAR-shaped synthetic-cifar10), "
+                                               "lenet5 (Fashion-MNIST); default mlp with --quick, "
+                                               "else mlp,cnn,lenet")
+    t.add_argument("--throughput-clients", help="numbers of clients N, e.g. 10,100,500 (the default; 10,20 with --quick)")
+    t.add_argument("--throughput-engines", help="inprocess,vectorized,ray,loop (default: inprocess,vectorized; "
+                                                "ray with --full; loop = the papers' plain sequential "
+                                                "PyTorch loop, FedAvg / FedSAM, the yardstick)")
+    t.add_argument("--throughput-algorithms", help="algorithms, e.g. fedavg,fedsam (default fedavg)")
+    t.add_argument("--throughput-rounds", type=cli_int, default=None,
+                   help="rounds per run: 2 .. R-1 are timed (round 1 warms up, R ends R-1); default 4, 3 with --quick")
+    t.add_argument("--throughput-repeats", type=cli_int, default=None,
+                   help="interleaved runs per engine, the fastest round counts (default 2)")
+    t.add_argument("--throughput-ray-max-clients", type=cli_int, default=500,
+                   help="skip Ray runs of more clients (default 500)")
+    t.add_argument("--throughput-fraction", type=cli_float, default=1.0,
+                   help="fraction of the N clients trained each round (default 1)")
+    t.add_argument("--throughput-epochs", type=cli_int, default=1, help="local epochs (default 1)")
+    t.add_argument("--throughput-batch-size", type=cli_int, default=32, help="batch size (default 32)")
+    f = p.add_argument_group("flatness", "the flatness-cost section")
+    f.add_argument("--flatness-models", help="mlp,cnn (digits), lenet (synthetic-cifar10; 5-8 min here); "
+                                             "default mlp,cnn with --quick, else all three")
+    return p
+
+
+def sweep() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="flatflower sweep", description="'flatflower sweep': several algorithms x seeds on one partition, "
+                                            "then one report.",
+        allow_abbrev=False, epilog="The other options are `flatflower simulate`'s.")
+    p.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedsam,fedtoga")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--out", type=Path, required=True, help="directory for the runs and the report")
+    p.add_argument("--last-k", type=positive_int, default=5, help="rounds averaged for the last-k mean (default 5)")
+    p.add_argument("--target", type=cli_float, default=None, help="accuracy target for rounds-to-target")
+    p.add_argument("--resume-existing", action="store_true",
+                   help="skip (algorithm, seed) runs that already finished in OUT, continue "
+                        "interrupted ones from their checkpoint")
+    p.add_argument("--jobs", "-j", type=cli_int, default=1,
+                   help="runs at a time, each in its own process (default 1: one after the other, "
+                        "in this process); at most the number of CPU cores helps")
+    add_run_arguments(p, per_run=False)  # each run's algorithm, seed and directory: the sweep's
+    add_simulate_arguments(p)
+    return p
+
+
+def flatness() -> argparse.ArgumentParser:
+    p = Parser(prog="flatflower flatness", description="'flatflower flatness RUN_DIR': how flat a saved model's "
+                                                      "minimum is, measured once.",
+               allow_abbrev=False)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (flatflower local / simulate)")
+    p.add_argument("--model", choices=tuple(MODEL_FILES), default="final",
+                   help="final (model_final.pt, default), init (model_init.pt, before round 1) or "
+                        "checkpoint (the global model of checkpoint.pt)")
+    p.add_argument("--split", choices=SPLITS, default="test",
+                   help="test (the server's evaluation split, default) or train (the union of "
+                        "all clients' training data, partition.json)")
+    p.add_argument("--rho", type=cli_float, default=DEFAULT_RHO,
+                   help=f"radius of the sharpness perturbation (default {DEFAULT_RHO})")
+    p.add_argument("--iters", type=cli_int, default=ITERS,
+                   help=f"power-iteration steps at most (default {ITERS})")
+    p.add_argument("--tol", type=cli_float, default=TOLERANCE,
+                   help=f"power iteration stops once the eigenvalue changes by less than this, "
+                        f"relative (default {TOLERANCE:g}; a small eigengap needs a smaller one)")
+    p.add_argument("--probes", type=cli_int, default=PROBES,
+                   help=f"Rademacher probes of the Hutchinson trace (default {PROBES})")
+    p.add_argument("--seed", type=cli_int, default=0, help="seed of the random vectors (default 0)")
+    p.add_argument("--batch-size", type=cli_int, default=None,
+                   help="examples per chunk of the whole-split sums (default: the run's eval-batch-size)")
+    p.add_argument("--hvp", choices=HVP_METHODS, default="double-backward",
+                   help="Hessian-vector products by double backward (default) or torch.func "
+                        "(forward-over-reverse); the same numbers")
+    p.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:i")
+    p.add_argument("--threads", type=cli_int, default=1,
+                   help="torch CPU threads (default 1, as a run's server: several threads on a busy "
+                        "machine can be far slower; 0 = torch's default)")
+    p.add_argument("--json", type=Path, default=None, help="also write the numbers as JSON here")
+    p.add_argument("--force", action="store_true", help="write over an existing --json file")
+    return p
+
+
+# command -> its parser (tools/cli.py parses with it before it imports the command)
+PARSERS = {"report": report, "landscape": landscape, "bench": bench, "sweep": sweep, "flatness": flatness}
