@@ -148,6 +148,7 @@ def run_simulation(config: Mapping[str, Any] | RunConfig | None = None, *, prese
     Bad input raises ConfigError (a ValueError, one line) before anything starts or is
     written; a run that fails raises its error (e.g. server.run.RunFailed), its run directory
     holding summary.json's ``status = failed``. See docs/api.md."""
+    from common.datasets import DatasetUnavailableError
     from server.rundir import RunDirError
     from tools.engines.inprocess import run_inprocess
     from tools.prepare import DEFAULT_CLIENTS, UsageError, place_run, preflight
@@ -171,7 +172,7 @@ def run_simulation(config: Mapping[str, Any] | RunConfig | None = None, *, prese
                               "(--node-data) and real deployments")
         cfg = place_run(cfg, str(run_dir) if run_dir is not None else None)
         preflight(cfg, clients, engine)
-    except (UsageError, RunDirError) as err:
+    except (UsageError, RunDirError, DatasetUnavailableError) as err:  # the CLI's "error: ..." lines
         raise ConfigError(str(err)) from None
     with _quiet(not verbose):
         path, _ = run_inprocess(cfg.to_dict(), clients, vectorized=engine == "vectorized")
