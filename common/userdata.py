@@ -46,28 +46,9 @@ class DataError(DatasetUnavailableError, ValueError):
     """The user's data cannot be used as given (one line, naming the file or the reference)."""
 
 
-# name -> callable added by register_dataset: this process only (the in-process engines and the
-# Python API, flatflower/); a reference is what crosses processes
-_REGISTERED: dict[str, Any] = {}
-
-
-def register_dataset(name: str, fn: Any) -> None:
-    """Make ``dataset = name`` call ``fn`` (the contract of :func:`from_callable`) **in this
-    process only**, as common.models.register_model does for models. A name is bound once:
-    loads are cached by name, so a second callable under it would be served the first's data."""
-    from common.references import is_reference
-
-    from common.datasets import DATASETS
-
-    if (not isinstance(name, str) or not name or name in FORMATS or name in DATASETS
-            or is_reference(name) or not name.isprintable()):
-        raise ValueError(f"register_dataset: {name!r} is not a new dataset name (not a built-in, not a "
-                         "file format, not of the form package.module:callable)")
-    if not callable(fn):
-        raise ValueError(f"register_dataset: the dataset {name!r} is not callable")
-    if _REGISTERED.get(name, fn) is not fn:
-        raise ValueError(f"register_dataset: {name!r} is already registered to another callable")
-    _REGISTERED[name] = fn
+# name -> callable added by common.datasets.register_dataset: this process only (the in-process
+# engines and the Python API, flatflower/); a reference is what crosses processes
+REGISTERED: dict[str, Any] = {}
 
 
 def is_user_dataset(name: str) -> bool:
@@ -75,7 +56,7 @@ def is_user_dataset(name: str) -> bool:
     registered name)."""
     from common.references import is_reference
 
-    return name in FORMATS or is_reference(name) or name in _REGISTERED
+    return name in FORMATS or is_reference(name) or name in REGISTERED
 
 
 def load(name: str, data_dir: str, csv_label: str = "label", classes: str = "", image_size: int = 0,
@@ -306,7 +287,7 @@ def from_callable(text: str, data_dir: str, num_classes: int = 0) -> FederatedDa
     from common.references import BadReference, call, resolve
 
     try:
-        out = call(_REGISTERED.get(text) or resolve(text, "dataset"), (data_dir,), "dataset", text)
+        out = call(REGISTERED.get(text) or resolve(text, "dataset"), (data_dir,), "dataset", text)
     except BadReference as err:
         raise DataError(str(err)) from None
     where = f"dataset={text!r}"

@@ -1,6 +1,6 @@
 """A user's Python objects as run-config names: a model or a dataset handed to the API as an
 object (not a name or a ``package.module:callable`` text) is registered in this process under a
-generated name (common.models.register_model, common.userdata.register_dataset), which the run
+generated name (common.models.register_model, common.datasets.register_dataset), which the run
 config then carries. In-process engines only: another process knows nothing of the name.
 """
 
@@ -56,7 +56,7 @@ def dataset_name(dataset: Any) -> str:
     of common.userdata.from_callable: takes ``(data_dir)`` or nothing, returns ``(train,
     test)`` or ``{"train", "test", "num_classes"}``), or that return value itself, registered
     under a new name."""
-    from common.userdata import register_dataset
+    from common.datasets import register_dataset
 
     if isinstance(dataset, str):
         return dataset
