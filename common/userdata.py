@@ -271,7 +271,8 @@ def _open_image(path: str):
 
 # ---------------------------------------------------------------------- callable
 def from_callable(text: str, data_dir: str, num_classes: int = 0) -> FederatedDataset:
-    """``dataset = package.module:callable``: the user's function returns the data.
+    """``dataset = package.module:callable`` (or a name registered in this process:
+    common.datasets.register_dataset): the user's function returns the data.
 
     The contract: the callable takes ``(data_dir)`` (the run's data-dir, a node's own winning,
     as an absolute path, or "" when none is set) or nothing, and returns either ``(train,

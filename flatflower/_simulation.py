@@ -162,7 +162,8 @@ def run_simulation(config: Mapping[str, Any] | RunConfig | None = None, *, prese
         clients = preset_clients or int(values.get("num-partitions") or 0) or DEFAULT_CLIENTS
     if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
         raise ConfigError(f"clients={clients!r} must be a whole number >= 1")
-    values.setdefault("num-partitions", clients)
+    if not values.get("num-partitions"):  # 0: the nodes connected at round 1, here the clients
+        values["num-partitions"] = clients
     try:
         cfg = RunConfig.from_mapping(values)
         if cfg.num_partitions != clients:

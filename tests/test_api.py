@@ -102,6 +102,10 @@ def test_run_simulation_with_a_model_object_starts_from_its_weights(tmp_path):
     assert all(torch.equal(init[k], start[k]) for k in start)  # the run started from its weights
     assert all(torch.equal(mine.state_dict()[k], start[k]) for k in start)  # and left them alone
     assert result.config.model.startswith("python-model-")
+    # a RunConfig as the config (its num-partitions 0 means: the clients given)
+    again = flatflower.run_simulation(result.config.replace(run_dir=str(tmp_path / "again")), clients=2,
+                                      engine="vectorized")
+    assert all(torch.equal(again.final_model[k], result.final_model[k]) for k in start)
     assert result.history.test_accuracy[-1] > result.history.test_accuracy[0]
     rebuilt = result.model()
     assert all(torch.equal(rebuilt.state_dict()[k], result.final_model[k]) for k in start)
@@ -305,3 +309,38 @@ def test_local_training_needs_the_records_of_an_algorithm_that_has_some():
         flatflower.local_training("fedgmt", model, data)
     with pytest.raises(flatflower.ConfigError, match="does not privatize"):
         flatflower.local_training("fedsam", model, data, {"dp.clip": 1.0, "aggregation": "uniform"})
+
+
+def test_a_dataset_callable_and_a_model_class(tmp_path):
+    """``dataset``: a callable returning the dict form (its num_classes wins over the labels');
+    ``model``: an nn.Module class taking (input_shape, num_classes); the same objects keep their
+    names in a second run."""
+    import numpy as np
+
+    class Net(torch.nn.Module):
+        def __init__(self, input_shape, num_classes):
+            super().__init__()
+            self.fc = torch.nn.Linear(input_shape[0], num_classes)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    def data():
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(120, 3)).astype("float32")
+        y = (x[:, 1] > 0).astype("int64")
+        return {"train": (x[:100], y[:100]), "test": (x[100:], y[100:]), "num_classes": 3}
+
+    first = flatflower.run_simulation(algorithm="fedavg", clients=2, rounds=1, model=Net, dataset=data,
+                                      partition="iid", run_dir=tmp_path / "a")
+    assert first.final_model["fc.weight"].shape == (3, 3)  # three classes, as the dict says
+    second = flatflower.run_simulation(algorithm="fedavg", clients=2, rounds=1, model=Net, dataset=data,
+                                       partition="iid", run_dir=tmp_path / "b")
+    assert (second.config.model, second.config.dataset) == (first.config.model, first.config.dataset)
+    assert all(torch.equal(first.final_model[k], second.final_model[k]) for k in first.final_model)
+    from common.datasets import register_dataset
+
+    with pytest.raises(ValueError, match="already registered to another callable"):
+        register_dataset(first.config.dataset, lambda: None)
+    with pytest.raises(ValueError, match="not a new dataset name"):
+        register_dataset("digits", data)
