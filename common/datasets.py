@@ -68,6 +68,25 @@ def default_data_dir() -> str:
     return os.path.expanduser(os.environ.get("FLATFLOWER_DATA") or "~/.cache/flatflower/data")
 
 
+def register_dataset(name: str, fn) -> None:
+    """Make ``dataset = name`` call ``fn`` (the contract of common.userdata.from_callable) **in
+    this process only**, as common.models.register_model does for models: for the in-process
+    engines and the Python API. A name is bound once: loads are cached by name, so a second
+    callable under it would be served the first's data."""
+    from common import userdata
+    from common.references import is_reference
+
+    if (not isinstance(name, str) or not name or name in DATASETS or name in userdata.FORMATS
+            or is_reference(name) or not name.isprintable()):
+        raise ValueError(f"register_dataset: {name!r} is not a new dataset name (not a built-in, not a "
+                         "file format, not of the form package.module:callable)")
+    if not callable(fn):
+        raise ValueError(f"register_dataset: the dataset {name!r} is not callable")
+    if userdata.REGISTERED.get(name, fn) is not fn:
+        raise ValueError(f"register_dataset: {name!r} is already registered to another callable")
+    userdata.REGISTERED[name] = fn
+
+
 def load_dataset(name: str, data_dir: str = "", download: bool = True,
                  **options: float | str) -> FederatedDataset:
     """Load dataset ``name`` (cached per process); torchvision data lives in ``data_dir``.

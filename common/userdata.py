@@ -46,11 +46,17 @@ class DataError(DatasetUnavailableError, ValueError):
     """The user's data cannot be used as given (one line, naming the file or the reference)."""
 
 
+# name -> callable added by common.datasets.register_dataset: this process only (the in-process
+# engines and the Python API, flatflower/); a reference is what crosses processes
+REGISTERED: dict[str, Any] = {}
+
+
 def is_user_dataset(name: str) -> bool:
-    """Whether ``dataset`` names the user's own data (a file format or a reference)."""
+    """Whether ``dataset`` names the user's own data (a file format, a reference or a
+    registered name)."""
     from common.references import is_reference
 
-    return name in FORMATS or is_reference(name)
+    return name in FORMATS or is_reference(name) or name in REGISTERED
 
 
 def load(name: str, data_dir: str, csv_label: str = "label", classes: str = "", image_size: int = 0,
@@ -265,7 +271,8 @@ def _open_image(path: str):
 
 # ---------------------------------------------------------------------- callable
 def from_callable(text: str, data_dir: str, num_classes: int = 0) -> FederatedDataset:
-    """``dataset = package.module:callable``: the user's function returns the data.
+    """``dataset = package.module:callable`` (or a name registered in this process:
+    common.datasets.register_dataset): the user's function returns the data.
 
     The contract: the callable takes ``(data_dir)`` (the run's data-dir, a node's own winning,
     as an absolute path, or "" when none is set) or nothing, and returns either ``(train,
@@ -281,7 +288,7 @@ def from_callable(text: str, data_dir: str, num_classes: int = 0) -> FederatedDa
     from common.references import BadReference, call, resolve
 
     try:
-        out = call(resolve(text, "dataset"), (data_dir,), "dataset", text)
+        out = call(REGISTERED.get(text) or resolve(text, "dataset"), (data_dir,), "dataset", text)
     except BadReference as err:
         raise DataError(str(err)) from None
     where = f"dataset={text!r}"

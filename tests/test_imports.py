@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "client", "strategies", "server", "tools")
+PACKAGES = ("common", "client", "strategies", "server", "tools", "flatflower")
 
 
 def _modules() -> dict[str, Path]:

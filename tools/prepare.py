@@ -165,7 +165,15 @@ def resolve_config(args: argparse.Namespace, extra: dict[str, Any] | None = None
     cfg = RunConfig.from_mapping(values)
     if cfg.num_partitions != args.clients:
         raise UsageError(f"num-partitions={cfg.num_partitions} disagrees with --clients {args.clients}")
-    run_dir = user_path(str(args.run_dir or cfg.run_dir or _default_run_dir(cfg)), "--run-dir").resolve()
+    return place_run(cfg, args.run_dir)
+
+
+def place_run(cfg: RunConfig, run_dir: str | None = None) -> RunConfig:
+    """``cfg`` with its run directory (``run_dir``, else its own ``run-dir``, else
+    runs/<name>) made absolute and checked (no run in it yet, writable, no links), its clients'
+    state mirrored inside it and its ``data-dir`` absolute: the CLI's and the Python API's
+    (flatflower.run_simulation) last step before a run starts. UsageError otherwise."""
+    run_dir = user_path(str(run_dir or cfg.run_dir or _default_run_dir(cfg)), "--run-dir").resolve()
     if (run_dir / "metrics.jsonl").exists():
         raise UsageError(f"{run_dir} already holds a run; choose another --run-dir "
                          "(or continue it with --resume)")
