@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 # the guides a reader reaches from the README; their `flatflower` lines must parse too
 GUIDES = ("configuration", "engines", "presets", "run-directory", "datasets", "flatness", "privacy",
-          "sweeps", "reliability", "your-data", "models", "local-data", "deployment")
+          "sweeps", "reliability", "your-data", "models", "local-data", "deployment", "api")
 OWN_PARSERS = {"report": "tools.report", "landscape": "tools.landscape", "bench": "tools.bench",
                "sweep": "tools.sweep", "flatness": "tools.flatness_cmd"}
 
@@ -225,3 +225,16 @@ def test_the_documented_misspelling_hint_is_the_one_the_config_gives():
     hint = re.search(r"\(did you mean '[^']+'\?\)", str(err.value)).group(0)
     text = " ".join((DOCS / "configuration.md").read_text().split())
     assert re.findall(r"algorithm='fedsma' is not one of: \.\.\. (\(did you mean '[^']+'\?\))", text) == [hint]
+
+
+def test_the_readmes_python_runs_as_written(tmp_path, monkeypatch):
+    """The README's ```python blocks (its "From Python" section) run as written, in a fresh
+    working directory (their runs land in its runs/)."""
+    blocks = [b.split("```", 1)[0] for b in README.read_text().split("```python\n")[1:]]
+    assert blocks, "the README shows no Python"
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        namespace: dict = {}
+        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    assert namespace["result"].summary["status"] == "completed"
+    assert len(namespace["names"]) == len(ALGORITHMS)
