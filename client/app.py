@@ -92,6 +92,13 @@ def _nonce(msg: Message) -> int:
     return int(msg.content[P.CONFIG].get(P.NONCE, 0)) if P.CONFIG in msg.content.config_records else 0
 
 
+def _identity(msg: Message, node: NodeSettings) -> ConfigRecord:
+    """Every reply's ``config`` record: the partition this node holds and the nonce of the
+    message it answers. Bookkeeping, not measurements: in the MetricRecord a stock Flower
+    strategy would average them (docs/protocol.md)."""
+    return ConfigRecord({P.PARTITION_ID: node.partition_id, P.NONCE: _nonce(msg)})
+
+
 def _state_round(msg: Message, server_round: int) -> int:
     """The client's last round the server accepted (``state-round``), before this one."""
     config = msg.content[P.CONFIG]
@@ -121,6 +128,25 @@ def _sampled_clients(msg: Message) -> int:
         raise ValueError(f"dp.clip > 0, but the train message's {P.SAMPLED_CLIENTS}={sampled!r} is not a "
                          "number of clients >= 1: the noise cannot be calibrated")
     return sampled
+
+
+def _check_server_sends(spec, cfg: RunConfig, msg: Message, local: bool) -> None:
+    """ValueError (one line) naming what the run's algorithm needs in a train message beyond
+    the model and ``server-round`` (its ``down`` records, its ``values``, ``state-round`` when
+    the client keeps state, ``sampled-clients`` under DP): what only a flatflower server sends,
+    so a stock Flower strategy (flwr.serverapp.strategy.FedAvg) driving this ClientApp learns
+    which algorithm it cannot drive, instead of a KeyError."""
+    config = msg.content.config_records.get(P.CONFIG, {})
+    missing = [f"record '{name}'" for name in spec.down if name not in msg.content.array_records]
+    missing += [f"config '{name}'" for name in spec.values if name not in config]
+    if (spec.state or local) and P.STATE_ROUND not in config:
+        missing.append(f"config '{P.STATE_ROUND}'")
+    if cfg.dp_clip > 0 and P.SAMPLED_CLIENTS not in config:
+        missing.append(f"config '{P.SAMPLED_CLIENTS}'")
+    if missing:
+        raise ValueError(f"{spec.name} needs {', '.join(missing)} in every train message, which only a "
+                         "flatflower server sends (server.app:app): a stock Flower strategy can drive a "
+                         "model-only algorithm (fedavg, fedsam, fedprox, ...) only; see docs/protocol.md")
 
 
 @dataclass
@@ -167,6 +193,7 @@ class TrainCall:
             data = data.to(device)  # the whole partition on the GPU (common.datasets.Split.to)
         key, model = _model(cfg, node, msg.content[P.MODEL], device)
         try:
+            _check_server_sends(spec, cfg, msg, keeps_buffers(cfg, model))
             broadcast = {name: codec.from_record(msg.content[name]) for name in spec.down}
             broadcast.update({name: _down_value(msg, name) for name in spec.values})
             store = _store(cfg, node, context)
@@ -236,11 +263,10 @@ class TrainCall:
                         P.NUM_EXAMPLES: result.num_examples,
                         P.NUM_STEPS: result.num_steps,
                         P.TRAIN_LOSS: result.mean_loss,
-                        P.PARTITION_ID: node.partition_id,
-                        P.NONCE: _nonce(self.msg),
                         **reported,
                     }
                 ),
+                P.CONFIG: _identity(self.msg, node),
             }
         )
         for name, tensors in uploads.items():
@@ -311,9 +337,8 @@ def evaluate(msg: Message, context: Context) -> Message:
         loss, acc = evaluate_model(model, data, cfg.eval_batch_size)
     finally:
         MODEL_POOL.give(key, model)
-    metrics = MetricRecord({P.NUM_EXAMPLES: len(data), P.EVAL_LOSS: loss, P.EVAL_ACCURACY: acc,
-                            P.PARTITION_ID: node.partition_id, P.NONCE: _nonce(msg)})
-    return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+    metrics = MetricRecord({P.NUM_EXAMPLES: len(data), P.EVAL_LOSS: loss, P.EVAL_ACCURACY: acc})
+    return Message(RecordDict({P.METRICS: metrics, P.CONFIG: _identity(msg, node)}), reply_to=msg)
 
 
 @app.query()
@@ -330,8 +355,7 @@ def query(msg: Message, context: Context) -> Message:
         fault.before_query()
     data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
     held_out = client_test_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
-    metrics = MetricRecord({P.PARTITION_ID: node.partition_id, P.NUM_PARTITIONS: node.num_partitions,
-                            P.NUM_EXAMPLES: len(data), P.NONCE: _nonce(msg),
+    metrics = MetricRecord({P.NUM_PARTITIONS: node.num_partitions, P.NUM_EXAMPLES: len(data),
                             **({P.NUM_HELDOUT: len(held_out)} if held_out is not None and len(held_out) else {})})
-    return Message(RecordDict({P.METRICS: metrics, P.NODE: ConfigRecord({P.DEVICE: str(device)})}),
-                   reply_to=msg)
+    return Message(RecordDict({P.METRICS: metrics, P.CONFIG: _identity(msg, node),
+                               P.NODE: ConfigRecord({P.DEVICE: str(device)})}), reply_to=msg)

@@ -7,9 +7,11 @@ or the strategy's ``start_point``, e.g. FedACG's look-ahead theta + lambda m) an
 extra ArrayRecords its algorithm declares in strategies/registry.py (``down``) and its scalars
 in ``config`` (``values``: FedGF's c, FedWMSAM's alpha). Every train reply
 carries ``arrays`` (the local model after training), ``metrics`` (num-examples, num-steps,
-train-loss, partition-id, the echoed nonce, and optional self-reports) and the algorithm's
-``up`` records. Learning rates are not sent: each client derives the round's lr from the run
-config and ``server-round``.
+train-loss, and optional self-reports), ``config`` (partition-id and the echoed nonce: every
+reply's bookkeeping, kept out of the metrics a stock Flower strategy would average) and the
+algorithm's ``up`` records. Learning rates are not sent: each client derives the round's lr from
+the run config and ``server-round``. docs/protocol.md writes the whole protocol out for a
+ClientApp of one's own.
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ LOCAL_RADIUS = "local-radius"  # FedGloSS: this round's client SAM radius (its w
 
 # Keys inside the records (a message's wire vocabulary, used by both sides).
 SERVER_ROUND = "server-round"  # config: the round this message belongs to
-NONCE = "nonce"  # config: a fresh random number per round; every reply's metrics echo it
+NONCE = "nonce"  # config: a fresh random number per round; every reply's config echoes it
 STATE_ROUND = "state-round"  # config of a train message: the client's last round the server accepted
 SAMPLED_CLIENTS = "sampled-clients"  # config of a train message under DP: M, the clients sampled this round
 NUM_EXAMPLES = "num-examples"  # metrics: the client's examples (the server checks it against its own)
 NUM_STEPS = "num-steps"  # metrics of a train reply: local steps run
 TRAIN_LOSS = "train-loss"  # metrics of a train reply: mean local training loss
-PARTITION_ID = "partition-id"  # metrics: the partition the client holds
+PARTITION_ID = "partition-id"  # a reply's config: the partition the client holds
 NUM_PARTITIONS = "num-partitions"  # metrics of a handshake reply: the N the node was configured for
 # metrics of a handshake reply, where the client holds data out of training: that set's size (what
 # its evaluate replies must claim as num-examples, and federated evaluation's weight)

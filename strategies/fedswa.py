@@ -1,54 +1,13 @@
-"""FedSWA and FedMoSWA servers (Liu et al., ICML 2025; notes §1, §3-4).
-
-FedSWA: the FedAvg server, w <- w + alpha sum_i p_i (w_i - w), alpha = ``server-lr`` (the paper's
-"EMA" aggregation; its ablation favours alpha = 1.5). The SWA part is the clients' in-round lr.
-
-FedMoSWA keeps and broadcasts the momentum control variate m (m^0 = 0) and moves it with the
-clients' uploads c_i^+ - m:
-
-    s = sum_i p_i (c_i^+ - m)
-    m <- m + s          (its first update, ``fedmoswa.first = full``: the code's, both versions)
-    m <- m + gamma s    (afterwards, or always with ``gamma``; gamma = ``fedmoswa.gamma``)
-
-and steps the model as FedSWA's server. gamma = 1 under full participation is SCAFFOLD's c.
+"""FedSWA server (Liu et al., ICML 2025; notes §1, §3-4): the FedAvg server,
+w <- w + alpha sum_i p_i (w_i - w), alpha = ``server-lr`` (the paper's "EMA" aggregation; its
+ablation favours alpha = 1.5). The SWA part is the clients' in-round lr. FedMoSWA's server
+(strategies/fedmoswa.py) extends this one.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
-
-import torch
-
-from common.params import UNIT, Params, key, one_of
-from common.protocol import CONTROL_OFFSET, CONTROL_UPDATES, MOMENTUM_CONTROL
-from common.tensors import add_scaled, zeros_like
 from strategies.fedavg import FedAvg
 
 
 class FedSWA(FedAvg):
     """Same server rule and communication as FedAvg (1 model down, 1 up)."""
-
-
-@dataclass(frozen=True)
-class FedMoSWAServerParams(Params):
-    gamma: float = key("fedmoswa.gamma", 0.2, "momentum gamma of the server control variate m "
-                       "(the paper's ablation optimum)", UNIT)
-    first: str = key("fedmoswa.first", "full", "m's first update: full (m = s, the code) or gamma "
-                     "(m = gamma s)", one_of("full", "gamma"))
-
-
-class FedMoSWA(FedSWA):
-    Params = FedMoSWAServerParams
-
-    def init_records(self):
-        self.records[MOMENTUM_CONTROL] = zeros_like(self.model)  # m^0 = 0
-        self.records[CONTROL_UPDATES] = OrderedDict(count=torch.zeros((), dtype=torch.float64))
-
-    def update(self, server_round, updates, weights):
-        p, count = self.params, self.records[CONTROL_UPDATES]["count"]
-        step = 1.0 if p.first == "full" and count == 0 else p.gamma
-        s = self.aggregate([u.records[CONTROL_OFFSET] for u in updates], weights)
-        self.records[MOMENTUM_CONTROL] = add_scaled(self.records[MOMENTUM_CONTROL], step, s)
-        self.records[CONTROL_UPDATES] = OrderedDict(count=count + 1)
-        super().update(server_round, updates, weights)

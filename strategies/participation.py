@@ -129,6 +129,21 @@ def error_text(reply: Message) -> str:
     return f"error {reply.error.code}: {reason[:REASON_CHARS]}"
 
 
+# What Flower's ClientApp raises on a query message when no query function is registered (a
+# Message-API ClientApp without @app.query; a legacy client_fn ClientApp)
+NO_QUERY = ("No query function registered", "Invalid message type: query")
+
+
+def handshake_error(reply: Message) -> str:
+    """Why a node's handshake failed, from its error reply: for a ClientApp that has no query
+    function (a stock Flower ClientApp), what it misses and where the protocol is written."""
+    text = error_text(reply)
+    if any(sign in text for sign in NO_QUERY):
+        return ("does not answer flatflower's partition handshake (query): its ClientApp registers no "
+                "query function; see docs/protocol.md")
+    return text
+
+
 class Participation:
     def __init__(self, cfg: RunConfig, partition_sizes: Callable[[int], Sequence[int]] | None = None):
         """``partition_sizes(N)``: the number of training examples of each of N partitions, as
@@ -295,7 +310,7 @@ class Participation:
         if node is None or node in self.partition_of:
             return  # not ours to answer, or a second reply
         if reply.has_error():
-            refuse(node, -1, error_text(reply))
+            refuse(node, -1, handshake_error(reply))
             return
         try:
             claim = parse_handshake_reply(reply, nonce, self.num_partitions, self.cfg.max_node_examples)

@@ -1,7 +1,8 @@
 """The algorithms: run-config name -> server half, client half and what crosses the wire.
 
 An algorithm ``x`` has its server half in ``strategies/x.py`` and its client half in
-``client/algorithms/x.py``; the families of :data:`FAMILIES` share one file per half, named
+``client/algorithms/x.py`` (a ``-`` in the name is a ``_`` in the file: dp-fedsam is
+``dp_fedsam.py``); the families of :data:`FAMILIES` share one file per half, named
 after the family (fedgmt.py holds fedgmt and fedgmt-v2).
 
 Each half declares the run-config keys it reads (its ``Params``, common/params.py); the
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from client.algorithms.base import ClientRule
+from client.algorithms.dp_fedsam import DPFedSAMClient
 from client.algorithms.fedacg import FedACGClient
 from client.algorithms.fedasam import FedASAMClient
 from client.algorithms.fedavg import FedAvgClient
@@ -29,13 +31,14 @@ from client.algorithms.fedgf import FedGFClient
 from client.algorithms.fedgloss import FedGloSSClient
 from client.algorithms.fedgmt import FedGMTClient, FedGMTv2Client
 from client.algorithms.fedlesam import FedLESAMClient, FedLESAMDClient, FedLESAMSClient
+from client.algorithms.fedmoswa import FedMoSWAClient
 from client.algorithms.fednsam import FedNSAMClient
 from client.algorithms.fedopt import FedOptClient
 from client.algorithms.fedprox import FedProxClient
-from client.algorithms.fedsam import DPFedSAMClient, FedSAMClient
+from client.algorithms.fedsam import FedSAMClient
 from client.algorithms.fedsmoo import FedSMOOClient
 from client.algorithms.fedsol import FedSOLClient
-from client.algorithms.fedswa import FedMoSWAClient, FedSWAClient
+from client.algorithms.fedswa import FedSWAClient
 from client.algorithms.fedspeed import FedSpeedClient
 from client.algorithms.fedtoga import FedTOGAClient
 from client.algorithms.fedwmsam import FedWMSAMClient
@@ -45,6 +48,7 @@ from common import protocol as P
 from common.config import register_algorithms
 from common.params import Params, combine, is_required
 from strategies.base import ServerRule
+from strategies.dp_fedsam import DPFedSAM
 from strategies.fedacg import FedACG
 from strategies.fedasam import FedASAM
 from strategies.fedavg import FedAvg
@@ -55,13 +59,14 @@ from strategies.fedgf import FedGF
 from strategies.fedgloss import FedGloSS
 from strategies.fedgmt import FedGMT, FedGMTv2
 from strategies.fedlesam import FedLESAM, FedLESAMD, FedLESAMS
+from strategies.fedmoswa import FedMoSWA
 from strategies.fednsam import FedNSAM
 from strategies.fedopt import FedAdam, FedYogi
 from strategies.fedprox import FedProx
-from strategies.fedsam import DPFedSAM, FedSAM
+from strategies.fedsam import FedSAM
 from strategies.fedsmoo import FedSMOO
 from strategies.fedsol import FedSOL
-from strategies.fedswa import FedMoSWA, FedSWA
+from strategies.fedswa import FedSWA
 from strategies.fedspeed import FedSpeed
 from strategies.fedtoga import FedTOGA
 from strategies.fedwmsam import FedWMSAM
@@ -72,8 +77,7 @@ from strategies.strategy import FlatStrategy
 
 # family file -> the algorithms whose halves it holds (strategies/<file>.py, client/algorithms/<file>.py)
 FAMILIES = {"fedgmt": ("fedgmt", "fedgmt-v2"), "fedlesam": ("fedlesam", "fedlesam-d", "fedlesam-s"),
-            "fedopt": ("fedadam", "fedyogi"), "fedswa": ("fedswa", "fedmoswa"),
-            "fedsam": ("fedsam", "dp-fedsam")}
+            "fedopt": ("fedadam", "fedyogi")}
 
 
 @dataclass(frozen=True)

@@ -120,11 +120,12 @@ def parse_record(name: str, record: Any, layout: ArraySpecs) -> OrderedDict:
 
 # ---------------------------------------------------------------------------- metrics
 def metric(metrics: Any, key: str, kind: type = float, low: float = -math.inf,
-           high: float = math.inf) -> float | int:
+           high: float = math.inf, where: str = "metrics") -> float | int:
     """A finite number of ``kind`` (an int for ``int``; int or float for ``float``) in
-    [low, high], or RejectedReply saying what is wrong."""
+    [low, high] under ``key`` of the record ``where`` (the reply's metrics, or its config),
+    or RejectedReply saying what is wrong."""
     if key not in metrics:
-        raise RejectedReply(f"metrics lack '{key}'")
+        raise RejectedReply(f"{where} lack{'s' if where == 'config' else ''} '{key}'")
     value = metrics[key]
     allowed = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, allowed):
@@ -135,11 +136,12 @@ def metric(metrics: Any, key: str, kind: type = float, low: float = -math.inf,
     return value
 
 
-def check_identity(metrics: Any, expected: Expected) -> None:
-    """The reply is for this partition, its size, and this message (nonce)."""
-    if metric(metrics, P.NONCE, int) != expected.nonce:
+def check_identity(identity: Any, metrics: Any, expected: Expected) -> None:
+    """The reply is for this message (the nonce its ``config`` echoes), this partition (its
+    ``config``'s partition-id) and its size (its metrics' num-examples)."""
+    if metric(identity, P.NONCE, int, where="config") != expected.nonce:
         raise RejectedReply("reply does not echo this message's nonce (a stale or replayed reply)")
-    claimed = metric(metrics, P.PARTITION_ID, int)
+    claimed = metric(identity, P.PARTITION_ID, int, where="config")
     if claimed != expected.partition_id:
         raise RejectedReply(f"reply claims partition {claimed}, node holds {expected.partition_id}")
     examples = metric(metrics, P.NUM_EXAMPLES, int)
@@ -164,9 +166,13 @@ def reported_metrics(metrics: Any) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- records
 # What each reply holds (client/app.py); anything else is refused before a value is read.
-TRAIN_METRICS = frozenset({P.NUM_EXAMPLES, P.NUM_STEPS, P.TRAIN_LOSS, P.PARTITION_ID, P.NONCE, *REPORTED})
-EVALUATE_METRICS = frozenset({P.NUM_EXAMPLES, P.EVAL_LOSS, P.EVAL_ACCURACY, P.PARTITION_ID, P.NONCE})
-HANDSHAKE_METRICS = frozenset({P.PARTITION_ID, P.NUM_PARTITIONS, P.NUM_EXAMPLES, P.NONCE, P.NUM_HELDOUT})
+# The metrics are what the client measured; which partition and which message a reply answers
+# (bookkeeping, not a metric: a stock Flower strategy would average every metric) travel in the
+# reply's ``config`` record, IDENTITY (docs/protocol.md).
+TRAIN_METRICS = frozenset({P.NUM_EXAMPLES, P.NUM_STEPS, P.TRAIN_LOSS, *REPORTED})
+EVALUATE_METRICS = frozenset({P.NUM_EXAMPLES, P.EVAL_LOSS, P.EVAL_ACCURACY})
+HANDSHAKE_METRICS = frozenset({P.NUM_PARTITIONS, P.NUM_EXAMPLES, P.NUM_HELDOUT})
+IDENTITY = frozenset({P.PARTITION_ID, P.NONCE})  # every reply's 'config' record
 HANDSHAKE_CONFIGS = {P.NODE: frozenset({P.DEVICE})}  # what the node runs on (not used by the server)
 CONFIG_CHARS = 100  # the longest text a protocol ConfigRecord value may be
 
@@ -176,19 +182,20 @@ def _few(names: Any) -> list[str]:
     return [str(name)[:40] for name in sorted(names, key=str)[:5]]
 
 
-def metrics_of(msg: Message, keys: frozenset, arrays: frozenset = frozenset(),
-               configs: Mapping[str, frozenset] | None = None) -> Any:
-    """The reply's 'metrics' record, once the reply is seen to hold exactly the protocol's
-    records: the ArrayRecords ``arrays``, one MetricRecord 'metrics' whose keys are among
-    ``keys``, and no ConfigRecord but those of ``configs`` (name -> its keys, short texts)."""
-    content, configs = msg.content, configs or {}
+def records_of(msg: Message, keys: frozenset, arrays: frozenset = frozenset(),
+               texts: Mapping[str, frozenset] | None = None) -> tuple[Any, Any]:
+    """The reply's ('metrics', 'config') records, once the reply is seen to hold exactly the
+    protocol's records: the ArrayRecords ``arrays``, one MetricRecord 'metrics' whose keys are
+    among ``keys``, one ConfigRecord 'config' whose keys are among :data:`IDENTITY`, and no
+    other ConfigRecord but those of ``texts`` (name -> its keys, short texts)."""
+    content, texts = msg.content, texts or {}
     got = set(content.array_records)
     if got != arrays:
         raise RejectedReply(f"array records {_few(got)} do not match the protocol {sorted(arrays)}"
                             if arrays else f"unexpected array records {_few(got)}")
-    if extra := set(content.config_records) - set(configs):
+    if extra := set(content.config_records) - set(texts) - {P.CONFIG}:
         raise RejectedReply(f"unexpected config records {_few(extra)}")
-    for name, allowed in configs.items():
+    for name, allowed in texts.items():
         record = content.config_records.get(name, {})
         if extra := set(record) - allowed:
             raise RejectedReply(f"config record '{name}' has unexpected keys {_few(extra)}")
@@ -202,7 +209,12 @@ def metrics_of(msg: Message, keys: frozenset, arrays: frozenset = frozenset(),
     metrics = content.metric_records[P.METRICS]
     if extra := set(metrics) - keys:
         raise RejectedReply(f"metrics hold unexpected keys {_few(extra)}")
-    return metrics
+    if P.CONFIG not in content.config_records:
+        raise RejectedReply("reply has no 'config' record (its partition-id and the nonce it echoes)")
+    identity = content.config_records[P.CONFIG]
+    if extra := set(identity) - IDENTITY:
+        raise RejectedReply(f"config record '{P.CONFIG}' has unexpected keys {_few(extra)}")
+    return metrics, identity
 
 
 # ---------------------------------------------------------------------------- replies
@@ -213,8 +225,8 @@ def parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientU
 
 def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientUpdate:
     content = msg.content
-    metrics = metrics_of(msg, TRAIN_METRICS, arrays=frozenset({P.MODEL, *expected.uploads}))
-    check_identity(metrics, expected)
+    metrics, identity = records_of(msg, TRAIN_METRICS, arrays=frozenset({P.MODEL, *expected.uploads}))
+    check_identity(identity, metrics, expected)
     steps = metric(metrics, P.NUM_STEPS, int)
     if steps != expected.num_steps:
         raise RejectedReply(f"reply claims {steps} local steps, the round asks for {expected.num_steps}")
@@ -235,8 +247,8 @@ def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> Client
 def parse_evaluate_reply(msg: Message, expected: Expected) -> tuple[float, float]:
     """(eval-loss, eval-accuracy) of a federated-evaluation reply, or RejectedReply."""
     def read() -> tuple[float, float]:
-        metrics = metrics_of(msg, EVALUATE_METRICS)
-        check_identity(metrics, expected)
+        metrics, identity = records_of(msg, EVALUATE_METRICS)
+        check_identity(identity, metrics, expected)
         return (float(metric(metrics, P.EVAL_LOSS, float, 0.0, MAX_LOSS)),
                 float(metric(metrics, P.EVAL_ACCURACY, float, 0.0, 1.0)))
 
@@ -257,13 +269,13 @@ def parse_handshake_reply(msg: Message, nonce: int, num_partitions: int,
     """The declarations of a handshake reply, or RejectedReply: sizes are whole numbers in
     [1, ``max_examples``] (a held-out set may be empty: 0)."""
     def read() -> Handshake:
-        metrics = metrics_of(msg, HANDSHAKE_METRICS, configs=HANDSHAKE_CONFIGS)
-        if metric(metrics, P.NONCE, int) != nonce:
+        metrics, identity = records_of(msg, HANDSHAKE_METRICS, texts=HANDSHAKE_CONFIGS)
+        if metric(identity, P.NONCE, int, where="config") != nonce:
             raise RejectedReply("handshake reply does not echo its nonce (a stale or replayed reply)")
         n = metric(metrics, P.NUM_PARTITIONS, int)
         if n != num_partitions:
             raise RejectedReply(f"node is configured for num-partitions={n}, the run has {num_partitions}")
-        pid = metric(metrics, P.PARTITION_ID, int, 0, num_partitions - 1)
+        pid = metric(identity, P.PARTITION_ID, int, 0, num_partitions - 1, where="config")
         examples = metric(metrics, P.NUM_EXAMPLES, int, 1)
         if examples > max_examples:
             raise RejectedReply(f"declares {examples} training examples, more than max-node-examples="

@@ -77,6 +77,26 @@ def with_metric(reply: Message, key: str, value) -> Message:
     return reply
 
 
+IDENTITY_KEYS = (P.PARTITION_ID, P.NONCE)  # in every reply's 'config' record, not its metrics
+
+
+def with_identity(reply: Message, key: str, value) -> Message:
+    """The reply with ``key`` of its 'config' record (partition-id, nonce) set to ``value``
+    (None: removed)."""
+    config = dict(reply.content.config_records.get(P.CONFIG, {}))
+    if value is None:
+        config.pop(key, None)
+    else:
+        config[key] = value
+    reply.content[P.CONFIG] = ConfigRecord(config)
+    return reply
+
+
+def with_field(reply: Message, key: str, value) -> Message:
+    """:func:`with_identity` for partition-id and nonce, :func:`with_metric` for the rest."""
+    return (with_identity if key in IDENTITY_KEYS else with_metric)(reply, key, value)
+
+
 def with_value(reply: Message, value: float) -> Message:
     """The reply with the first entry of its model's first array set to ``value`` (a valid,
     finite float32: a well-formed reply with one huge weight)."""
@@ -124,8 +144,11 @@ def replay(reply: Message, msg: Message, context: Context) -> Message:
     if "replay-model" not in context.state:
         context.state["replay-model"] = reply.content.array_records[P.MODEL]
         context.state["replay-metrics"] = reply.content.metric_records[P.METRICS]
+    if "replay-config" not in context.state:
+        context.state["replay-config"] = reply.content.config_records[P.CONFIG]
     content = RecordDict({P.MODEL: context.state["replay-model"],
-                          P.METRICS: context.state["replay-metrics"]})
+                          P.METRICS: context.state["replay-metrics"],
+                          P.CONFIG: context.state["replay-config"]})
     for name, record in reply.content.array_records.items():
         if name != P.MODEL:
             content[name] = record
@@ -157,11 +180,11 @@ ATTACKS: dict[str, tuple[str, Tamper]] = {
     "records": ("train", lambda r, m, c, x: with_records(r, x)),  # e.g. records:1e30
     # the handshake
     "no-metrics": ("query", lambda r, m, c, x: Message(RecordDict(), reply_to=m)),
-    "list-partition": ("query", lambda r, m, c, x: with_metric(r, "partition-id", [0, 1])),
-    "one-partition": ("query", lambda r, m, c, x: with_metric(
+    "list-partition": ("query", lambda r, m, c, x: with_identity(r, "partition-id", [0, 1])),
+    "one-partition": ("query", lambda r, m, c, x: with_identity(
         with_metric(r, "num-partitions", 1), "partition-id", 0)),
-    "steal": ("query", lambda r, m, c, x: with_metric(r, "partition-id", int(x))),
-    "huge-partition": ("query", lambda r, m, c, x: with_metric(r, "partition-id", 1_000_000)),
+    "steal": ("query", lambda r, m, c, x: with_identity(r, "partition-id", int(x))),
+    "huge-partition": ("query", lambda r, m, c, x: with_identity(r, "partition-id", 1_000_000)),
     # train: numbers far beyond meaning (x: the value)
     "train-loss": ("train", lambda r, m, c, x: with_metric(r, "train-loss", x)),
     "loss-before": ("train", lambda r, m, c, x: with_metric(r, "loss-before", x)),
@@ -240,9 +263,11 @@ def fuzz(reply: Message, msg: Message, context: Context, seed: float) -> Message
     kind = rng.choice(choices)
     if kind == "metric":
         key = rng.choice(metric_lies)
-        current = reply.content.metric_records[P.METRICS].get(key)
+        record = (reply.content.config_records[P.CONFIG] if key in IDENTITY_KEYS
+                  else reply.content.metric_records[P.METRICS])
+        current = record.get(key)
         value = rng.choice([v for v in bad_values if v != current and not _harmless(key, v)])
-        reply = with_metric(reply, key, value)
+        reply = with_field(reply, key, value)
         kind = f"metric {key}={value!r}"
     elif kind == "no-metrics":
         del reply.content[P.METRICS]

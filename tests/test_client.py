@@ -231,7 +231,8 @@ def test_train_reply_follows_the_protocol() -> None:
     assert not reply.has_error()
     assert set(reply.content.array_records) == {P.MODEL}
     metrics = reply.content.metric_records[P.METRICS]
-    assert (metrics["partition-id"], metrics["num-examples"], metrics["num-steps"]) == (1, 1000, 3)
+    assert (reply.content[P.CONFIG]["partition-id"], metrics["num-examples"], metrics["num-steps"]) == (1, 1000, 3)
+    assert not {"partition-id", "nonce"} & set(metrics)  # bookkeeping is no metric
     assert metrics["train-loss"] > 0
     model = codec.from_record(reply.content[P.MODEL])
     assert model.keys() == strategy.model.keys()
@@ -249,7 +250,7 @@ def test_query_reports_partition_and_size() -> None:
     for i, reply in enumerate(replies):
         assert not reply.has_error()
         metrics = reply.content.metric_records[P.METRICS]
-        assert (metrics["partition-id"], metrics["num-partitions"], metrics["num-examples"]) \
+        assert (reply.content[P.CONFIG]["partition-id"], metrics["num-partitions"], metrics["num-examples"]) \
             == (i, 3, sizes[i])
         assert reply.content.config_records["node"]["device"] == "cpu"
     assert sum(sizes) == 2000 and len(set(sizes)) > 1  # dirichlet: unequal sizes, all data
@@ -297,7 +298,8 @@ def test_a_scalar_the_algorithm_needs_is_checked_before_training(value) -> None:
         msg.content[P.CONFIG][P.MIX_WEIGHT] = value
     before = state_view(grid.contexts[node])
     (reply,) = grid.send_and_receive([msg])
-    assert reply.has_error() and f"{P.MIX_WEIGHT}=" in reply.error.reason
+    said = f"{P.MIX_WEIGHT}=" if value is not None else f"fedgf needs config '{P.MIX_WEIGHT}'"
+    assert reply.has_error() and said in reply.error.reason
     assert state_view(grid.contexts[node]) == before
     msg = train_message(strategy, node)
     msg.content[P.CONFIG][P.MIX_WEIGHT] = 0.5

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _file_of(name: str) -> str:
-    """The file stem an algorithm's halves live in: its own name, or its family's."""
-    return next((family for family, names in FAMILIES.items() if name in names), name)
+    """The file stem an algorithm's halves live in: its own name (a ``-`` written ``_``, as a
+    module name must: dp-fedsam in dp_fedsam.py), or its family's."""
+    return next((family for family, names in FAMILIES.items() if name in names), name.replace("-", "_"))
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

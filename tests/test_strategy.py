@@ -33,22 +33,26 @@ LAYOUT = layout_of(MODEL)
 
 
 def reply_content(model: dict | None = None, metrics: dict | None = None, drop: tuple = (),
-                  **records) -> RecordDict:
-    """A valid train reply of partition 1, patched: ``model``/``metrics`` entries replace
-    (None: delete) keys, ``records`` add or replace ArrayRecords, ``drop`` deletes records."""
+                  config: dict | None = None, **records) -> RecordDict:
+    """A valid train reply of partition 1, patched: ``model``/``metrics``/``config`` entries
+    replace (None: delete) keys, ``records`` add or replace ArrayRecords, ``drop`` deletes
+    records."""
     tensors = OrderedDict((k, v.clone()) for k, v in MODEL.items())
     for key, value in (model or {}).items():
         if value is None:
             del tensors[key]
         else:
             tensors[key] = value
-    values = {"num-examples": 500, "num-steps": 2, "train-loss": 1.5, "partition-id": 1, "nonce": 7}
-    for key, value in (metrics or {}).items():
-        if value is None:
-            del values[key]
-        else:
-            values[key] = value
-    content = RecordDict({P.MODEL: codec.to_record(tensors), P.METRICS: MetricRecord(values)})
+    values = {"num-examples": 500, "num-steps": 2, "train-loss": 1.5}
+    identity = {"partition-id": 1, "nonce": 7}
+    for patch, target in ((metrics, values), (config, identity)):
+        for key, value in (patch or {}).items():
+            if value is None:
+                del target[key]
+            else:
+                target[key] = value
+    content = RecordDict({P.MODEL: codec.to_record(tensors), P.METRICS: MetricRecord(values),
+                          P.CONFIG: ConfigRecord(identity)})
     for name, record in records.items():
         content[name] = record
     for name in drop:
@@ -87,9 +91,17 @@ REJECTED = [
     ("num-steps", dict(metrics={"num-steps": 3}), "reply claims 3 local steps, the round asks for 2"),
     ("loss-nan", dict(metrics={"train-loss": float("nan")}), "metric 'train-loss'=nan is out of range"),
     ("loss-negative", dict(metrics={"train-loss": -1.0}), "metric 'train-loss'=-1.0 is out of range"),
-    ("partition-mismatch", dict(metrics={"partition-id": 2}), "reply claims partition 2, node holds 1"),
-    ("no-nonce", dict(metrics={"nonce": None}), "metrics lack 'nonce'"),
-    ("stale-nonce", dict(metrics={"nonce": 8}), "does not echo this message's nonce"),
+    ("partition-mismatch", dict(config={"partition-id": 2}), "reply claims partition 2, node holds 1"),
+    ("no-partition", dict(config={"partition-id": None}), "config lacks 'partition-id'"),
+    ("partition-text", dict(config={"partition-id": "1"}), "'partition-id'=1 is not a whole number"),
+    ("no-nonce", dict(config={"nonce": None}), "config lacks 'nonce'"),
+    ("stale-nonce", dict(config={"nonce": 8}), "does not echo this message's nonce"),
+    ("nonce-bool", dict(config={"nonce": True}), "'nonce'=True is not a whole number"),
+    ("no-config", dict(drop=(P.CONFIG,)), "reply has no 'config' record"),
+    ("config-extra-key", dict(config={"num-examples": 10**9}), "config record 'config' has unexpected keys"),
+    # bookkeeping is not a metric (a stock strategy would average it): the old place is refused
+    ("partition-in-metrics", dict(metrics={"partition-id": 1}), "metrics hold unexpected keys ['partition-id']"),
+    ("nonce-in-metrics", dict(metrics={"nonce": 7}), "metrics hold unexpected keys ['nonce']"),
     # what a client reports about itself (clients.jsonl only) is checked like every metric
     ("loss-before-nan", dict(metrics={"loss-before": float("nan")}), "'loss-before'=nan is out of range"),
     ("loss-after-negative", dict(metrics={"loss-after": -0.5}), "'loss-after'=-0.5 is out of range"),
@@ -315,8 +327,8 @@ def test_fedavg_update_is_the_weighted_model_average(make_message) -> None:
     updates = [
         parse_train_reply(make_message(RecordDict({
             P.MODEL: codec.to_record(m),
-            P.METRICS: MetricRecord({"num-examples": n, "num-steps": 2, "train-loss": 1.0,
-                                     "partition-id": i, "nonce": 7}),
+            P.METRICS: MetricRecord({"num-examples": n, "num-steps": 2, "train-loss": 1.0}),
+            P.CONFIG: ConfigRecord({"partition-id": i, "nonce": 7}),
         })), 1000 + i, Expected(i, n, 7, 2, LAYOUT))
         for i, (m, n) in enumerate(zip(locals_, [100, 300]))
     ]

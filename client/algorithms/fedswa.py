@@ -1,23 +1,12 @@
-"""FedSWA and FedMoSWA clients (Liu et al., ICML 2025; junkangLiu0/FedSWA, v1 main.py @6f3e52c
-update_FedSWA L2143-2169 and update_FedSWAS L2171-2235; notes §1, §3-4).
-
-FedSWA: plain local SGD with a cyclical in-round learning rate, restarted every round,
+"""FedSWA client (Liu et al., ICML 2025; junkangLiu0/FedSWA, v1 main.py @6f3e52c
+update_FedSWA L2143-2169; notes §1, §3-4): plain local SGD with a cyclical in-round learning
+rate, restarted every round,
 
     eta_k = eta_l (1 - k/tau + rho k/tau)      k = 0..tau-1, tau = this client's steps this round
 
 (rho = ``fedswa.lr-ratio``), a per-step lr of the training loop (``lr_factor``), so weight decay
-and momentum take it as SGD's lr does. rho = 1 is FedAvg.
-
-FedMoSWA adds SCAFFOLD's control variates around the same steps, with the server's momentum
-control variate m in place of c (broadcast), the client's own c_i (state, 0 before its first
-round):
-
-    w_{k+1} = w_k - eta_k (g_k - c_i + m)
-    c_i^+   = c_i - m + (w^t - w_tau) / S,   S = sum_k eta_k (``fedmoswa.normaliser = sum``)
-                                             or tau (eta_l + rho eta_l)/2 (``mean``, the v1 code)
-
-c_i^+ is kept; c_i^+ - m is uploaded. c_i is per client (the authors' code keeps it per Ray
-actor, a bug: notes §2.5).
+and momentum take it as SGD's lr does. rho = 1 is FedAvg. FedMoSWA's client
+(client/algorithms/fedmoswa.py) takes the same steps.
 """
 
 from __future__ import annotations
@@ -25,10 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from client.algorithms.base import ClientRule
-from client.algorithms.scaffold import ScaffoldClient
-from common.params import NONNEGATIVE, Params, key, one_of
-from common.protocol import CONTROL_OFFSET, MOMENTUM_CONTROL
-from common.tensors import sub
+from common.params import NONNEGATIVE, Params, key
 
 
 @dataclass(frozen=True)
@@ -37,31 +23,8 @@ class FedSWAParams(Params):
                        "rho * lr over the client's steps (1 = a constant lr, FedAvg)", NONNEGATIVE)
 
 
-@dataclass(frozen=True)
-class FedMoSWAParams(FedSWAParams):
-    normaliser: str = key("fedmoswa.normaliser", "sum", "S in c_i^+ = c_i - m + (w^t - w)/S: the sum "
-                          "of the round's step sizes (sum) or tau (lr + rho lr)/2 (mean, the v1 code)",
-                          one_of("sum", "mean"))
-
-
 class FedSWAClient(ClientRule):
     Params = FedSWAParams
 
     def lr_factor(self, step, steps):
         return 1.0 - (1.0 - self.params.ratio) * step / steps
-
-
-class FedMoSWAClient(ScaffoldClient):
-    Params = FedMoSWAParams
-    SERVER_CONTROL = MOMENTUM_CONTROL
-    lr_factor = FedSWAClient.lr_factor
-
-    def step_sum(self):
-        """S: sum_k eta_k = eta_l (tau - (1 - rho)(tau - 1)/2), or tau eta_l (1 + rho)/2."""
-        rho, tau = self.params.ratio, self.steps
-        if self.params.normaliser == "mean":
-            return tau * self.lr * (1.0 + rho) / 2.0
-        return self.lr * (tau - (1.0 - rho) * (tau - 1.0) / 2.0)
-
-    def uploads(self, w):
-        return {CONTROL_OFFSET: sub(self.new_control(w), self.c)}
