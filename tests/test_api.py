@@ -292,7 +292,7 @@ def test_local_training_equals_flatflowers_own_clientapp():
     replies = grid.send_and_receive(msgs)
     assert len(replies) == 2
     for reply in replies:
-        pid = int(reply.content["metrics"]["partition-id"])
+        pid = int(reply.content["config"]["partition-id"])  # the reply's bookkeeping (docs/protocol.md)
         model = build_model("logreg", (20,), 10, seed=0)
         model.load_state_dict(strategy.model)
         result = flatflower.local_training("fedsam", model, client_split(strategy.cfg, pid, 2), strategy.cfg,

@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 # the guides a reader reaches from the README; their `flatflower` lines must parse too
 GUIDES = ("configuration", "engines", "presets", "run-directory", "datasets", "flatness", "privacy",
-          "sweeps", "reliability", "your-data", "models", "local-data", "deployment", "api")
+          "sweeps", "reliability", "your-data", "models", "local-data", "deployment", "api", "protocol")
 OWN_PARSERS = {"report": "tools.report", "landscape": "tools.landscape", "bench": "tools.bench",
                "sweep": "tools.sweep", "flatness": "tools.flatness_cmd"}
 
