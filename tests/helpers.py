@@ -388,3 +388,35 @@ MODEL = initial_model(RunConfig.from_mapping(fast_config()))  # logreg: '1.weigh
 
 
 TOGA = {"fedtoga.alpha": 0.3, "fedtoga.kappa": 0.7, "fedtoga.beta": 0.4, "sam.rho": 0.2}
+
+
+def user_module_file(tmp_path, monkeypatch, prefix: str, source: str):
+    """For a fixture (``yield from``): the user's own module ``source`` written in ``tmp_path``
+    under a name unique to the test (modules are cached per process) and importable from there;
+    its name, then the module forgotten."""
+    import textwrap
+
+    name = f"{prefix}_{abs(hash(str(tmp_path))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def markdown_section(text: str, heading: str) -> str:
+    """The text under ``heading`` up to the next heading of the same or a higher level (``#``
+    lines inside fenced blocks are shell comments, not headings)."""
+    import re
+
+    lines = text.splitlines()
+    assert heading in lines, f"no heading {heading!r}"
+    start = lines.index(heading)
+    level = len(heading) - len(heading.lstrip("#"))
+    fence, end = False, len(lines)
+    for i in range(start + 1, len(lines)):
+        if lines[i].lstrip().startswith("```"):
+            fence = not fence
+        elif not fence and re.match(rf"#{{1,{level}}} ", lines[i]):
+            end = i
+            break
+    return "\n".join(lines[start + 1:end])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from common.datasets import Split, load_dataset
 from tools.engines import vectorized as vec
 from tools.engines.inprocess import run_inprocess
 from tools.prepare import UsageError, preflight
+from tests.helpers import user_module_file
 
 IMAGES = {"dataset": "digits", "model": "cnn", "partition": "iid", "local-steps": 3, "batch-size": 16,
           "num-server-rounds": 2, "fraction-evaluate": 0.0, "tensorboard": False}
@@ -117,11 +117,7 @@ def boom(x, generator):
 
 @pytest.fixture
 def transforms(tmp_path, monkeypatch):
-    name = f"augs_{abs(hash(str(tmp_path))) % 10**8}"
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(TRANSFORMS))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield name
-    sys.modules.pop(name, None)
+    yield from user_module_file(tmp_path, monkeypatch, "augs", TRANSFORMS)
 
 
 @pytest.mark.parametrize(("attr", "match"), [

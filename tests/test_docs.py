@@ -17,7 +17,7 @@ import shlex
 import pytest
 
 from strategies.registry import ALGORITHMS
-from tests.helpers import ROOT
+from tests.helpers import ROOT, markdown_section as section
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -28,21 +28,6 @@ OWN_PARSERS = {"report": "tools.report", "landscape": "tools.landscape", "bench"
                "sweep": "tools.sweep", "flatness": "tools.flatness_cmd"}
 
 
-def section(text: str, heading: str) -> str:
-    """The text under ``heading`` up to the next heading of the same or a higher level (``#``
-    lines inside fenced blocks are shell comments, not headings)."""
-    lines = text.splitlines()
-    assert heading in lines, f"no heading {heading!r}"
-    start = lines.index(heading)
-    level = len(heading) - len(heading.lstrip("#"))
-    fence, end = False, len(lines)
-    for i in range(start + 1, len(lines)):
-        if lines[i].lstrip().startswith("```"):
-            fence = not fence
-        elif not fence and re.match(rf"#{{1,{level}}} ", lines[i]):
-            end = i
-            break
-    return "\n".join(lines[start + 1:end])
 
 
 def shell_lines(text: str) -> list[list[str]]:

@@ -34,7 +34,7 @@ import tomli_w
 
 from tools.certs import planned_files
 from tools.engines.federation import COMPLETED, LocalFederation, free_port, is_loopback
-from tests.helpers import flower_pids, metrics
+from tests.helpers import flower_pids, markdown_section, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "deployment.md"
@@ -46,21 +46,6 @@ ROUNDS = 2
 
 
 # ------------------------------------------------------------------ reading the markdown
-def doc_section(text: str, heading: str) -> str:
-    """The lines under ``heading`` up to the next heading of the same or a higher level
-    (``#`` lines inside fenced code blocks are bash comments, not headings)."""
-    lines = text.splitlines()
-    assert heading in lines, f"{DOCS.name} has no heading {heading!r}"
-    start = lines.index(heading)
-    level = len(heading) - len(heading.lstrip("#"))
-    in_fence, end = False, len(lines)
-    for i in range(start + 1, len(lines)):
-        if lines[i].lstrip().startswith("```"):
-            in_fence = not in_fence
-        elif not in_fence and re.match(rf"#{{1,{level}}} ", lines[i]):
-            end = i
-            break
-    return "\n".join(lines[start + 1:end])
 
 
 def bash_blocks(text: str) -> list[str]:
@@ -122,14 +107,14 @@ class Procedure:
 
 
 def read_procedure(text: str | None = None) -> Procedure:
-    section = doc_section(text if text is not None else DOCS.read_text(), SECTION)
+    section = markdown_section(text if text is not None else DOCS.read_text(), SECTION)
     once = section.split("\n### ", 1)[0]  # the part before "### With Docker"
     blocks = bash_blocks(once)
     assert len(blocks) == 1, f"{SECTION!r}: expected one bash block before its subsections"
     certs = [s for s in blocks[0].splitlines() if s.startswith("flatflower certs ")]
     assert len(certs) == 1, f"no single 'flatflower certs' line in {blocks[0]!r}"
 
-    by_hand = doc_section(section, WITHOUT_DOCKER)
+    by_hand = markdown_section(section, WITHOUT_DOCKER)
     blocks = bash_blocks(by_hand)
     assert len(blocks) == 1, f"{WITHOUT_DOCKER!r}: expected one bash block, found {len(blocks)}"
     export = re.findall(r"`(export FLWR_HOME=[^`]+)`", by_hand)

@@ -10,7 +10,6 @@ reference: in ``build_model``, in the CLI (exit code 2, one ``error:`` line), at
 from __future__ import annotations
 
 import json
-import math
 import sys
 import textwrap
 import time

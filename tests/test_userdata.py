@@ -4,8 +4,6 @@ checked against what was written, every bad input one line; and a 2-round federa
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,7 @@ import torch
 from common.config import ConfigError, RunConfig
 from common.datasets import load_dataset
 from common.userdata import DataError, load
-from tests.helpers import fast_config
+from tests.helpers import fast_config, user_module_file
 from tools.engines.inprocess import run_inprocess
 
 
@@ -254,11 +252,7 @@ def raises():
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
-    name = f"userdata_{abs(hash(str(tmp_path))) % 10**8}"
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(MODULE))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield name
-    sys.modules.pop(name, None)
+    yield from user_module_file(tmp_path, monkeypatch, "userdata", MODULE)
 
 
 def test_callable_pair_dict_and_dataset(user_module) -> None:
