@@ -123,7 +123,7 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
     for package in ("client", "common", "server", "strategies", "tools"):
         assert f"{package}/__init__.py" in names, package
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
-    assert b"flatflower = tools.cli:entry" in entry_points and b"flatflower-worker = tools.engines.worker:main" in entry_points
+    assert b"flatflower = tools.cli:entry" in entry_points and b"flatflower-worker = runtime.worker:main" in entry_points
 
 
 @pytest.mark.parametrize("command", ["presets", "algorithms"])
@@ -190,7 +190,7 @@ def test_the_top_level_help_names_every_simulation_engine(capsys):
 
 
 def test_run_elapsed_is_formatted():
-    from tools.progress import seconds_text
+    from runtime.engines import seconds_text
 
     assert seconds_text("31.795824") == "31.8s" and seconds_text(31.795824) == "31.8s"
     assert seconds_text("?") == "?" and seconds_text("\x1b[2J") == "\\x1b[2J"

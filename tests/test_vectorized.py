@@ -1,4 +1,4 @@
-"""The vectorised engine (tools/engines/vectorized.py, tools.engines.inprocess.VectorizedGrid) against its
+"""The vectorised engine (runtime/vectorized.py, runtime.engines.inprocess.VectorizedGrid) against its
 contract: it trains a round's sampled clients together under ``torch.func.vmap``, running the
 same client rule code, so a vectorised run equals an in-process run up to the float rounding
 of batched kernels -- for every algorithm, with padded last batches, ragged (Dirichlet)
@@ -25,14 +25,14 @@ import torch
 from torch import nn
 
 # imported first (see tests/test_bad_input.py: flwr's log handler keeps the stderr of its import)
-import tools.engines.inprocess  # noqa: F401
+import runtime.engines.inprocess  # noqa: F401
 import client.app as client_module
-import tools.engines.vectorized as vec
+import runtime.vectorized as vec
 from client.app import app as client_app
 from client.batch import ModelBatch, cross_entropy, mean_kl, trainable
 from client.state import latest
 from client.train import build_rule
-from tools.engines.vectorized import FunctionalBatch, check_batchable, groups, padded, sgd_step
+from runtime.vectorized import FunctionalBatch, check_batchable, groups, padded, sgd_step
 from common import codec
 from common import protocol as P
 from common.config import RunConfig
@@ -41,7 +41,7 @@ from strategies.registry import ALGORITHMS
 from server.run import RunFailed, run_server
 from tests.helpers import FIRST_NODE, metrics
 from tools.cli import main as cli
-from tools.engines.inprocess import InProcessGrid, VectorizedGrid, run_inprocess
+from runtime.engines.inprocess import InProcessGrid, VectorizedGrid, run_inprocess
 from tools.prepare import UsageError, preflight
 
 # iid digits over 8 clients: 1437 = 5 x 180 + 3 x 179 samples, 6 steps of 32 each; the last
@@ -85,7 +85,7 @@ def batching_always_pays(monkeypatch):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records every group tools.engines.vectorized trains together (its size, step count and
+    """Records every group runtime.vectorized trains together (its size, step count and
     partitions) and whether each stacked mini-batch was padded (padded() gave weights)."""
     seen = {"groups": [], "padded": 0, "unpadded": 0}
     train_group, pad = vec.train_group, vec.padded
@@ -592,7 +592,7 @@ def test_a_client_that_opens_late_trains_alone_with_the_same_result(tmp_path, mo
     when it opens (TrainCall.run), not waited for: the same model as the in-process engine."""
     from client.app import TrainCall
 
-    monkeypatch.setattr(tools.engines.inprocess, "STRAGGLER_WAIT", 0.2)
+    monkeypatch.setattr(runtime.engines.inprocess, "STRAGGLER_WAIT", 0.2)
     opening = TrainCall.open.__func__
 
     def slow_open(cls, msg, context, self_report=True):

@@ -1,4 +1,5 @@
-"""The user's tools around a federation: the ``flatflower`` command (cli.py, a thin layer over
-commands.py), run preparation (prepare.py), the engines (engines.py: a real local federation,
-Flower's Ray simulation, in-process), reports, sweeps, benchmarks, certificates and presets.
-Nothing here runs inside the ServerApp or a ClientApp (server/, client/)."""
+"""The user's commands: the ``flatflower`` command (cli.py, a thin layer over commands.py), run
+preparation (prepare.py), reports, sweeps, benchmarks, landscapes, flatness and the presets.
+They call the runtime (runtime/: the engines, the vectorised trainer, the SuperNode worker,
+certificates), which imports nothing of them; nothing here runs inside the ServerApp or a
+ClientApp (server/, client/)."""

@@ -11,10 +11,11 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from common.config import (MAX_SECONDS, ConfigError, RunConfig, cli_float, cli_int, parse_assignments,
                            user_path)
+from runtime.args import Parser  # noqa: F401 - the commands' parser, here with their arguments
 from tools.presets import load_preset
 
 DEFAULT_CLIENTS = 4
@@ -26,14 +27,6 @@ class UsageError(Exception):
 
 
 # ---------------------------------------------------------------------------- arguments
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one ``error:`` line and exit code 2 (argparse's own
-    print the whole usage first); its subcommands' parsers are of this class too."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
 def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
     """The options of every command that runs a federation (local, simulate; sweep without
     the ``per_run`` ones it sets itself: --algorithm, --seed, --run-dir, --resume)."""
@@ -397,7 +390,7 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
 
         _check_strategy_state(cfg, model.state_dict(), buffer_names(model))
     if engine == "vectorized":
-        from tools.engines.vectorized import check_batchable
+        from runtime.vectorized import check_batchable
 
         try:
             check_batchable(model, cfg.resolved_model())

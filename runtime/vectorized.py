@@ -391,7 +391,7 @@ def batching_pays(call) -> bool:
     (:func:`adopt_batching`); always on a GPU. On a CPU, convolutions batched under vmap
     become grouped convolutions, which lose to each client's own (LeNet: 2-4x slower) while
     small models win. A measurement can come out either way near the break-even point, so a
-    run records its choices (tools/engines/inprocess.py: ``vectorized.json``) and its resume reuses them.
+    run records its choices (runtime/engines/inprocess.py: ``vectorized.json``) and its resume reuses them.
     The run-config key ``batching`` (``on`` | ``off``) pins the choice instead, on every device:
     then two fresh runs of one command take the same path."""
     if call.cfg.batching != "auto":

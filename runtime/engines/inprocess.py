@@ -212,19 +212,19 @@ class InProcessGrid(Grid):
 
 class VectorizedGrid(InProcessGrid):
     """The in-process grid, with the train messages of a push trained together
-    (tools/engines/vectorized.py): each is opened by the ClientApp's own ``TrainCall``, all train in
+    (runtime/vectorized.py): each is opened by the ClientApp's own ``TrainCall``, all train in
     batched passes in one worker thread, and each gets the reply its ClientApp would have sent
     (or its error reply). Other messages (query, evaluate) go to the ClientApp one by one.
     Messages are not deep-copied: the client side only reads them and builds new replies."""
 
-    CHOICES = "vectorized.json"  # in the run directory: which models it batched (tools.engines.vectorized)
+    CHOICES = "vectorized.json"  # in the run directory: which models it batched (runtime.vectorized)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         run_dir = next(iter(self.contexts.values())).run_config.get("run-dir") if self.contexts else ""
         self.choices_file = Path(run_dir) / self.CHOICES if run_dir else None
         if self.choices_file is not None and self.choices_file.is_file():  # a resumed run batches as before
-            from tools.engines.vectorized import adopt_batching
+            from runtime.vectorized import adopt_batching
 
             try:
                 adopt_batching(json.loads(self.choices_file.read_text()))
@@ -232,7 +232,7 @@ class VectorizedGrid(InProcessGrid):
                 log.warning("%s is unreadable (%s): batching is measured again", self.choices_file, err)
 
     def _record_choices(self) -> None:
-        from tools.engines.vectorized import batching_choices
+        from runtime.vectorized import batching_choices
 
         choices = batching_choices()
         if self.choices_file is not None and choices:
@@ -263,7 +263,7 @@ class VectorizedGrid(InProcessGrid):
         thread when it opens (the same result: the engines agree), as a hung client stays
         hung alone."""
         from client.app import TrainCall
-        from tools.engines.vectorized import train_together
+        from runtime.vectorized import train_together
 
         arrived = threading.Condition()
         waiting = list(range(len(messages)))
@@ -360,11 +360,11 @@ def _run(outcome) -> Message:
 
 def check_vectorizable(cfg) -> None:
     """ValueError (one line) before any round when the run's model cannot be batched by the
-    vectorised engine (buffers such as BatchNorm's statistics, dropout: tools.engines.vectorized.
+    vectorised engine (buffers such as BatchNorm's statistics, dropout: runtime.vectorized.
     check_batchable): the engine refuses it itself, not only the CLI."""
     from common.data import model_shape
     from common.models import build_model
-    from tools.engines.vectorized import check_batchable
+    from runtime.vectorized import check_batchable
 
     input_shape, num_classes = model_shape(cfg)  # partition = local: from the run config, no data here
     check_batchable(build_model(cfg.resolved_model(), input_shape, num_classes, seed=0), cfg.resolved_model())

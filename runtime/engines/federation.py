@@ -9,7 +9,7 @@ instead (no SuperNodes; Flower's Ray engine runs the clients). Runs are submitte
 Every process it started, and their children, are stopped by PID on exit.
 
 With ``tls=True`` the federation runs as a real one should: certificates and node keys are
-generated into the work directory (tools/certs.py), the SuperLink serves both APIs over TLS
+generated into the work directory (runtime/certs.py), the SuperLink serves both APIs over TLS
 with ``--enable-supernode-auth``, every node's public key is registered with
 ``flwr supernode register`` before the SuperNodes start, and each SuperNode authenticates with
 its own private key. ``start_supernode`` starts an extra SuperNode with any key (e.g. an
@@ -169,7 +169,7 @@ def _marked(mark: str) -> list[int]:
 
 
 def reap(mark: str, owner: int) -> None:
-    """The reaper a federation starts (``python -m tools.engines.federation MARK OWNER``): once the
+    """The reaper a federation starts (``python -m runtime.engines.federation MARK OWNER``): once the
     process ``owner`` that started the federation is gone without stopping it (``kill -9``,
     the OOM killer), SIGKILL every process of it, the runs' ServerApps first (never a round
     against no SuperNodes). A federation its owner stops ends its reaper with the rest."""
@@ -276,7 +276,7 @@ class LocalFederation:
         dial = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         self.dial_host = f"[{dial}]" if ":" in dial else dial
         self.bind_host = f"[{self.host}]" if ":" in self.host else self.host
-        self.certs = None  # tools.certs.CertFiles once started with tls
+        self.certs = None  # runtime.certs.CertFiles once started with tls
         self.node_ids: dict[str, int] = {}  # registered node name -> node id (tls)
         self.node_config = dict(node_config or {})  # every SuperNode's extra --node-config
         self.node_configs = {int(i): dict(c) for i, c in (node_configs or {}).items()}  # per partition
@@ -339,7 +339,7 @@ class LocalFederation:
     def start(self, timeout: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        self._spawn("reaper", [sys.executable, "-m", "tools.engines.federation", self.mark, str(os.getpid())])
+        self._spawn("reaper", [sys.executable, "-m", "runtime.engines.federation", self.mark, str(os.getpid())])
         cmd = [flower_command("flower-superlink"), *self._superlink_security(),
                "--isolation", "subprocess", "--disable-runtime-dependency-installation",
                # Flower's in-memory state, not an SQLite file: a federation lives as long as
@@ -381,7 +381,7 @@ class LocalFederation:
     def _superlink_security(self) -> list[str]:
         if not self.tls:
             return ["--insecure"]
-        from tools.certs import generate_certs
+        from runtime.certs import generate_certs
 
         hosts = [] if is_loopback(self.host) or self.host in ("0.0.0.0", "::") else [self.host]
         self.certs = generate_certs(self.work_dir / "certs", max(self.num_nodes, 1), hosts,
@@ -426,7 +426,7 @@ class LocalFederation:
             *supernode, *security, *isolation, "--grpc-rere",
             "--superlink", f"{self.dial_host}:{self.fleet_port}", "--port", str(port),
             "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())])
-        if self.clientapps == "warm":  # its ClientApps run in one long-lived worker (tools/engines/worker.py)
+        if self.clientapps == "warm":  # its ClientApps run in one long-lived worker (runtime/worker.py)
             self._spawn(f"{name}-worker", [
                 flower_command("flatflower-worker"), "--runtime-api-address", f"127.0.0.1:{port}",
                 "--insecure", "--parent-pid", str(proc.pid)])

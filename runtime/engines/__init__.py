@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.config import RunConfig
-from tools.progress import seconds_text
+from common.schema import printable
 
 OnPoll = Callable[[], None]
 
@@ -93,6 +94,15 @@ def hand_user_code(env: dict[str, str], cfg: RunConfig, app: Path) -> dict[str, 
     return with_pythonpath(env, roots)
 
 
+def seconds_text(value: Any) -> str:
+    """A number of seconds as Flower reports it (``31.795824``, maybe as text) -> ``31.8s``;
+    anything else as it is."""
+    try:
+        return f"{float(value):.1f}s"
+    except (TypeError, ValueError):
+        return printable(value, 40)
+
+
 @dataclass(frozen=True)
 class Outcome:
     ok: bool
@@ -102,10 +112,10 @@ class Outcome:
 def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
               on_poll: OnPoll, device: str = "auto", tls: bool = False, clientapps: str = "warm",
               fast_poll: bool = False, node_configs: dict[int, dict] | None = None) -> Outcome:
-    """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (tools/engines/federation.py), each
+    """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (runtime/engines/federation.py), each
     with a warm ClientApp worker (or Flower's process per message: ``clientapps="stock"``);
     ``node_configs``: partition id -> that SuperNode's own node-config keys (its data-dir)."""
-    from tools.engines.federation import COMPLETED, LocalFederation
+    from runtime.engines.federation import COMPLETED, LocalFederation
 
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     t0 = time.monotonic()
@@ -134,7 +144,7 @@ def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: f
 def run_ray(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
             on_poll: OnPoll, cpus_per_client: int = 1, gpus_per_client: float = 0.0) -> Outcome:
     """Flower's simulation engine (Ray) with ``clients`` virtual SuperNodes."""
-    from tools.engines.federation import COMPLETED, LocalFederation
+    from runtime.engines.federation import COMPLETED, LocalFederation
 
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     try:
@@ -172,10 +182,10 @@ def quiet_flower():
 
 def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized: bool = False,
                    node_configs: dict[int, dict] | None = None) -> Outcome:
-    """The real ServerApp and ClientApps in this process (tools/engines/inprocess.py), in a worker
+    """The real ServerApp and ClientApps in this process (runtime/engines/inprocess.py), in a worker
     thread while ``on_poll`` runs here; a failure of the run is raised here. ``vectorized``:
-    each round's local training in batched passes (tools/engines/vectorized.py)."""
-    from tools.engines.inprocess import run_inprocess
+    each round's local training in batched passes (runtime/vectorized.py)."""
+    from runtime.engines.inprocess import run_inprocess
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     for name in ("flwr.flatflower.server", "flwr.flatflower.client"):
@@ -197,7 +207,7 @@ def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized:
             on_poll()
             worker.join(0.5)
     except KeyboardInterrupt:  # let the run's threads end before the interpreter does
-        from tools.engines.inprocess import stop_runs
+        from runtime.engines.inprocess import stop_runs
 
         stop_runs(worker, STOP_WAIT)
         raise
