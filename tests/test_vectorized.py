@@ -32,7 +32,7 @@ from client.app import app as client_app
 from client.batch import ModelBatch, cross_entropy, mean_kl, trainable
 from client.state import latest
 from client.train import build_rule
-from runtime.vectorized import FunctionalBatch, check_batchable, groups, padded, sgd_step
+from runtime.vectorized import FunctionalBatch, check_batchable, groups, padded
 from common import codec
 from common import protocol as P
 from common.config import RunConfig
@@ -335,39 +335,6 @@ def test_groups_split_clients_by_rule_shape():
     previous = {P.PREVIOUS_GLOBAL: {k: v + 0.1 for k, v in model.state_dict().items()}}
     calls = _calls(cfg, "fedlesam", [64, 64, 64, 64], [{}, previous, {}, previous])
     assert sorted(groups(calls)) == [[0, 2], [1, 3]]
-
-
-@pytest.mark.parametrize("options", [
-    {"momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.0},
-    {"momentum": 0.9, "weight_decay": 1e-2, "clip_norm": 0.0},
-    {"momentum": 0.9, "weight_decay": 1e-3, "clip_norm": 0.5},
-    {"momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.5},
-])
-def test_sgd_step_is_torch_sgd_with_clipping_client_by_client(options):
-    torch.manual_seed(2)
-    cfg = SimpleNamespace(**options)
-    lr, clients, steps = 0.1, 4, 4
-    shapes = [(5, 3), (5,), (2, 2, 3)]
-    start = [torch.randn(clients, *s) for s in shapes]
-    grads = [[torch.randn(clients, *s) * (1 + 3 * i) for s in shapes] for i in range(steps)]
-    stacked, buffers = [p.clone() for p in start], None
-    for g in grads:
-        buffers = sgd_step(stacked, [t.clone() for t in g], buffers, cfg, lr)
-    assert (buffers is not None) == bool(options["momentum"])
-    for c in range(clients):
-        params = [nn.Parameter(p[c].clone()) for p in start]
-        opt = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        for g in grads:
-            for p, t in zip(params, g):
-                p.grad = t[c].clone()
-            if cfg.clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm)
-            opt.step()
-        for p, s in zip(params, stacked):
-            torch.testing.assert_close(s[c], p.detach(), rtol=1e-6, atol=1e-6)
-    if options["clip_norm"]:  # the clip really acted (gradients have norms far above 0.5)
-        assert all(torch.linalg.vector_norm(torch.cat([t[c].flatten() for t in g])) > 1
-                   for g in grads for c in range(clients))
 
 
 # ---------------------------------------------------------------- 6. models it cannot batch
