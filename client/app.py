@@ -155,9 +155,6 @@ class TrainCall:
         """``self_report=False``: the engine makes the self-reports (``reported`` and ``after``)."""
         cfg, node, device = _setup(context)
         spec = registry.get(cfg.algorithm)
-        if cfg.dp_clip > 0 and spec.up:
-            raise ValueError(f"dp.clip > 0: {spec.name} uploads {', '.join(spec.up)} besides the model; "
-                             "client-level DP clips and noises the model update only")
         server_round = int(msg.content[P.CONFIG][P.SERVER_ROUND])
         fault = Fault.parse(node.inject_fault)
         if fault:
