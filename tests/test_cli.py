@@ -120,7 +120,7 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     presets = sorted(p.name for p in (ROOT / "tools" / "presets").glob("*.toml"))
     assert presets and all(f"tools/presets/{p}" in names for p in presets)
-    for package in ("client", "common", "server", "strategies", "tools"):
+    for package in ("client", "common", "server", "strategies", "runtime", "tools"):
         assert f"{package}/__init__.py" in names, package
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
     assert b"flatflower = tools.cli:entry" in entry_points and b"flatflower-worker = runtime.worker:main" in entry_points
@@ -159,7 +159,7 @@ def test_the_flower_app_ships_its_code_only_whatever_lies_in_the_checkout(tmp_pa
         (app / junk / "metrics.jsonl").write_text('{"round": 0}\n' * 1_000_000)  # 13 MB
         (app / junk / "config.json").write_text("{}")
     shipped = sorted(zipfile.ZipFile(BytesIO(build_fab_from_disk(app))).namelist())
-    code = sorted(n for n in tracked if n.split("/")[0] in ("common", "client", "server", "strategies", "tools")
+    code = sorted(n for n in tracked if n.split("/")[0] in ("common", "client", "server", "strategies", "runtime", "tools")
                   and (n.endswith(".py") or n.startswith("tools/presets/")))
     assert shipped == sorted([".info/CONTENT", "pyproject.toml", *code])
 
