@@ -39,6 +39,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from client.algorithms.base import ClientRule
+from client.app import report_of
 from client.batch import ModelBatch, Objective, cross_entropy
 from client.sgd import masked, sgd_step
 from client.train import LocalResult, autocast, batch_indices
@@ -203,8 +204,6 @@ def evaluate_stacked(model: nn.Module, names: Sequence[str], params: Tensors, sp
 
 def self_reports(calls: Sequence, params: Tensors, when: str) -> list[dict[str, float]]:
     """client.app's ``client-eval`` self-reports of a group, batched (client.app.report_of)."""
-    from client.app import report_of
-
     first = calls[0]
     if not first.cfg.client_eval:
         return [{} for _ in calls]

@@ -19,6 +19,7 @@ see ``flower_exit_code``). Binding anything other than loopback is refused witho
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import os
@@ -34,12 +35,16 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
 from common import fastpoll
+from common.fastpoll import FastPollError, check_version
+from runtime.certs import generate_certs
+from server.rundir import open_file  # never through a link planted in the run's logs
 
 FINISHED = "finished"
 COMPLETED = "finished:completed"
@@ -66,8 +71,6 @@ def free_port() -> int:
     """A free TCP port on 127.0.0.1 that no other flatflower process on this machine was given in
     the last 10 minutes (a ledger under a lock: federations started side by side, as parallel
     tests do, never race for a port between choosing it and binding it)."""
-    import fcntl
-
     with open(PORT_LEDGER, "a+") as ledger:
         fcntl.flock(ledger, fcntl.LOCK_EX)
         ledger.seek(0)
@@ -262,8 +265,6 @@ class LocalFederation:
         if clientapps not in CLIENTAPP_MODES:
             raise FederationError(f"clientapps={clientapps!r} is not one of {', '.join(CLIENTAPP_MODES)}")
         if fast_poll:
-            from common.fastpoll import FastPollError, check_version
-
             try:
                 check_version()
             except FastPollError as err:
@@ -302,8 +303,6 @@ class LocalFederation:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        from server.rundir import open_file  # never through a link planted in the run's logs
-
         log_file = open_file(self.log_dir / f"{name}.log", "w")
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
                                 cwd=self.work_dir, start_new_session=True)
@@ -354,8 +353,6 @@ class LocalFederation:
         self._write_connection()
         nodes = 0 if self.simulation else self.num_nodes
         if self.tls:  # a node must be registered before it connects, or it is refused
-            from concurrent.futures import ThreadPoolExecutor
-
             with ThreadPoolExecutor(max_workers=4) as pool:  # each `flwr` call costs ~2.5 s
                 list(pool.map(lambda i: self.register(self.certs.node_keys[i], f"node-{i}"),
                               range(nodes)))
@@ -381,8 +378,6 @@ class LocalFederation:
     def _superlink_security(self) -> list[str]:
         if not self.tls:
             return ["--insecure"]
-        from runtime.certs import generate_certs
-
         hosts = [] if is_loopback(self.host) or self.host in ("0.0.0.0", "::") else [self.host]
         self.certs = generate_certs(self.work_dir / "certs", max(self.num_nodes, 1), hosts,
                                     days=2, force=True)
@@ -606,8 +601,6 @@ class LocalFederation:
                 and table.get(pid, (0, b""))[1] == cmd}
 
     def save_log(self, run_id: int, path: Path) -> None:
-        from server.rundir import open_file
-
         try:
             text = self.flwr("log", str(run_id), self.connection, "--show", timeout=60)
         except FederationError as err:
