@@ -154,7 +154,7 @@ class TrainCall:
     """One ``train`` message, opened: the data, model and client rule its local training
     needs (:meth:`open`), and the reply built from the training's outcome (:meth:`reply`).
     Every engine shares it: the ClientApp trains one call with ``local_train``; the vectorised
-    engine (tools/engines/vectorized.py) trains many calls' models at once, then replies to each."""
+    engine (runtime/vectorized.py) trains many calls' models at once, then replies to each."""
 
     msg: Message
     context: Context
@@ -181,9 +181,6 @@ class TrainCall:
         """``self_report=False``: the engine makes the self-reports (``reported`` and ``after``)."""
         cfg, node, device = _setup(context)
         spec = registry.get(cfg.algorithm)
-        if cfg.dp_clip > 0 and spec.up:
-            raise ValueError(f"dp.clip > 0: {spec.name} uploads {', '.join(spec.up)} besides the model; "
-                             "client-level DP clips and noises the model update only")
         server_round = int(msg.content[P.CONFIG][P.SERVER_ROUND])
         fault = Fault.parse(node.inject_fault)
         if fault:

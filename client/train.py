@@ -2,9 +2,9 @@
 
 Per step: the rule gives a direction d (its gradient, SAM gradient, corrections...) from the
 weights and a :class:`client.batch.ModelBatch`; d becomes the parameters' .grad, is
-optionally clipped (global norm), and one ``torch.optim.SGD`` step applies lr (the round's,
-times the rule's ``lr_factor`` for the step: 1 but for FedSWA's in-round schedule), weight
-decay and client momentum. With momentum and weight decay 0 and no clipping the step is
+optionally clipped (global norm), and one SGD step (client/sgd.py, torch.optim.SGD's, the one
+the vectorised trainer takes too) applies lr (the round's, times the rule's ``lr_factor`` for
+the step: 1 but for FedSWA's in-round schedule), weight decay and client momentum. With momentum and weight decay 0 and no clipping the step is
 exactly w <- w - lr * d.
 """
 
@@ -21,6 +21,7 @@ from torch import nn
 from client.algorithms.base import ClientRule
 from client.batch import ModelBatch, trainable
 from client.layout import Layout
+from client.sgd import sgd_step
 from common.config import RunConfig, local_step_count
 from common.datasets import Split
 from common.tensors import Named
@@ -109,9 +110,7 @@ def local_train(
         raise ValueError("this client's partition is empty: nothing to train on")
     device = next(model.parameters()).device
     params = trainable(model)
-    optimizer = torch.optim.SGD(
-        params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-    )
+    buffers = None  # the momentum buffers (client/sgd.py)
     model.train()
     losses: list[float] = []
     steps = cfg.num_steps(len(data))
@@ -123,11 +122,7 @@ def local_train(
         loss = float(loss)
         if not math.isfinite(loss):
             raise FloatingPointError(f"local loss became {loss} at step {len(losses) + 1}")
-        for p, d in zip(params, direction):
-            p.grad = d.detach()
-        if cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm)
-        optimizer.param_groups[0]["lr"] = lr * rule.lr_factor(k, steps)
-        optimizer.step()
+        buffers = sgd_step(params, [d.detach() for d in direction], buffers, lr=lr * rule.lr_factor(k, steps),
+                           momentum=cfg.momentum, weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
         losses.append(loss)
     return LocalResult(len(data), len(losses), float(np.mean(losses)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -303,6 +303,8 @@ class RunConfig:
         check(1 <= self.flatness_probes <= 100_000, "flatness-probes must be in [1, 100000]")
         if self.params is not None:
             problems += self.params.problems(self)
+            for rule in _COMPATIBILITY:
+                problems += rule(self)
         problems += others or []
         if problems:
             raise ConfigError("invalid run config: " + "; ".join(problems))
@@ -438,11 +440,18 @@ def _other_algorithms_problems(values: Mapping[str, Any], cfg: RunConfig) -> lis
 # (strategies/registry.py) when it is imported: the ground floor checks every algorithm's keys
 # without importing the halves that declare them. Every entry point imports the registry.
 _ALGORITHMS: dict[str, type] = {}
+# the registry's algorithm x option rules (strategies/compatibility.py): run config -> problems
+_COMPATIBILITY: list[Callable[[RunConfig], list[str]]] = []
 
 
-def register_algorithms(params: Mapping[str, type]) -> None:
-    """Make the algorithms' params known to run-config parsing (the registry calls it)."""
+def register_algorithms(params: Mapping[str, type],
+                        compatibility: Callable[[RunConfig], list[str]] | None = None) -> None:
+    """Make the algorithms' params known to run-config parsing (the registry calls it), and
+    ``compatibility``, what is wrong with a run config's algorithm under its options, checked
+    with every other key (strategies/compatibility.py)."""
     _ALGORITHMS.update(params)
+    if compatibility is not None:
+        _COMPATIBILITY[:] = [compatibility]
     _parsed.cache_clear()
 
 

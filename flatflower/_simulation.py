@@ -1,5 +1,5 @@
 """``flatflower.run_simulation``: a run of the real ServerApp and ClientApps in this process
-(tools/engines/inprocess.py), set up and checked as the CLI's ``simulate`` does
+(runtime/engines/inprocess.py), set up and checked as the CLI's ``simulate`` does
 (tools/prepare.py), and read back from its run directory as a :class:`RunResult`.
 """
 
@@ -150,7 +150,7 @@ def run_simulation(config: Mapping[str, Any] | RunConfig | None = None, *, prese
     holding summary.json's ``status = failed``. See docs/api.md."""
     from common.datasets import DatasetUnavailableError
     from server.rundir import RunDirError
-    from tools.engines.inprocess import run_inprocess
+    from runtime.engines.inprocess import run_inprocess
     from tools.prepare import DEFAULT_CLIENTS, UsageError, place_run, preflight
 
     if engine not in ENGINES:

@@ -25,21 +25,19 @@ from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
 from common import codec
-from common.augment import check_train_transform
 from common import protocol as P
 from common.config import RunConfig
-from common.data import check_local_data, dataset_for, model_shape, partitions_for
+from common.data import partitions_for
 from common.evaluate import evaluate
 from common.flatness import flatness_distance, measure, seed_of
-from common.models import buffer_names, build_model
 from common.privacy import PrivacyLedger
 from server.clients import client_rows
 from server.progress import RoundProgress
-from server.rundir import RunDir, check_client_state, check_resumable, default_run_dir, load_checkpoint
+from server.rundir import RunDir, default_run_dir
+from server.setup import prepare_run
 from server.tensorboard import Board
 from strategies.base import all_finite
 from strategies.strategy import RoundStats
-from strategies.registry import get as get_spec
 
 log = logging.getLogger("flwr.flatflower.server")
 
@@ -68,23 +66,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         log.warning("dp-fedsam with dp.clip = 0: no clipping and no noise, so no privacy and no dp_epsilon "
                     "(DP-FedSAM's local optimizer alone); its authors' values: dp.clip = 0.2, "
                     "dp.noise-multiplier = 0.95")
-    data = server_data(cfg)
-    if data is not None:  # partition = local: each node checks its own data (common/data.py)
-        check_train_transform(cfg.train_transform, data)
-    input_shape, num_classes = model_shape(cfg)
-    model = build_model(cfg.resolved_model(), input_shape, num_classes, seed=cfg.seed)
+    setup = prepare_run(cfg, run_dir.path)  # the one setup (server/setup.py), which the CLI's preflight runs too
+    data, model, strategy, first = setup.data, setup.model, setup.strategy, setup.first
     torch.set_num_threads(1)
-    strategy = get_spec(cfg.algorithm).new_strategy(
-        cfg, model.state_dict(),
-        partition_sizes=None if cfg.local_data() else lambda n: [len(p) for p in partitions_for(cfg, n)],
-        buffers=buffer_names(model))
-    first = 1
-    if cfg.resume:
-        ckpt = load_checkpoint(run_dir.path)
-        check_resumable(cfg, ckpt)
-        strategy.load_state_dict(ckpt["strategy"])
-        check_client_state(cfg, ckpt)  # after the checkpoint's accepted rounds were checked
-        first = ckpt["round"] + 1
     ledger = privacy_ledger(cfg, run_dir, first) if cfg.dp_clip > 0 else None  # before any truncation
     if cfg.resume:
         run_dir.truncate_metrics(first - 1)
@@ -202,17 +186,6 @@ def _rounds(grid: Grid, cfg: RunConfig, run_dir: RunDir, strategy, central_eval,
     log.info("flatflower: finished, final %s, run directory %s", measured({**central, **(federated or {})}),
              run_dir.path)
     return run_dir.path
-
-
-def server_data(cfg: RunConfig):
-    """The dataset whose test split the server evaluates on, or None: partition = local
-    without a ``data-dir`` of the server's own (the server holds no client's data). A server
-    evaluation set under partition = local must fit the run's model, as every node's must."""
-    if not cfg.central_evaluation():
-        log.info("partition=local and no data-dir on the server: no central evaluation; the run "
-                 "measures itself by federated evaluation (fraction-evaluate=%g)", cfg.fraction_evaluate)
-        return None
-    return check_local_data(cfg, trains=False) if cfg.local_data() else dataset_for(cfg)
 
 
 def measured(row: dict) -> str:

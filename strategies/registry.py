@@ -48,6 +48,7 @@ from common import protocol as P
 from common.config import register_algorithms
 from common.params import Params, combine, is_required
 from strategies.base import ServerRule
+from strategies.compatibility import compatibility_problems
 from strategies.dp_fedsam import DPFedSAM
 from strategies.fedacg import FedACG
 from strategies.fedasam import FedASAM
@@ -200,7 +201,8 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
                       summary="DP-FedSAM (Shi et al. 2023): local SAM/ASAM with client-level DP (the dp.* keys)"),
     )
 }
-register_algorithms({name: spec.params for name, spec in ALGORITHMS.items()})
+register_algorithms({name: spec.params for name, spec in ALGORITHMS.items()},
+                    compatibility=lambda cfg: compatibility_problems(cfg, ALGORITHMS[cfg.algorithm]))
 
 
 def get(name: str) -> AlgorithmSpec:

@@ -42,7 +42,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from common import codec
 from common import protocol as P
-from common.config import ConfigError, RunConfig
+from common.config import RunConfig
 from common.privacy import round_noise_multiplier
 from common.tensors import global_norm
 from strategies import buffers as bufs
@@ -122,18 +122,12 @@ class FlatStrategy(FlowerFedAvg):
         self.fraction_evaluate = cfg.fraction_evaluate
         self.cfg = cfg
         self.spec = spec  # the algorithm's registry entry (strategies/registry.py)
-        if cfg.dp_clip > 0 and spec.up:
-            raise ConfigError(f"dp.clip > 0: {spec.name} uploads {', '.join(spec.up)} besides the model, and "
-                              "client-level DP here clips and noises the model update only; use an algorithm "
-                              "whose only upload is the model (FedAvg, FedSAM, FedProx, ...)")
         # the model's buffers (strategies/buffers.py): the rule never sees them
         self.keys = list(initial_model)
         self.buffer_keys = [k for k in self.keys if k in set(buffers)]
         params, kept = bufs.split(initial_model, self.buffer_keys)
         self.buffers: OrderedDict = OrderedDict((k, v.clone()) for k, v in kept.items())
         self.rule: ServerRule = spec.new_rule(cfg, params if self.buffer_keys else initial_model)
-        if cfg.dp_clip > 0 and (why := self.rule.dp_refusal(cfg)):
-            raise ConfigError(f"dp.clip > 0: {spec.name}: {why}")
         self.layout = layout_of(initial_model)  # what every reply's model must be: parameters and buffers
         self.round = 0  # last completed training round
         self.participation = Participation(cfg, partition_sizes)

@@ -28,7 +28,7 @@ import malicious  # noqa: E402
 from client.app import app as honest_app  # noqa: E402
 from common.config import RunConfig  # noqa: E402
 from server.run import run_server  # noqa: E402
-from tools.engines.inprocess import InProcessGrid  # noqa: E402
+from runtime.engines.inprocess import InProcessGrid  # noqa: E402
 
 ATTACKS = {"clean": "", "data lie": "data-lie", "weight inflation": "weight-inflation",
            "sign flip x4.5": "sign-flip:4.5", "replay": "replay", "scaled x50": "scale:50",

@@ -9,7 +9,7 @@
 * ``make test`` runs on two pytest-xdist workers. Each pytest process tags what it starts
   with its own ``FLATFLOWER_TEST_PROCESS`` environment value, and ``flower_pids`` counts only
   the Flower processes carrying it, so a worker never sees the other's processes; ports come
-  from a ledger that no two federations share (tools.engines.federation.free_port), so deployments run
+  from a ledger that no two federations share (runtime.engines.federation.free_port), so deployments run
   side by side. The Ray tests form one xdist group, ``ray``: one Ray cluster at a time.
 """
 

@@ -530,7 +530,7 @@ def same_model(a: dict, b: dict) -> bool:
 
 
 def reference_model(engine: Engine, run_config: dict, work: Path, name: str) -> dict:
-    """The same config run in-process (tools/engines/inprocess.py, 2 clients) in the SuperExec image:
+    """The same config run in-process (runtime/engines/inprocess.py, 2 clients) in the SuperExec image:
     the model an uninterrupted deployment must end with."""
     import torch
 
@@ -541,7 +541,7 @@ def reference_model(engine: Engine, run_config: dict, work: Path, name: str) -> 
         "import json, sys\n"
         "from client.app import app\n"
         "from common.config import RunConfig\n"
-        "from tools.engines.inprocess import InProcessGrid\n"
+        "from runtime.engines.inprocess import InProcessGrid\n"
         "from server.run import run_server\n"
         "cfg = RunConfig.from_mapping({**json.loads(sys.argv[1]), 'run-dir': '/out/run'})\n"
         f"run_server(InProcessGrid(app, {NODES}, cfg.to_dict()), cfg)\n")

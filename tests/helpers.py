@@ -27,7 +27,7 @@ from common.data import dataset_for
 from common.models import build_model
 from server.run import run_server
 from tests.reference import K, LR, Problem
-from tools.engines.inprocess import InProcessGrid, run_inprocess
+from runtime.engines.inprocess import InProcessGrid, run_inprocess
 
 
 # ---------------------------------------------------------------- quick run configs
@@ -279,7 +279,7 @@ def deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = 
     """Run ``config`` on a real SuperLink + ``nodes`` SuperNodes (Flower App ``app``); after
     row ``kill_after`` of metrics.jsonl, SIGKILL process ``kill`` (and restart SuperNode
     ``restart``)."""
-    from tools.engines.federation import COMPLETED, LocalFederation
+    from runtime.engines.federation import COMPLETED, LocalFederation
 
     run_dir = tmp_path / name
     (run_dir / "logs").mkdir(parents=True)

@@ -347,12 +347,12 @@ COLLUDING = {"alie": alie, "ipm": ipm}
 
 def colluding_grid(client_app: ClientApp, num_nodes: int, run_config, attack: str, attackers,
                    **kwargs):
-    """In-process only: an InProcessGrid (tools/engines/inprocess.py) on which partitions ``attackers``
+    """In-process only: an InProcessGrid (runtime/engines/inprocess.py) on which partitions ``attackers``
     collude as an omniscient adversary, the threat model of the ALIE and IPM papers: each train
     round the grid collects every reply, then sets each attacker's model to start + the same
     malicious update, computed from the honest clients' updates of that round (``attack``:
     ``alie[:z]`` or ``ipm[:epsilon]``). The attackers' other uploads (records) stay honest."""
-    from tools.engines.inprocess import InProcessGrid  # not in a deployed app (this module is its ClientApp)
+    from runtime.engines.inprocess import InProcessGrid  # not in a deployed app (this module is its ClientApp)
 
     class ColludingGrid(InProcessGrid):
         def push_messages(self, messages):

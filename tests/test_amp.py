@@ -10,7 +10,7 @@ from client.batch import ModelBatch, trainable
 from client.sam import sam_gradient
 from client.train import autocast
 from common.config import RunConfig
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 from tests.helpers import fast_config
 
 

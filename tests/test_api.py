@@ -68,7 +68,7 @@ def test_all_is_what_docs_api_lists():
 def test_run_simulation_returns_the_runs_history_and_final_model(tmp_path):
     from common.evaluate import evaluate
     from common.data import dataset_for
-    from tools.engines.inprocess import run_inprocess
+    from runtime.engines.inprocess import run_inprocess
 
     result = flatflower.run_simulation(DIGITS, algorithm="fedsam", clients=2, rounds=2, seed=3,
                                        run_dir=tmp_path / "api")
@@ -186,7 +186,7 @@ def test_a_users_own_serverapp_drives_fedgmt_with_flatflowers_clientapp(tmp_path
     from common.data import dataset_for
     from common.evaluate import evaluate
     from common.models import build_model
-    from tools.engines.inprocess import run_inprocess
+    from runtime.engines.inprocess import run_inprocess
 
     seen: dict = {}
     app = ServerApp()
@@ -216,7 +216,7 @@ def test_a_users_own_serverapp_drives_fedgmt_with_flatflowers_clientapp(tmp_path
 
 
 def test_the_docs_serverapp_runs(tmp_path, capsys):
-    from tools.engines.inprocess import run_inprocess
+    from runtime.engines.inprocess import run_inprocess
 
     app = run_example(example("flatflower.server_strategy("))["app"]
     run_inprocess({**DIGITS, "algorithm": "fedgmt", "run-dir": str(tmp_path / "docs")}, 2, server_app=app)
@@ -250,7 +250,7 @@ def test_fedsam_in_a_plain_flower_clientapp_trains_as_client_train_does():
 
     from common.datasets import Split
     from tests.conftest import set_task_identity
-    from tools.engines.inprocess import InProcessGrid
+    from runtime.engines.inprocess import InProcessGrid
 
     ns = run_example(example("flatflower.local_training("))
     grid = InProcessGrid(ns["app"], 2, {})
@@ -283,7 +283,7 @@ def test_local_training_equals_flatflowers_own_clientapp():
     through ``local_training`` on the node's partition: the same weights."""
     from common.data import client_split
     from common.models import build_model
-    from tools.engines.inprocess import InProcessGrid
+    from runtime.engines.inprocess import InProcessGrid
 
     cfg = fast_config(algorithm="fedsam", **{"sam.rho": 0.05}, num_partitions=2)
     strategy = flatflower.server_strategy("fedsam", cfg)

@@ -19,7 +19,7 @@ from common.config import RunConfig
 from strategies.registry import ALGORITHMS
 from server.run import run_server
 from tests import malicious
-from tools.engines.inprocess import InProcessGrid
+from runtime.engines.inprocess import InProcessGrid
 from tests.helpers import DEPLOYED, ROOT, deployed, fast_config, flower_pids, metrics, run_with_faults, same
 
 

@@ -31,7 +31,7 @@ import torch
 
 # imported here, not first inside a test: flwr's log handler keeps the sys.stderr of its import,
 # and a test's capture stream is closed after it ("--- Logging error ---" tracebacks later on)
-import tools.engines.inprocess  # noqa: F401
+import runtime.engines.inprocess  # noqa: F401
 from client.node import NodeSettings
 from tools.cli import main
 

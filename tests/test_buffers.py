@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-import tools.engines.inprocess  # noqa: F401 (flwr's log handler: see tests/test_bad_input.py)
+import runtime.engines.inprocess  # noqa: F401 (flwr's log handler: see tests/test_bad_input.py)
 from client.batch import ModelBatch
 from common.config import RunConfig
 from common.models import buffer_names, build_model
@@ -27,7 +27,7 @@ from strategies import buffers as bufs
 from strategies.registry import ALGORITHMS
 from strategies.validation import ClientUpdate
 from tests.bn_models import small_bn_cnn
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 
 BN = "tests.bn_models:small_bn_cnn"
 RESNET = "tests.bn_models:resnet18_bn"

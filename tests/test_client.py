@@ -1,6 +1,6 @@
 """Tests for the client side: batching, RNG, node settings and the ClientApp handlers.
 
-The ClientApp is exercised through ``tools.engines.inprocess.InProcessGrid`` (real Flower
+The ClientApp is exercised through ``runtime.engines.inprocess.InProcessGrid`` (real Flower
 messages and contexts, one process, no ports).
 """
 
@@ -23,7 +23,7 @@ from strategies import registry
 from common.config import RunConfig
 from common.data import dataset_for, partitions_for
 from common.models import build_model
-from tools.engines.inprocess import InProcessGrid, run_inprocess
+from runtime.engines.inprocess import InProcessGrid, run_inprocess
 from tests.helpers import fast_config
 
 

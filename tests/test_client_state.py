@@ -19,7 +19,7 @@ from common.config import RunConfig
 from server.run import run_server
 from tests.helpers import (DEPLOYED, FIRST_NODE, deployed, fast_config, measure_startup, metrics,
                            run_with_faults, same)
-from tools.engines.inprocess import InProcessGrid, VectorizedGrid
+from runtime.engines.inprocess import InProcessGrid, VectorizedGrid
 
 STATEFUL = ["scaffold", "feddyn"]  # a control variate and a dual: both change every round
 

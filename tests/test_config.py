@@ -130,7 +130,7 @@ def test_replace_validates() -> None:
 
 def test_invalid_config_fails_before_training(tmp_path: Path) -> None:
     """The in-process runner refuses the config before it creates a run directory."""
-    from tools.engines.inprocess import run_inprocess
+    from runtime.engines.inprocess import run_inprocess
 
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match="lr must be a finite number > 0"):

@@ -46,7 +46,7 @@ COMBOS = {
     "gpu": (BASE, GPU),
     "tls+gpu": (BASE, TLS, GPU),
 }
-# Flower's programs, and flatflower's warm ClientApp worker (tools/engines/worker.py), which replaces
+# Flower's programs, and flatflower's warm ClientApp worker (runtime/worker.py), which replaces
 # flower-superexec as each SuperNode's ClientApp executor
 WORKER = "flatflower-worker"
 FLOWER_PROGRAMS = ("flower-superlink", "flower-supernode", "flower-superexec", WORKER)
@@ -61,7 +61,7 @@ PARSERS = {
     "flower-superlink": ("flwr.superlink.cli.flower_superlink", "_parse_args_run_superlink"),
     "flower-supernode": ("flwr.supernode.cli.flower_supernode", "_parse_args_run_supernode"),
     "flower-superexec": ("flwr.supercore.cli.flower_superexec", "_parse_args"),
-    WORKER: ("tools.engines.worker", "build_parser"),
+    WORKER: ("runtime.worker", "build_parser"),
 }
 APP_UID = "49999"  # user `app` in every Flower image
 
@@ -453,7 +453,7 @@ def test_supernodes_partitions_addresses_and_executors(combo):
         executor_name = f"superexec-clientapp-{i}"
         executor = services[executor_name]
         exe_program, exe = flower[executor_name]
-        assert exe_program == WORKER, "a warm worker runs the node's ClientApps (tools/engines/worker.py)"
+        assert exe_program == WORKER, "a warm worker runs the node's ClientApps (runtime/worker.py)"
         runtime_port = int(opts.get("--port") or 9094)
         # A shared network namespace (network_mode: service:supernode-<i>) strands the executor
         # when its SuperNode restarts (tested for real: make test-docker). By name, on a network.
@@ -535,7 +535,7 @@ def test_insecure_only_in_the_base_file():
 
 @pytest.mark.parametrize("combo", ["tls", "tls+gpu"])
 def test_tls_overlay_uses_the_flatflower_certs_layout(combo, tmp_path):
-    from tools.certs import generate_certs
+    from runtime.certs import generate_certs
 
     n = len(supernodes(load_merged(COMBOS["base"])))
     files = generate_certs(tmp_path / "certs", nodes=n, hosts=["superlink"])
@@ -824,7 +824,7 @@ def test_docker_compose_config_accepts_and_merges_alike(combo, tmp_path):
     compose = _docker_compose()
     if compose is None:
         pytest.skip("no `docker compose` CLI here; the files are checked by the other tests")
-    from tools.certs import generate_certs
+    from runtime.certs import generate_certs
 
     certs = generate_certs(tmp_path / "certs", nodes=2, hosts=["superlink"]).out_dir
     env = {"FLATFLOWER_CERTS": str(certs)}
@@ -865,7 +865,7 @@ def test_debian_docker_compose_validates_and_merges_alike(combo, tmp_path):
     compose = shutil.which("docker-compose")
     if compose is None:
         pytest.skip("no Debian docker-compose here (apt-get install docker-compose)")
-    from tools.certs import generate_certs
+    from runtime.certs import generate_certs
 
     files = COMBOS[combo.removesuffix("+local")] + ((LOCAL_BASE,) if combo.endswith("+local") else ())
     certs = generate_certs(tmp_path / "certs", nodes=2, hosts=["superlink"]).out_dir

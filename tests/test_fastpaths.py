@@ -110,7 +110,7 @@ def test_a_kept_client_split_is_the_split_and_is_not_shared_with_others():
 
 
 def test_slots_bound_the_calls_at_once_and_a_stuck_holder_holds_nobody_up():
-    from tools.engines.inprocess import Slots
+    from runtime.engines.inprocess import Slots
 
     slots = Slots(1, patience=0.2)
     assert slots.acquire()  # the one slot, then held "forever"

@@ -12,7 +12,7 @@ from common.config import ConfigError, RunConfig
 from common.fds import parse_args, partition
 from common.partition import PartitionError
 from tests.helpers import fast_config
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 
 pytest.importorskip("flwr_datasets")
 

@@ -21,7 +21,7 @@ from common.models import build_model
 from server.run import run_server
 from tests.helpers import fast_config, metrics, run_with_faults
 from tools.cli import main as cli
-from tools.engines.inprocess import InProcessGrid
+from runtime.engines.inprocess import InProcessGrid
 
 MEASURED = ("sharpness", "sharpness_rho", "hessian_max_eig", "hessian_trace", "flatness_seconds")
 

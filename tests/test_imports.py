@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "client", "strategies", "server", "tools", "flatflower")
+PACKAGES = ("common", "client", "strategies", "server", "runtime", "tools", "flatflower")
 
 
 def _modules() -> dict[str, Path]:
@@ -96,6 +96,21 @@ def test_imports_go_one_way():
                                 "strategies": {"server", "tools"}}.get(m.split(".")[0], set())]
              if m != "client.app"}
     assert {m: d for m, d in found.items() if d} == {}
+
+
+def test_nothing_below_the_commands_imports_them():
+    """tools/ is the user's commands only, a thin layer over the rest: no module of the runtime
+    (engines, vectorised trainer, SuperNode worker, certificates) nor of common/, client/,
+    server/, strategies/ imports it; and the runtime is above the ServerApp and the ClientApp
+    (the code a FAB runs imports none of it)."""
+    graph = import_graph()
+    assert {m: sorted(d for d in deps if d.split(".")[0] == "tools")
+            for m, deps in graph.items() if m.split(".")[0] != "tools"
+            and any(d.split(".")[0] == "tools" for d in deps)} == {}
+    inside = ("common", "client", "strategies", "server")
+    assert {m: sorted(d for d in deps if d.split(".")[0] == "runtime")
+            for m, deps in graph.items() if m.split(".")[0] in inside
+            and any(d.split(".")[0] == "runtime" for d in deps)} == {}
 
 
 def test_no_class_is_imported_by_name():

@@ -14,7 +14,7 @@ import torch
 from common.flatness import SplitLoss, perturbed
 from tests.helpers import fast_config
 from tools.cli import main as cli
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 from tools.landscape import raw_directions, trainable
 from tools.saved import SavedRun
 

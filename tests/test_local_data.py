@@ -25,7 +25,7 @@ from common.models import build_model
 from strategies.participation import Participation
 from tests.helpers import metrics
 from tests.malicious import with_metric
-from tools.engines.inprocess import InProcessGrid, run_inprocess
+from runtime.engines.inprocess import InProcessGrid, run_inprocess
 
 FEATURES, CLASSES = 16, 10
 # (train examples, held-out examples, classes present) of each site: different sizes and mixes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 from tools.loop import measure_loop, run_loop
 
 

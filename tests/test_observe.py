@@ -16,7 +16,7 @@ from flwr.app import MessageType
 from server import progress as progress_module
 from server.progress import RoundProgress, read_progress, write_progress
 from tests.helpers import fast_config, metrics, run_with_faults
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 from tools.progress import Progress, round_line
 
 CLIENT_FIELDS = {"round", "partition", "status", "reason", "node", "examples", "steps", "weight",

@@ -15,7 +15,7 @@ import torch
 from common.config import ConfigError, RunConfig
 from common.privacy import PrivacyLedger, privatize, round_noise_multiplier
 from tests.helpers import PARTIAL, assert_differ, fast_config, finals_equal, metrics, run
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 from tools.report import main as report_main
 
 

@@ -23,7 +23,7 @@ from common import protocol as P
 from common.config import RunConfig
 from strategies.participation import NoNodesError
 from tests.helpers import ROOT, fast_config, initial_model, metrics
-from tools.engines.inprocess import InProcessGrid, run_inprocess
+from runtime.engines.inprocess import InProcessGrid, run_inprocess
 
 EXAMPLE = ROOT / "examples" / "stock_clientapp"
 
@@ -145,7 +145,7 @@ def test_a_stock_clientapp_joins_over_loopback(tmp_path):
     `flwr run` to a real SuperLink with two SuperNodes on 127.0.0.1: the run completes, every
     update accepted, with only the keys the example's pyproject lists overridden."""
     from tests.helpers import flower_pids
-    from tools.engines.federation import COMPLETED, LocalFederation
+    from runtime.engines.federation import COMPLETED, LocalFederation
 
     before = flower_pids()
     run_dir = tmp_path / "run"

@@ -33,8 +33,8 @@ from common import codec
 from common import protocol as P
 from common.config import RunConfig
 from tools.cli import main as cli
-from tools.engines.federation import _cmdline
-from tools.engines.inprocess import InProcessGrid
+from runtime.engines.federation import _cmdline
+from runtime.engines.inprocess import InProcessGrid
 from server.rundir import RunDirError, load_checkpoint
 from server.run import RunFailed, run_server
 from strategies.participation import NoNodesError
@@ -645,7 +645,7 @@ def test_a_real_node_that_never_answers_its_handshake_costs_one_wait_and_is_reco
 def test_a_killed_superlink_is_one_error_line_and_the_checkpoint_resumes(tmp_path):
     """SIGKILL of the SuperLink mid-run: `flatflower local` stops everything it started, exits 1
     with one `error:` line (no traceback), and the run resumes from its last checkpoint."""
-    from tools.engines.federation import _children
+    from runtime.engines.federation import _children
 
     before = flower_pids()
     run_dir = tmp_path / "r"
@@ -696,7 +696,7 @@ def test_killed_server_of_a_tls_deployment_resumes_to_the_uninterrupted_model(tm
     within seconds, not at the SuperLink's heartbeat expiry: the command sees no ServerApp
     process, stops the run, exits 1 and stops everything); `--resume` finishes it with the
     same model as an uninterrupted run."""
-    from tools.engines.federation import _children
+    from runtime.engines.federation import _children
 
     args = ["--algorithm", "fedtoga", "--clients", "2", "--rounds", "4", "--dataset", "digits",
             "--set", "local-epochs=1", "--tls"]

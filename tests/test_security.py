@@ -19,9 +19,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from tools.certs import CertError, generate_certs, parse_host, write_node_key
+from runtime.certs import CertError, generate_certs, parse_host, write_node_key
 from tools.cli import main as cli
-from tools.engines.federation import (EXIT_SUPERNODE_REFUSED, FederationError, LocalFederation,
+from runtime.engines.federation import (EXIT_SUPERNODE_REFUSED, FederationError, LocalFederation,
                                is_loopback)
 from tests.helpers import flower_pids
 

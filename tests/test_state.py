@@ -15,7 +15,7 @@ from common import protocol as P
 from strategies.registry import ALGORITHMS
 from tests.helpers import assert_states_equal, fast_config, metrics, run_with_snapshots
 from tests.reference import PAPER_PATTERN
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 
 # ---------------------------------------------------------------- what crosses the wire
 

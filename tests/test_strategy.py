@@ -18,7 +18,7 @@ import client.app as real_client
 from common import codec
 from common import protocol as P
 from common.config import RunConfig
-from tools.engines.inprocess import InProcessGrid, run_inprocess
+from runtime.engines.inprocess import InProcessGrid, run_inprocess
 from strategies.aggregate import client_weights, weighted_sum
 from strategies.strategy import NoNodesError
 from strategies.mofedsam import MoFedSAM

@@ -19,13 +19,13 @@ import pytest
 import torch
 from torch import nn
 
-import tools.engines.inprocess  # noqa: F401 (flwr's log handler: see tests/test_bad_input.py)
+import runtime.engines.inprocess  # noqa: F401 (flwr's log handler: see tests/test_bad_input.py)
 from common.config import ConfigError, RunConfig
 from common.models import build_model, register_model
 from common.references import BadReference
 from strategies import registry  # noqa: F401 (registers the algorithms' keys)
 from tests.test_bad_input import check_cli
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 
 USER_MODELS = '''
 from torch import nn
@@ -229,7 +229,7 @@ def test_the_engines_hand_the_users_folder_to_the_processes_they_start(user_dir,
     """run_local/run_ray put the folder of the run's own code on the PYTHONPATH of every process
     they start; a module inside the app directory but outside its FAB gets a note, since
     ``flwr run`` to a real deployment would not ship it."""
-    from tools.engines import hand_user_code, outside_fab, user_code
+    from runtime.engines import hand_user_code, outside_fab, user_code
 
     cfg = RunConfig.from_mapping({"model": f"{user_dir}:tiny"})
     texts, roots = user_code(cfg)

@@ -14,7 +14,7 @@ from common.config import ConfigError, RunConfig
 from common.datasets import load_dataset
 from common.userdata import DataError, load
 from tests.helpers import fast_config, user_module_file
-from tools.engines.inprocess import run_inprocess
+from runtime.engines.inprocess import run_inprocess
 
 
 def write_npz(folder: Path, xtr, ytr, xte, yte) -> Path:

@@ -1,4 +1,4 @@
-"""The vectorised engine (tools/engines/vectorized.py, tools.engines.inprocess.VectorizedGrid) against its
+"""The vectorised engine (runtime/vectorized.py, runtime.engines.inprocess.VectorizedGrid) against its
 contract: it trains a round's sampled clients together under ``torch.func.vmap``, running the
 same client rule code, so a vectorised run equals an in-process run up to the float rounding
 of batched kernels -- for every algorithm, with padded last batches, ragged (Dirichlet)
@@ -25,14 +25,14 @@ import torch
 from torch import nn
 
 # imported first (see tests/test_bad_input.py: flwr's log handler keeps the stderr of its import)
-import tools.engines.inprocess  # noqa: F401
+import runtime.engines.inprocess  # noqa: F401
 import client.app as client_module
-import tools.engines.vectorized as vec
+import runtime.vectorized as vec
 from client.app import app as client_app
 from client.batch import ModelBatch, cross_entropy, mean_kl, trainable
 from client.state import latest
 from client.train import build_rule
-from tools.engines.vectorized import FunctionalBatch, check_batchable, groups, padded, sgd_step
+from runtime.vectorized import FunctionalBatch, check_batchable, groups, padded
 from common import codec
 from common import protocol as P
 from common.config import RunConfig
@@ -41,7 +41,7 @@ from strategies.registry import ALGORITHMS
 from server.run import RunFailed, run_server
 from tests.helpers import FIRST_NODE, metrics
 from tools.cli import main as cli
-from tools.engines.inprocess import InProcessGrid, VectorizedGrid, run_inprocess
+from runtime.engines.inprocess import InProcessGrid, VectorizedGrid, run_inprocess
 from tools.prepare import UsageError, preflight
 
 # iid digits over 8 clients: 1437 = 5 x 180 + 3 x 179 samples, 6 steps of 32 each; the last
@@ -85,7 +85,7 @@ def batching_always_pays(monkeypatch):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records every group tools.engines.vectorized trains together (its size, step count and
+    """Records every group runtime.vectorized trains together (its size, step count and
     partitions) and whether each stacked mini-batch was padded (padded() gave weights)."""
     seen = {"groups": [], "padded": 0, "unpadded": 0}
     train_group, pad = vec.train_group, vec.padded
@@ -337,39 +337,6 @@ def test_groups_split_clients_by_rule_shape():
     assert sorted(groups(calls)) == [[0, 2], [1, 3]]
 
 
-@pytest.mark.parametrize("options", [
-    {"momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.0},
-    {"momentum": 0.9, "weight_decay": 1e-2, "clip_norm": 0.0},
-    {"momentum": 0.9, "weight_decay": 1e-3, "clip_norm": 0.5},
-    {"momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.5},
-])
-def test_sgd_step_is_torch_sgd_with_clipping_client_by_client(options):
-    torch.manual_seed(2)
-    cfg = SimpleNamespace(**options)
-    lr, clients, steps = 0.1, 4, 4
-    shapes = [(5, 3), (5,), (2, 2, 3)]
-    start = [torch.randn(clients, *s) for s in shapes]
-    grads = [[torch.randn(clients, *s) * (1 + 3 * i) for s in shapes] for i in range(steps)]
-    stacked, buffers = [p.clone() for p in start], None
-    for g in grads:
-        buffers = sgd_step(stacked, [t.clone() for t in g], buffers, cfg, lr)
-    assert (buffers is not None) == bool(options["momentum"])
-    for c in range(clients):
-        params = [nn.Parameter(p[c].clone()) for p in start]
-        opt = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        for g in grads:
-            for p, t in zip(params, g):
-                p.grad = t[c].clone()
-            if cfg.clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm)
-            opt.step()
-        for p, s in zip(params, stacked):
-            torch.testing.assert_close(s[c], p.detach(), rtol=1e-6, atol=1e-6)
-    if options["clip_norm"]:  # the clip really acted (gradients have norms far above 0.5)
-        assert all(torch.linalg.vector_norm(torch.cat([t[c].flatten() for t in g])) > 1
-                   for g in grads for c in range(clients))
-
-
 # ---------------------------------------------------------------- 6. models it cannot batch
 class BNNet(nn.Module):
     def __init__(self, input_shape, num_classes):
@@ -592,7 +559,7 @@ def test_a_client_that_opens_late_trains_alone_with_the_same_result(tmp_path, mo
     when it opens (TrainCall.run), not waited for: the same model as the in-process engine."""
     from client.app import TrainCall
 
-    monkeypatch.setattr(tools.engines.inprocess, "STRAGGLER_WAIT", 0.2)
+    monkeypatch.setattr(runtime.engines.inprocess, "STRAGGLER_WAIT", 0.2)
     opening = TrainCall.open.__func__
 
     def slow_open(cls, msg, context, self_report=True):

@@ -1,4 +1,4 @@
-"""A deployed round without Flower's waits: the warm ClientApp worker (tools/engines/worker.py), the
+"""A deployed round without Flower's waits: the warm ClientApp worker (runtime/worker.py), the
 opt-in fast poll of the pinned Flower (common/fastpoll.py), and node errors on the operator's
 screen. The deployment-equals-in-process tests (test_engines, test_reliability,
 test_security) run in the warm mode, the default; test_engines also runs the stock mode and
@@ -22,7 +22,7 @@ from common import fastpoll
 from strategies.participation import error_text
 from tests.helpers import ROOT, flower_pids, round_deadline
 from tools.cli import main as cli
-from tools.engines.federation import FederationError, LocalFederation, free_port
+from runtime.engines.federation import FederationError, LocalFederation, free_port
 
 
 # ---------------------------------------------------------------- fast poll (no processes)
@@ -130,10 +130,10 @@ def test_the_worker_never_outlives_its_supervisor_or_its_supernode(tmp_path):
     supervisor (killed as a whole by nothing else), and both end with the SuperNode pid given."""
     stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "tools.engines.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "runtime.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
          "--insecure"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     second = subprocess.Popen(
-        [sys.executable, "-m", "tools.engines.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "runtime.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
          "--insecure", "--parent-pid", str(stand_in.pid)], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children: dict[int, int] = {}
@@ -164,7 +164,7 @@ def test_sigterm_stops_the_supervisor_and_its_worker_at_once():
     the worker and exits 0, well before Docker's 10 s stop timeout would SIGKILL it (the
     compose e2e run saw exit code 137 before the supervisor handled the signal)."""
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "tools.engines.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "runtime.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
          "--insecure"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     worker = None
     try:
@@ -202,7 +202,7 @@ def test_the_worker_says_where_it_connected_and_where_it_cannot(tmp_path):
     port = free_port()
     log = tmp_path / "lonely.log"
     with open(log, "w") as out:
-        lonely = subprocess.Popen([sys.executable, "-m", "tools.engines.worker", "--runtime-api-address",
+        lonely = subprocess.Popen([sys.executable, "-m", "runtime.worker", "--runtime-api-address",
                                    f"127.0.0.1:{port}", "--insecure"], cwd=ROOT, stdout=out, stderr=out)
     try:
         line = _wait_for_line(log, "cannot reach", round_deadline())

@@ -60,7 +60,7 @@ from common.models import build_model
 from strategies.registry import ALGORITHMS
 from strategies.registry import get as get_spec
 from server.rundir import load_checkpoint, load_tensors
-from tools.engines import quiet_flower
+from runtime.engines import quiet_flower
 from tools.parsers import BENCH_SECTIONS as SECTIONS
 from tools.parsers import bench as build_parser
 from tools.throughput import ThroughputSettings, bench_throughput
@@ -315,7 +315,7 @@ def _plain_flower_fedavg_seconds(cfg: RunConfig, clients: int) -> list[float]:
     from client.train import local_train, round_generator
     from common.data import client_split, dataset_for
     from common.evaluate import evaluate
-    from tools.engines.inprocess import InProcessGrid
+    from runtime.engines.inprocess import InProcessGrid
 
     data = dataset_for(cfg)
     plain = ClientApp()
@@ -380,7 +380,7 @@ def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path
 
 
 def bench_overhead(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
-    from tools.engines.inprocess import run_inprocess
+    from runtime.engines.inprocess import run_inprocess
 
     clients = 4
     cfg_dict = _overhead_config(workdir / "ours", settings.quick)
@@ -427,7 +427,7 @@ def bench_overhead(settings: Settings, workdir: Path, say=_silent) -> dict[str, 
 
 # ---------------------------------------------------------------------------- communication
 def _fast_run(workdir: Path, name: str, clients: int, **overrides) -> tuple[Path, Any]:
-    from tools.engines.inprocess import run_inprocess
+    from runtime.engines.inprocess import run_inprocess
 
     cfg = {**get_spec(name).example_config(), "dataset": "synthetic", "model": "mlp", "partition": "iid",
            "local-steps": 2, "batch-size": 64, "num-server-rounds": 2,
@@ -469,7 +469,7 @@ class _WireGrid:
 
 def bench_communication(workdir: Path, say=_silent) -> list[dict[str, Any]]:
     from client.app import app as client_app
-    from tools.engines.inprocess import InProcessGrid
+    from runtime.engines.inprocess import InProcessGrid
     from server.run import run_server
 
     rows = []
@@ -596,7 +596,7 @@ def _hvp_seconds(model, split: Split, hvp: str, repeats: int, batch_size: int) -
 
 def _flatness_run(model_name: str, workdir: Path, knobs: dict) -> tuple[Path, dict]:
     """The in-process FedAvg run whose rounds are timed and whose final model is measured."""
-    from tools.engines.inprocess import run_inprocess
+    from runtime.engines.inprocess import run_inprocess
 
     plan = {**FLATNESS_RUNS[model_name], **knobs["run"]}
     cfg = {"algorithm": "fedavg", "dataset": plan["dataset"], "model": model_name, "partition": "iid",

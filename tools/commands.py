@@ -1,6 +1,6 @@
 """What each ``flatflower`` command does, as functions of its parsed arguments (the CLI, the
 sweep and the tests call them): prepare the run (tools/prepare.py), run it on an engine
-(tools/engines/__init__.py), print its rounds and outcome (tools/progress.py). Each returns the exit code.
+(runtime/engines/__init__.py), print its rounds and outcome (tools/progress.py). Each returns the exit code.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tools import engines
+from runtime import engines
 from tools.prepare import UsageError, app_dir, check_device, log_dir, node_configs, preflight, resolve_config
 from tools.presets import PresetError, available, load_preset
 from tools.progress import EXIT_FAILED, EXIT_OK, Progress, finish
@@ -49,7 +49,7 @@ def run(command: str, args: argparse.Namespace | list[str], handler: Callable[[A
     from server.run import RunFailed
     from server.rundir import RunDirError, RunWriteError
     from strategies.participation import NoNodesError
-    from tools.engines.federation import FederationError
+    from runtime.engines.federation import FederationError
     from tools.prepare import apply_preset
 
     try:
@@ -195,7 +195,7 @@ def algorithm_table(markdown: bool = False) -> str:
 
 def certs(args: argparse.Namespace) -> int:
     """Write a CA, the SuperLink's certificate and --nodes SuperNode key pairs to OUT_DIR."""
-    from tools.certs import CertError, generate_certs, summary
+    from runtime.certs import CertError, generate_certs, summary
 
     try:
         files = generate_certs(Path(args.out_dir), args.nodes, args.hosts, days=args.days,

@@ -11,10 +11,11 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from common.config import (MAX_SECONDS, ConfigError, RunConfig, check_types, cli_float, cli_int,
                            parse_assignments, user_path)
+from runtime.args import Parser  # noqa: F401 - the commands' parser, here with their arguments
 from tools.presets import load_preset
 
 DEFAULT_CLIENTS = 4
@@ -26,14 +27,6 @@ class UsageError(Exception):
 
 
 # ---------------------------------------------------------------------------- arguments
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one ``error:`` line and exit code 2 (argparse's own
-    print the whole usage first); its subcommands' parsers are of this class too."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
 def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
     """The options of every command that runs a federation (local, simulate; sweep without
     the ``per_run`` ones it sets itself: --algorithm, --seed, --run-dir, --resume)."""
@@ -388,14 +381,13 @@ def _default_run_dir(cfg: RunConfig) -> Path:
 
 def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
               nodes: dict[int, dict[str, str]] | None = None) -> None:
-    """Load the data and build the partition here, so bad input fails before any process starts
-    (and, for the vectorised engine, that the model can be batched). partition = local: no
-    partition and no dataset on the server (the model is built from input-shape and
-    num-classes); each node's folder (``nodes``: --node-data) must load and fit, one line each."""
-    from common.augment import check_train_transform
-    from common.data import dataset_for, model_shape, partitions_for
-    from common.models import build_model
-    from common.references import BadReference
+    """Set the run up here (server/setup.py: the ServerApp's own setup: data, model, strategy,
+    checkpoint and client state), so bad input fails before any process starts; and what only
+    this command knows: every client's partition is non-empty, each node's folder (``nodes``:
+    --node-data, partition = local) loads and fits, the vectorised engine can batch the model,
+    the aggregator gets enough clients per round."""
+    from common.data import partitions_for
+    from server.setup import prepare_run
 
     if cfg.local_data():
         check_node_folders(cfg, nodes)
@@ -404,23 +396,12 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
         empty = [i for i, p in enumerate(parts) if len(p) == 0]
         if empty:
             raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
-        try:
-            check_train_transform(cfg.train_transform, dataset_for(cfg))
-        except ValueError as err:  # TransformError, BadReference
-            raise UsageError(str(err)) from None
-    input_shape, num_classes = model_shape(cfg)
     try:
-        model = build_model(cfg.resolved_model(), input_shape, num_classes, seed=0)
-    except BadReference as err:  # the user's own model: already one line naming the key
+        model = prepare_run(cfg).model
+    except ValueError as err:  # BadReference, TransformError, a model that does not fit, a damaged checkpoint
         raise UsageError(str(err)) from None
-    except ValueError as err:
-        raise UsageError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
-    if cfg.resume:
-        from common.models import buffer_names
-
-        _check_strategy_state(cfg, model.state_dict(), buffer_names(model))
     if engine == "vectorized":
-        from tools.engines.vectorized import check_batchable
+        from runtime.vectorized import check_batchable
 
         try:
             check_batchable(model, cfg.resolved_model())
@@ -458,26 +439,6 @@ def check_node_folders(cfg: RunConfig, nodes: dict[int, dict[str, str]] | None) 
             check_train_transform(cfg.train_transform, check_local_data(cfg, folder, trains))
         except ValueError as err:  # DataError, TransformError
             raise UsageError(f"{what}: {err}") from None
-
-
-def _check_strategy_state(cfg: RunConfig, model_state: dict, buffers: list[str]) -> None:
-    """UsageError unless the checkpoint's strategy state is what this run's strategy allocates
-    (as the ServerApp will load it), and RunDirError unless the client state it needs is there:
-    a damaged checkpoint or client state is refused before anything starts."""
-    from common.data import partitions_for
-    from server.rundir import CHECKPOINT, check_client_state, load_checkpoint
-    from strategies.registry import get as get_spec
-
-    strategy = get_spec(cfg.algorithm).new_strategy(
-        cfg, model_state,
-        partition_sizes=None if cfg.local_data() else lambda n: [len(p) for p in partitions_for(cfg, n)],
-        buffers=buffers)
-    ckpt = load_checkpoint(cfg.run_dir)
-    try:
-        strategy.load_state_dict(ckpt["strategy"])
-    except ValueError as err:
-        raise UsageError(f"checkpoint {Path(cfg.run_dir) / CHECKPOINT} is damaged: {err}") from None
-    check_client_state(cfg, ckpt)
 
 
 def app_dir(given: str | None) -> Path:

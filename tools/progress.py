@@ -33,15 +33,6 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def seconds_text(value: Any) -> str:
-    """A number of seconds as Flower reports it (``31.795824``, maybe as text) -> ``31.8s``;
-    anything else as it is."""
-    try:
-        return f"{float(value):.1f}s"
-    except (TypeError, ValueError):
-        return printable(value, 40)
-
-
 def accuracy_text(row: dict[str, Any], loss: bool = False) -> str:
     """``test accuracy 61.20%`` (``loss``: with its loss) of a metrics.jsonl row; a run with no
     evaluation set on the server (partition = local) shows its federated evaluation's

@@ -195,7 +195,7 @@ def measure_inprocess(cfg: dict[str, Any], clients: int, vectorized: bool) -> li
     from flwr.app import MessageType
 
     from server.app import app as server_app
-    from tools.engines.inprocess import run_inprocess
+    from runtime.engines.inprocess import run_inprocess
 
     stamps: dict[int, tuple[float, float]] = {}
 
@@ -306,7 +306,7 @@ def _summary(engine: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
 
 def bench_throughput(settings: ThroughputSettings, workdir: Path, say=lambda text: None) -> dict[str, Any]:
     """Every (algorithm, model, N) with each engine, interleaved; the rows of the table."""
-    from tools.engines import quiet_flower
+    from runtime.engines import quiet_flower
 
     loads = [load_average()]  # before the section and before each run
     rows: list[dict[str, Any]] = []

@@ -9,7 +9,7 @@ instead (no SuperNodes; Flower's Ray engine runs the clients). Runs are submitte
 Every process it started, and their children, are stopped by PID on exit.
 
 With ``tls=True`` the federation runs as a real one should: certificates and node keys are
-generated into the work directory (tools/certs.py), the SuperLink serves both APIs over TLS
+generated into the work directory (runtime/certs.py), the SuperLink serves both APIs over TLS
 with ``--enable-supernode-auth``, every node's public key is registered with
 ``flwr supernode register`` before the SuperNodes start, and each SuperNode authenticates with
 its own private key. ``start_supernode`` starts an extra SuperNode with any key (e.g. an
@@ -19,6 +19,7 @@ see ``flower_exit_code``). Binding anything other than loopback is refused witho
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import os
@@ -34,12 +35,16 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
 from common import fastpoll
+from common.fastpoll import FastPollError, check_version
+from runtime.certs import generate_certs
+from server.rundir import open_file  # never through a link planted in the run's logs
 
 FINISHED = "finished"
 COMPLETED = "finished:completed"
@@ -66,8 +71,6 @@ def free_port() -> int:
     """A free TCP port on 127.0.0.1 that no other flatflower process on this machine was given in
     the last 10 minutes (a ledger under a lock: federations started side by side, as parallel
     tests do, never race for a port between choosing it and binding it)."""
-    import fcntl
-
     with open(PORT_LEDGER, "a+") as ledger:
         fcntl.flock(ledger, fcntl.LOCK_EX)
         ledger.seek(0)
@@ -169,7 +172,7 @@ def _marked(mark: str) -> list[int]:
 
 
 def reap(mark: str, owner: int) -> None:
-    """The reaper a federation starts (``python -m tools.engines.federation MARK OWNER``): once the
+    """The reaper a federation starts (``python -m runtime.engines.federation MARK OWNER``): once the
     process ``owner`` that started the federation is gone without stopping it (``kill -9``,
     the OOM killer), SIGKILL every process of it, the runs' ServerApps first (never a round
     against no SuperNodes). A federation its owner stops ends its reaper with the rest."""
@@ -262,8 +265,6 @@ class LocalFederation:
         if clientapps not in CLIENTAPP_MODES:
             raise FederationError(f"clientapps={clientapps!r} is not one of {', '.join(CLIENTAPP_MODES)}")
         if fast_poll:
-            from common.fastpoll import FastPollError, check_version
-
             try:
                 check_version()
             except FastPollError as err:
@@ -276,7 +277,7 @@ class LocalFederation:
         dial = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         self.dial_host = f"[{dial}]" if ":" in dial else dial
         self.bind_host = f"[{self.host}]" if ":" in self.host else self.host
-        self.certs = None  # tools.certs.CertFiles once started with tls
+        self.certs = None  # runtime.certs.CertFiles once started with tls
         self.node_ids: dict[str, int] = {}  # registered node name -> node id (tls)
         self.node_config = dict(node_config or {})  # every SuperNode's extra --node-config
         self.node_configs = {int(i): dict(c) for i, c in (node_configs or {}).items()}  # per partition
@@ -302,8 +303,6 @@ class LocalFederation:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        from server.rundir import open_file  # never through a link planted in the run's logs
-
         log_file = open_file(self.log_dir / f"{name}.log", "w")
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=self.env,
                                 cwd=self.work_dir, start_new_session=True)
@@ -339,7 +338,7 @@ class LocalFederation:
     def start(self, timeout: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        self._spawn("reaper", [sys.executable, "-m", "tools.engines.federation", self.mark, str(os.getpid())])
+        self._spawn("reaper", [sys.executable, "-m", "runtime.engines.federation", self.mark, str(os.getpid())])
         cmd = [flower_command("flower-superlink"), *self._superlink_security(),
                "--isolation", "subprocess", "--disable-runtime-dependency-installation",
                # Flower's in-memory state, not an SQLite file: a federation lives as long as
@@ -354,8 +353,6 @@ class LocalFederation:
         self._write_connection()
         nodes = 0 if self.simulation else self.num_nodes
         if self.tls:  # a node must be registered before it connects, or it is refused
-            from concurrent.futures import ThreadPoolExecutor
-
             with ThreadPoolExecutor(max_workers=4) as pool:  # each `flwr` call costs ~2.5 s
                 list(pool.map(lambda i: self.register(self.certs.node_keys[i], f"node-{i}"),
                               range(nodes)))
@@ -381,8 +378,6 @@ class LocalFederation:
     def _superlink_security(self) -> list[str]:
         if not self.tls:
             return ["--insecure"]
-        from tools.certs import generate_certs
-
         hosts = [] if is_loopback(self.host) or self.host in ("0.0.0.0", "::") else [self.host]
         self.certs = generate_certs(self.work_dir / "certs", max(self.num_nodes, 1), hosts,
                                     days=2, force=True)
@@ -426,7 +421,7 @@ class LocalFederation:
             *supernode, *security, *isolation, "--grpc-rere",
             "--superlink", f"{self.dial_host}:{self.fleet_port}", "--port", str(port),
             "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())])
-        if self.clientapps == "warm":  # its ClientApps run in one long-lived worker (tools/engines/worker.py)
+        if self.clientapps == "warm":  # its ClientApps run in one long-lived worker (runtime/worker.py)
             self._spawn(f"{name}-worker", [
                 flower_command("flatflower-worker"), "--runtime-api-address", f"127.0.0.1:{port}",
                 "--insecure", "--parent-pid", str(proc.pid)])
@@ -606,8 +601,6 @@ class LocalFederation:
                 and table.get(pid, (0, b""))[1] == cmd}
 
     def save_log(self, run_id: int, path: Path) -> None:
-        from server.rundir import open_file
-
         try:
             text = self.flwr("log", str(run_id), self.connection, "--show", timeout=60)
         except FederationError as err:

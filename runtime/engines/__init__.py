@@ -11,16 +11,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.config import RunConfig
-from tools.progress import seconds_text
+from common.references import BadReference, is_reference, module_roots, resolve, with_pythonpath
+from common.schema import printable
+from runtime.engines.federation import COMPLETED, LocalFederation
+from runtime.engines.inprocess import run_inprocess, stop_runs
 
 OnPoll = Callable[[], None]
 
@@ -34,8 +40,6 @@ def user_code(cfg: RunConfig) -> tuple[list[str], list[str]]:
     starts (a SuperNode, the ServerApp, a Ray worker) gets those directories on its
     PYTHONPATH, so it resolves the same references; a reference that does not import here is
     left to the run's own one-line error."""
-    from common.references import BadReference, is_reference, module_roots, resolve
-
     texts = [v for k, v in cfg.to_dict().items() if k not in REFERENCE_KEYS_EXCLUDED and is_reference(v)]
     for key, text in ((k, v) for k, v in cfg.to_dict().items() if v in texts):
         with contextlib.suppress(BadReference):
@@ -46,8 +50,6 @@ def user_code(cfg: RunConfig) -> tuple[list[str], list[str]]:
 def fab_pattern(pattern: str):
     """A ``fab-include`` glob as a regular expression (``**/`` = any directories, ``*`` = any
     characters but ``/``)."""
-    import re
-
     out = re.escape(pattern).replace(r"\*\*/", "(?:.*/)?").replace(r"\*", "[^/]*")
     return re.compile(f"^{out}$")
 
@@ -56,8 +58,6 @@ def outside_fab(app: Path, roots: list[str], texts: list[str]) -> list[str]:
     """The files of the user's modules (``texts``' modules, found under ``roots``) that lie in
     the app directory ``app`` but that its FAB leaves out (``[tool.flwr.app] fab-include``):
     ``flwr run`` ships the FAB alone, so a real deployment's SuperNodes would not have them."""
-    import sys
-
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -83,14 +83,21 @@ def outside_fab(app: Path, roots: list[str], texts: list[str]) -> list[str]:
 def hand_user_code(env: dict[str, str], cfg: RunConfig, app: Path) -> dict[str, str]:
     """``env`` with the directories of the run's own code (:func:`user_code`) on PYTHONPATH,
     after a note when that code lies in the app directory but outside its FAB."""
-    from common.references import with_pythonpath
-
     texts, roots = user_code(cfg)
     for rel in outside_fab(app, roots, texts):
         print(f"note: {rel} (your code, in the app directory) is not in the FAB that 'flwr run' ships "
               f"(pyproject.toml fab-include): this local federation finds it through PYTHONPATH, but a "
               f"real deployment's SuperNodes need it installed or on their PYTHONPATH", flush=True)
     return with_pythonpath(env, roots)
+
+
+def seconds_text(value: Any) -> str:
+    """A number of seconds as Flower reports it (``31.795824``, maybe as text) -> ``31.8s``;
+    anything else as it is."""
+    try:
+        return f"{float(value):.1f}s"
+    except (TypeError, ValueError):
+        return printable(value, 40)
 
 
 @dataclass(frozen=True)
@@ -102,11 +109,9 @@ class Outcome:
 def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
               on_poll: OnPoll, device: str = "auto", tls: bool = False, clientapps: str = "warm",
               fast_poll: bool = False, node_configs: dict[int, dict] | None = None) -> Outcome:
-    """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (tools/engines/federation.py), each
+    """A real SuperLink and ``clients`` SuperNodes on 127.0.0.1 (runtime/engines/federation.py), each
     with a warm ClientApp worker (or Flower's process per message: ``clientapps="stock"``);
     ``node_configs``: partition id -> that SuperNode's own node-config keys (its data-dir)."""
-    from tools.engines.federation import COMPLETED, LocalFederation
-
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     t0 = time.monotonic()
     try:
@@ -134,8 +139,6 @@ def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: f
 def run_ray(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
             on_poll: OnPoll, cpus_per_client: int = 1, gpus_per_client: float = 0.0) -> Outcome:
     """Flower's simulation engine (Ray) with ``clients`` virtual SuperNodes."""
-    from tools.engines.federation import COMPLETED, LocalFederation
-
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     try:
         fed = LocalFederation(0, work, logs, simulation=True)
@@ -172,11 +175,9 @@ def quiet_flower():
 
 def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized: bool = False,
                    node_configs: dict[int, dict] | None = None) -> Outcome:
-    """The real ServerApp and ClientApps in this process (tools/engines/inprocess.py), in a worker
+    """The real ServerApp and ClientApps in this process (runtime/engines/inprocess.py), in a worker
     thread while ``on_poll`` runs here; a failure of the run is raised here. ``vectorized``:
-    each round's local training in batched passes (tools/engines/vectorized.py)."""
-    from tools.engines.inprocess import run_inprocess
-
+    each round's local training in batched passes (runtime/vectorized.py)."""
     logging.getLogger("flwr").setLevel(logging.WARNING)
     for name in ("flwr.flatflower.server", "flwr.flatflower.client"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -197,8 +198,6 @@ def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized:
             on_poll()
             worker.join(0.5)
     except KeyboardInterrupt:  # let the run's threads end before the interpreter does
-        from tools.engines.inprocess import stop_runs
-
         stop_runs(worker, STOP_WAIT)
         raise
     if failure:

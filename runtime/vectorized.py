@@ -16,8 +16,8 @@ its last step: its weights, momentum and rule tensors keep their values. :func:`
 clients (sorted by step count) so that padded work stays within PADDING_BUDGET of the real
 work; a group smaller than MIN_GROUP, or of a model whose batched gradient is slower on this
 device (:func:`batching_pays`), trains client by client with the ClientApp's own loop. The SGD
-step (weight decay, momentum, clipping) is torch.optim.SGD's arithmetic on the stacked
-tensors, client by client.
+step (clipping, weight decay, momentum, the step's lr) is the one client/train.py takes
+(client/sgd.py), on the stacked tensors, client by client.
 
 Every client's data, shuffling RNG, rule and reply are those of its own ``train`` call
 (client.app.TrainCall), so a vectorised run equals an in-process one up to the float rounding
@@ -39,9 +39,11 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from client.algorithms.base import ClientRule
+from client.app import report_of
 from client.batch import ModelBatch, Objective, cross_entropy
-from common.tensors import Tensors, add
+from client.sgd import masked, sgd_step
 from client.train import LocalResult, autocast, batch_indices
+from common.tensors import Tensors, add
 
 log = logging.getLogger("flwr.flatflower.client")
 UNBATCHABLE = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
@@ -202,8 +204,6 @@ def evaluate_stacked(model: nn.Module, names: Sequence[str], params: Tensors, sp
 
 def self_reports(calls: Sequence, params: Tensors, when: str) -> list[dict[str, float]]:
     """client.app's ``client-eval`` self-reports of a group, batched (client.app.report_of)."""
-    from client.app import report_of
-
     first = calls[0]
     if not first.cfg.client_eval:
         return [{} for _ in calls]
@@ -270,42 +270,6 @@ def padded(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]):
     return x, y, weight
 
 
-def per_client(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """One value per client (dim 0), shaped to broadcast over ``like``'s other dimensions."""
-    return values.view(-1, *[1] * (like.dim() - 1))
-
-
-def masked(active: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` for the active clients (dim 0), ``old`` for the others; ``new`` if all are."""
-    if active is None:
-        return new
-    return torch.where(per_client(active, new), new, old)
-
-
-def sgd_step(params: Tensors, grads: Tensors, buffers: list | None, cfg, lr: float | torch.Tensor,
-             active: torch.Tensor | None = None) -> list | None:
-    """torch.optim.SGD's step (with clip_grad_norm_ first) on stacked tensors, per client (the
-    inactive ones, if ``active`` is given, unchanged); returns the momentum buffers. ``lr``:
-    one for the group, or a tensor with each client's."""
-    if cfg.clip_norm > 0:
-        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
-        total = torch.linalg.vector_norm(norms, dim=1)
-        coef = torch.clamp(cfg.clip_norm / (total + 1e-6), max=1.0)
-        grads = [g * per_client(coef, g) for g in grads]
-    if cfg.weight_decay:
-        grads = [g.add(p, alpha=cfg.weight_decay) for g, p in zip(grads, params)]
-    if cfg.momentum:
-        if buffers is None:  # the first step, which every client takes
-            buffers = [g.clone() for g in grads]
-        else:
-            buffers = [masked(active, buf * cfg.momentum + g, buf) for buf, g in zip(buffers, grads)]
-        grads = buffers
-    for p, g in zip(params, grads):
-        step = p - per_client(lr, g) * g if isinstance(lr, torch.Tensor) else torch.add(p, g, alpha=-lr)
-        p.copy_(masked(active, step, p))
-    return buffers
-
-
 def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     """Train the models of ``calls`` (one group: see :func:`groups`) in place, together.
 
@@ -360,7 +324,8 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
             if not np.isfinite(loss[i]):
                 failed.setdefault(int(i), FloatingPointError(f"local loss became {loss[i]} at step {k + 1}"))
             losses[i].append(float(loss[i]))
-        buffers = sgd_step(params, [d.detach() for d in direction], buffers, cfg, step_lr(k), active)
+        buffers = sgd_step(params, [d.detach() for d in direction], buffers, lr=step_lr(k), momentum=cfg.momentum,
+                           weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm, clients=True, active=active)
     after = self_reports(calls, params, "after")
     # each client's trained weights, rule and self-reports back into its own call
     results: list[LocalResult | Exception] = []
@@ -391,7 +356,7 @@ def batching_pays(call) -> bool:
     (:func:`adopt_batching`); always on a GPU. On a CPU, convolutions batched under vmap
     become grouped convolutions, which lose to each client's own (LeNet: 2-4x slower) while
     small models win. A measurement can come out either way near the break-even point, so a
-    run records its choices (tools/engines/inprocess.py: ``vectorized.json``) and its resume reuses them.
+    run records its choices (runtime/engines/inprocess.py: ``vectorized.json``) and its resume reuses them.
     The run-config key ``batching`` (``on`` | ``off``) pins the choice instead, on every device:
     then two fresh runs of one command take the same path."""
     if call.cfg.batching != "auto":

@@ -33,6 +33,15 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
+from client.app import TrainCall
+from client.app import app as default_client_app
+from common.config import RunConfig
+from common.data import model_shape
+from common.models import build_model
+from runtime.vectorized import adopt_batching, batching_choices, check_batchable, train_together
+from server.app import app as default_server_app
+from server.rundir import default_run_dir, write_json
+
 log = logging.getLogger("flwr.flatflower.server")
 
 CLIENT_APP_RAISED_EXCEPTION = 2
@@ -212,32 +221,26 @@ class InProcessGrid(Grid):
 
 class VectorizedGrid(InProcessGrid):
     """The in-process grid, with the train messages of a push trained together
-    (tools/engines/vectorized.py): each is opened by the ClientApp's own ``TrainCall``, all train in
+    (runtime/vectorized.py): each is opened by the ClientApp's own ``TrainCall``, all train in
     batched passes in one worker thread, and each gets the reply its ClientApp would have sent
     (or its error reply). Other messages (query, evaluate) go to the ClientApp one by one.
     Messages are not deep-copied: the client side only reads them and builds new replies."""
 
-    CHOICES = "vectorized.json"  # in the run directory: which models it batched (tools.engines.vectorized)
+    CHOICES = "vectorized.json"  # in the run directory: which models it batched (runtime.vectorized)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         run_dir = next(iter(self.contexts.values())).run_config.get("run-dir") if self.contexts else ""
         self.choices_file = Path(run_dir) / self.CHOICES if run_dir else None
         if self.choices_file is not None and self.choices_file.is_file():  # a resumed run batches as before
-            from tools.engines.vectorized import adopt_batching
-
             try:
                 adopt_batching(json.loads(self.choices_file.read_text()))
             except (OSError, ValueError, AttributeError) as err:
                 log.warning("%s is unreadable (%s): batching is measured again", self.choices_file, err)
 
     def _record_choices(self) -> None:
-        from tools.engines.vectorized import batching_choices
-
         choices = batching_choices()
         if self.choices_file is not None and choices:
-            from server.rundir import write_json
-
             with contextlib.suppress(OSError):  # a record, never the run's end
                 write_json(self.choices_file, choices)
 
@@ -262,9 +265,6 @@ class VectorizedGrid(InProcessGrid):
         once none is waiting the batch goes on without it; a late call trains alone in its own
         thread when it opens (the same result: the engines agree), as a hung client stays
         hung alone."""
-        from client.app import TrainCall
-        from tools.engines.vectorized import train_together
-
         arrived = threading.Condition()
         waiting = list(range(len(messages)))
         opened: dict[int, Any] = {}  # message index -> its TrainCall, or the exception
@@ -360,12 +360,8 @@ def _run(outcome) -> Message:
 
 def check_vectorizable(cfg) -> None:
     """ValueError (one line) before any round when the run's model cannot be batched by the
-    vectorised engine (buffers such as BatchNorm's statistics, dropout: tools.engines.vectorized.
+    vectorised engine (buffers such as BatchNorm's statistics, dropout: runtime.vectorized.
     check_batchable): the engine refuses it itself, not only the CLI."""
-    from common.data import model_shape
-    from common.models import build_model
-    from tools.engines.vectorized import check_batchable
-
     input_shape, num_classes = model_shape(cfg)  # partition = local: from the run config, no data here
     check_batchable(build_model(cfg.resolved_model(), input_shape, num_classes, seed=0), cfg.resolved_model())
 
@@ -379,11 +375,6 @@ def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
     """Run the real ServerApp against ``num_clients`` in-process ClientApps (``vectorized``:
     their local training batched, :class:`VectorizedGrid`); ``node_configs``: partition id ->
     that node's own node-config keys (its ``data-dir``)."""
-    from client.app import app as default_client_app
-    from common.config import RunConfig
-    from server.app import app as default_server_app
-    from server.rundir import default_run_dir
-
     cfg = RunConfig.from_mapping({"num-partitions": num_clients, **run_config})
     cfg = cfg.replace(run_dir=str(Path(cfg.run_dir or default_run_dir(cfg)).resolve()))
     if vectorized:

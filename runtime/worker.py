@@ -32,6 +32,8 @@ import sys
 import time
 from logging import ERROR, INFO
 
+from runtime.args import Parser
+
 WORKER_EXIT_NEW_FAB = 3  # the worker exits to load another FAB's code (not an error)
 REASON_CHARS = 1000  # how much of an exception an error reply carries
 
@@ -186,8 +188,6 @@ def pull_task_input(client):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tools.prepare import Parser
-
     p = Parser(prog="flatflower-worker", description=(
         "A warm ClientApp worker for one SuperNode started with --isolation process: it runs "
         "the SuperNode's ClientApp tasks in one long-lived process (restarted when it exits)."))
@@ -243,7 +243,7 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
     failures = 0
     while not stopping:
         started = time.monotonic()
-        worker[:] = [subprocess.Popen([sys.executable, "-m", "tools.engines.worker", *argv, "--once",
+        worker[:] = [subprocess.Popen([sys.executable, "-m", "runtime.worker", *argv, "--once",
                                        "--supervisor-pid", str(os.getpid())])]
         if stopping:  # a signal between the check above and the start
             worker[-1].terminate()

@@ -1,0 +1,88 @@
+"""Setting a run up, once: the one piece of code that turns a run config into what a run needs
+(the server's evaluation data, the model, the strategy with its state, the round to start
+from). The ServerApp (server/run.py) runs on it, and the command line's preflight
+(tools/prepare.py) calls it before any process starts, so a setup that fails (data that does
+not load, a model that does not fit it, a damaged checkpoint, missing client state) fails there
+with one line, exactly as it would fail in the ServerApp, and nothing is written.
+
+What the run config alone decides (every key, and every algorithm x option rule:
+strategies/compatibility.py) is refused earlier still, when the run config is built.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from common.augment import check_train_transform
+from common.config import RunConfig
+from common.data import check_local_data, dataset_for, model_shape, partitions_for
+from common.models import buffer_names, build_model
+from common.references import BadReference
+from server.rundir import CHECKPOINT, check_client_state, check_resumable, load_checkpoint
+from strategies.registry import get as get_spec
+from strategies.strategy import FlatStrategy
+
+log = logging.getLogger("flwr.flatflower.server")
+
+
+@dataclass
+class RunSetup:
+    """What a run starts from (:func:`prepare_run`)."""
+
+    data: object | None  # the dataset whose test split the server evaluates on; None: it has none
+    model: nn.Module  # the run's model, with its initial weights (cfg.seed)
+    strategy: FlatStrategy  # the algorithm's strategy, its state loaded from the checkpoint when resuming
+    first: int  # the first round to play (1, or the checkpoint's round + 1)
+
+
+def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
+    """The run of ``cfg`` set up: its data loaded and checked, its model built, its strategy
+    allocated and, when ``cfg.resume``, loaded from the checkpoint of its run directory
+    (``run_dir``, default ``cfg.run_dir``), with the client state that checkpoint needs
+    checked. Writes nothing. A ValueError (or RunDirError) with one line for what does not fit."""
+    data = server_data(cfg)
+    if data is not None:  # partition = local: each node checks its own data (common/data.py)
+        check_train_transform(cfg.train_transform, data)
+    input_shape, num_classes = model_shape(cfg)
+    try:
+        model = build_model(cfg.resolved_model(), input_shape, num_classes, seed=cfg.seed)
+    except BadReference:  # the user's own model: already one line naming the key
+        raise
+    except ValueError as err:
+        raise ValueError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
+    strategy = get_spec(cfg.algorithm).new_strategy(
+        cfg, model.state_dict(), partition_sizes=None if cfg.local_data() else partition_sizes(cfg),
+        buffers=buffer_names(model))
+    first = 1
+    if cfg.resume:
+        run_dir = Path(run_dir or cfg.run_dir)
+        ckpt = load_checkpoint(run_dir)
+        check_resumable(cfg, ckpt)
+        try:
+            strategy.load_state_dict(ckpt["strategy"])
+        except ValueError as err:
+            raise ValueError(f"checkpoint {run_dir / CHECKPOINT} is damaged: {err}") from None
+        check_client_state(cfg, ckpt)  # after the checkpoint's accepted rounds were checked
+        first = ckpt["round"] + 1
+    return RunSetup(data, model, strategy, first)
+
+
+def partition_sizes(cfg: RunConfig):
+    """N -> the sizes of the N partitions of the run's dataset (the strategy's weights),
+    computed when the strategy first needs them (N: the clients, known at round 1)."""
+    return lambda n: [len(p) for p in partitions_for(cfg, n)]
+
+
+def server_data(cfg: RunConfig):
+    """The dataset whose test split the server evaluates on, or None: partition = local
+    without a ``data-dir`` of the server's own (the server holds no client's data). A server
+    evaluation set under partition = local must fit the run's model, as every node's must."""
+    if not cfg.central_evaluation():
+        log.info("partition=local and no data-dir on the server: no central evaluation; the run "
+                 "measures itself by federated evaluation (fraction-evaluate=%g)", cfg.fraction_evaluate)
+        return None
+    return check_local_data(cfg, trains=False) if cfg.local_data() else dataset_for(cfg)
