@@ -18,7 +18,7 @@ from common.augment import (Augment, TransformError, augment_generator, check_tr
                             train_augment)
 from common.config import ConfigError, RunConfig
 from common.datasets import Split, load_dataset
-from runtime.engines import vectorized as vec
+from runtime import vectorized as vec
 from runtime.engines.inprocess import run_inprocess
 from tools.prepare import UsageError, preflight
 from tests.helpers import user_module_file

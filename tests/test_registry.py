@@ -38,7 +38,7 @@ def test_every_algorithm_file_holds_a_registered_half():
     machinery) is some algorithm's or family's."""
     stems = {_file_of(name) for name in ALGORITHMS}
     shared = {"strategies": {"base", "strategy", "aggregate", "participation", "validation", "registry",
-                             "buffers"},
+                             "buffers", "compatibility"},
               "client/algorithms": {"base"}}
     for folder, machinery in shared.items():
         files = {p.stem for p in (ROOT / folder).glob("*.py")} - {"__init__"} - machinery
