@@ -296,7 +296,7 @@ def test_malformed_replies_never_crash_the_server_and_are_each_refused(tmp_path,
 def malicious_app_dir(tmp_path: Path) -> Path:
     """A copy of this Flower App whose ClientApp is tests/malicious.py (for its SuperNodes)."""
     app = tmp_path / "app"
-    for package in ("client", "common", "server", "strategies", "tools"):
+    for package in ("client", "common", "server", "strategies", "runtime", "tools"):
         shutil.copytree(ROOT / package, app / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "tests" / "malicious.py", app / "malicious.py")
     toml = (ROOT / "pyproject.toml").read_text()
