@@ -13,7 +13,10 @@ from common.tensors import global_norm, scale
 
 
 def client_weights(num_examples: Sequence[int], mode: str) -> list[float]:
-    """Aggregation weights p_i summing to 1: by sample count (``weighted``) or ``uniform``."""
+    """Aggregation weights p_i summing to 1: by sample count (``weighted``) or ``uniform``; none
+    for a round with no accepted update (which is skipped, under every mode)."""
+    if not num_examples:
+        return []
     if mode == "uniform":
         return [1.0 / len(num_examples)] * len(num_examples)
     total = float(sum(num_examples))

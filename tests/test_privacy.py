@@ -251,3 +251,29 @@ def test_dp_fedsam_without_dp_says_so(tmp_path, caplog):
         rows = run(tmp_path, "nodp", algorithm="dp-fedsam")["rows"]
     assert "dp-fedsam with dp.clip = 0: no clipping and no noise, so no privacy" in caplog.text
     assert all("dp_epsilon" not in r for r in rows)
+
+
+@pytest.mark.parametrize("aggregation, dp", [("uniform", False), ("weighted", False), ("uniform", True)])
+def test_a_round_with_no_accepted_update_is_skipped_under_every_aggregation(tmp_path, aggregation, dp):
+    """Round 1: one client fails and the other's update is NaN (refused), so no update is accepted. The round is skipped (model and server state unchanged), never the
+    run's end: under ``uniform`` too (1/M with M = 0 ended it once), and under DP (which needs
+    uniform) it spends no privacy: its ledger entry has no noise multiplier and epsilon is that of
+    round 2 alone."""
+    from tests.helpers import run_with_faults
+
+    keys = {"algorithm": "fedavg", "aggregation": aggregation, "num-server-rounds": 2}
+    if dp:
+        keys.update({"dp.clip": 1.0, "dp.noise-multiplier": 1.2})
+    rows, _ = run_with_faults(tmp_path, "empty", faults={0: "raise@1-1", 1: "nan@1-1"}, clients=2, **keys)
+    run_dir = tmp_path / "empty"
+    assert [r["skipped"] for r in rows[1:]] == [1, 0]
+    assert [r["clients_rejected"] + r["clients_failed"] for r in rows[1:]] == [2, 0]
+    assert rows[1]["test_accuracy"] == rows[0]["test_accuracy"]  # the model did not move
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    if dp:
+        assert [e["dp_noise_multiplier"] for e in _ledger(run_dir)] == [None, 1.2]
+        ledger = PrivacyLedger()
+        ledger.add_round(1.0, None)  # round 1 released nothing
+        assert rows[1]["dp_epsilon"] == ledger.epsilon(1e-5)
+        ledger.add_round(1.0, 1.2)
+        assert rows[2]["dp_epsilon"] == pytest.approx(ledger.epsilon(1e-5), rel=1e-12)
