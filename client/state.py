@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from flwr.app import Context
 
-from common import codec
+from flatflower.common import codec
 
 log = logging.getLogger("flwr.flatflower.client")
 _FILE = re.compile(r"round-(\d+)\.pt$")

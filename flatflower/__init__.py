@@ -1,6 +1,6 @@
 """flatflower's public Python API (docs/api.md): the names in ``__all__`` are public and kept
-stable; everything else (the modules of common/, client/, server/, strategies/, tools/) may
-change between versions.
+stable; everything else (the modules of flatflower.common, .client, .server, .strategies,
+.runtime, .tools) may change between versions.
 
 - :func:`run_simulation`: a federated run in this process, returning a :class:`RunResult`
   (its :class:`History`, final model and summary);
@@ -10,18 +10,55 @@ change between versions.
 - :func:`local_training`: an algorithm's client half for your own ClientApp;
 - :class:`RunConfig` and :class:`ConfigError`: the run config and its one-line refusal.
 
-Importing this package registers the algorithms (strategies/registry.py), so a RunConfig can
-be built right away.
+The public names load on first use (a module ``__getattr__``), and the first of them registers
+the algorithms (strategies/registry.py), so a RunConfig can be built right away; ``import
+flatflower`` alone imports neither PyTorch nor Flower, which keeps ``flatflower --help`` fast.
 """
 
 from __future__ import annotations
 
-import strategies.registry  # noqa: F401 - registers the algorithms' keys with the run config
-from client.app import app as client_app
-from common.config import ConfigError, RunConfig
-from flatflower._halves import TrainingResult, algorithms, local_training, server_strategy
-from flatflower._simulation import History, RunResult, run_simulation
-from server.app import app as server_app
+import os as _os
+from importlib import import_module as _import_module
 
-__all__ = ["run_simulation", "RunResult", "History", "algorithms", "server_strategy", "local_training",
-           "TrainingResult", "client_app", "server_app", "RunConfig", "ConfigError"]
+# The wheel installs ONE top-level package, flatflower: common/, client/, server/, strategies/,
+# runtime/ and tools/ are its subpackages (pyproject [tool.setuptools] package-dir), so another
+# distribution's `common` or a user's own `tools` can neither shadow nor overwrite them. In a
+# checkout (tests, `flwr run .`, whose FAB carries the repository's files) those folders sit
+# beside flatflower/: adding the repository root to this package's search path makes
+# `flatflower.common` that folder, so the code imports itself the same way in both.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_root = _os.path.dirname(_here)
+if (not _os.path.isdir(_os.path.join(_here, "common"))
+        and _os.path.isfile(_os.path.join(_root, "common", "__init__.py"))
+        and _os.path.isfile(_os.path.join(_root, "strategies", "registry.py"))
+        and _root not in __path__):
+    __path__.append(_root)
+
+_PUBLIC = {
+    "run_simulation": ("flatflower._simulation", "run_simulation"),
+    "RunResult": ("flatflower._simulation", "RunResult"),
+    "History": ("flatflower._simulation", "History"),
+    "algorithms": ("flatflower._halves", "algorithms"),
+    "server_strategy": ("flatflower._halves", "server_strategy"),
+    "local_training": ("flatflower._halves", "local_training"),
+    "TrainingResult": ("flatflower._halves", "TrainingResult"),
+    "client_app": ("flatflower.client.app", "app"),
+    "server_app": ("flatflower.server.app", "app"),
+    "RunConfig": ("flatflower.common.config", "RunConfig"),
+    "ConfigError": ("flatflower.common.config", "ConfigError"),
+}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'flatflower' has no attribute {name!r}")
+    _import_module("flatflower.strategies.registry")  # registers the algorithms' keys with the run config
+    module, attr = _PUBLIC[name]
+    value = getattr(_import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -42,9 +42,9 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from common import protocol as P
-from common import schema
-from common.config import RunConfig, defaults, user_path
+from flatflower.common import protocol as P
+from flatflower.common import schema
+from flatflower.common.config import RunConfig, defaults, user_path
 
 
 class RunDirError(RuntimeError):
@@ -236,8 +236,8 @@ def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
     last accepted round (client/state.py), and a run that went on without it would be another
     run. A relative ``client-state-dir`` is inside the run directory, where the server sees it;
     an absolute one (e.g. node-local) is checked by each client when it trains."""
-    from client.state import MissingState, StateMirror
-    from strategies.registry import get as get_spec
+    from flatflower.client.state import MissingState, StateMirror
+    from flatflower.strategies.registry import get as get_spec
 
     needed = set(get_spec(cfg.algorithm).state)
     if not needed or not cfg.client_state_dir:

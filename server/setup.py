@@ -17,14 +17,14 @@ from pathlib import Path
 
 from torch import nn
 
-from common.augment import check_train_transform
-from common.config import RunConfig
-from common.data import check_local_data, dataset_for, model_shape, partitions_for
-from common.models import buffer_names, build_model
-from common.references import BadReference
-from server.rundir import CHECKPOINT, check_client_state, check_resumable, load_checkpoint
-from strategies.registry import get as get_spec
-from strategies.strategy import FlatStrategy
+from flatflower.common.augment import check_train_transform
+from flatflower.common.config import RunConfig
+from flatflower.common.data import check_local_data, dataset_for, model_shape, partitions_for
+from flatflower.common.models import buffer_names, build_model
+from flatflower.common.references import BadReference
+from flatflower.server.rundir import CHECKPOINT, check_client_state, check_resumable, load_checkpoint
+from flatflower.strategies.registry import get as get_spec
+from flatflower.strategies.strategy import FlatStrategy
 
 log = logging.getLogger("flwr.flatflower.server")
 

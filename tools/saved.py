@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from common.config import ConfigError, RunConfig
-from common.datasets import DatasetUnavailableError, FederatedDataset, Split
-from common.models import build_model
-from server.rundir import RunDirError, load_checkpoint, load_tensors, open_file
-from tools.parsers import MODEL_FILES, SPLITS
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.datasets import DatasetUnavailableError, FederatedDataset, Split
+from flatflower.common.models import build_model
+from flatflower.server.rundir import RunDirError, load_checkpoint, load_tensors, open_file
+from flatflower.tools.parsers import MODEL_FILES, SPLITS
 
 
 
@@ -72,7 +72,7 @@ class SavedRun:
         return f"{self.cfg.algorithm} (seed {self.cfg.seed}, {self.path.name})"
 
     def dataset(self) -> FederatedDataset:
-        from common.data import dataset_for
+        from flatflower.common.data import dataset_for
 
         try:
             return dataset_for(self.cfg)
