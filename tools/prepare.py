@@ -442,9 +442,55 @@ def check_node_folders(cfg: RunConfig, nodes: dict[int, dict[str, str]] | None) 
 
 
 def app_dir(given: str | None) -> Path:
-    path = Path(given).resolve() if given else Path(__file__).resolve().parent.parent
+    """The Flower App directory `local`, Ray and `flwr run` ship as a FAB: ``--app-dir``, else
+    this checkout (the repository root beside flatflower/), else, for an installed package
+    with no checkout, one generated from the code (:func:`installed_app_dir`)."""
+    if given:
+        path = Path(given).resolve()
+    else:
+        path = Path(__file__).resolve().parent.parent
+        if not (path / "pyproject.toml").exists():  # site-packages/flatflower: no checkout
+            return installed_app_dir()
     toml = path / "pyproject.toml"
     if not toml.exists() or "[tool.flwr.app]" not in toml.read_text():
-        raise UsageError(f"{path} is not a Flower App directory (no pyproject.toml with "
-                         "[tool.flwr.app]); run from a flatflower checkout or pass --app-dir")
+        raise UsageError(f"{path} is not a Flower App directory (no pyproject.toml with [tool.flwr.app]); "
+                         "pass --app-dir with a flatflower checkout, or omit it to use the installed package")
+    return path
+
+
+def installed_app_dir() -> Path:
+    """A Flower App directory for the installed package (no checkout): a pyproject.toml whose
+    components are the installed ``flatflower.server.app:app`` / ``flatflower.client.app:app``
+    and whose [tool.flwr.app.config] is the code's defaults (common/config.py ``defaults()``,
+    the same table a checkout's pyproject holds). Its FAB ships nothing but that file: the
+    code is installed where the SuperLink and SuperNodes run. Generated, not package data, so it
+    cannot drift from the code; written once per content into the user cache directory."""
+    import hashlib
+
+    import tomli_w
+
+    from flatflower.common.config import defaults
+    from flatflower.common.params import PLACEHOLDER, is_unset
+
+    config: dict[str, Any] = {}
+    for key, value in defaults().items():
+        head, _, tail = key.partition(".")
+        value = PLACEHOLDER if is_unset(value) else value
+        (config.setdefault(head, {}).__setitem__(tail, value) if tail else config.__setitem__(head, value))
+    text = tomli_w.dumps({
+        "project": {"name": "flatflower-app", "version": "1.0.0", "description": "flatflower (installed)",
+                    "license": "Apache-2.0", "dependencies": []},
+        "tool": {"flwr": {"app": {"publisher": "flatflower", "fab-include": ["pyproject.toml"],
+                                  "components": {"serverapp": "flatflower.server.app:app",
+                                                 "clientapp": "flatflower.client.app:app"},
+                                  "config": config}}}})
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flatflower"
+    path = base / f"app-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    try:
+        if not (path / "pyproject.toml").exists() or (path / "pyproject.toml").read_text() != text:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "pyproject.toml").write_text(text)
+    except OSError as err:
+        raise UsageError(f"cannot write the installed Flower App to {path} ({err.strerror}); "
+                         "set XDG_CACHE_HOME to a writable directory or pass --app-dir") from None
     return path
