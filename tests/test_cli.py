@@ -127,7 +127,8 @@ def test_version_names_flatflower_flower_and_torch(capsys):
 
 def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
     """A non-editable install gets everything the commands need: every package, the presets
-    (package data) and both console scripts."""
+    (package data) and both console scripts, all under the one top-level package flatflower
+    (nothing named common/ or tools/ in site-packages to shadow or be shadowed)."""
     import zipfile
 
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -135,9 +136,10 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
     (wheel,) = tmp_path.glob("flatflower-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     presets = sorted(p.name for p in (ROOT / "tools" / "presets").glob("*.toml"))
-    assert presets and all(f"tools/presets/{p}" in names for p in presets)
+    assert presets and all(f"flatflower/tools/presets/{p}" in names for p in presets)
     for package in ("client", "common", "server", "strategies", "runtime", "tools"):
-        assert f"{package}/__init__.py" in names, package
+        assert f"flatflower/{package}/__init__.py" in names, package
+    assert {n.split("/")[0] for n in names} == {"flatflower", wheel.name.split("-py")[0] + ".dist-info"}
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
     assert b"flatflower = flatflower.tools.cli:entry" in entry_points and b"flatflower-worker = flatflower.runtime.worker:main" in entry_points
 
