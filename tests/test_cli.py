@@ -137,11 +137,11 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     presets = sorted(p.name for p in (ROOT / "tools" / "presets").glob("*.toml"))
     assert presets and all(f"flatflower/tools/presets/{p}" in names for p in presets)
-    for package in ("client", "common", "server", "strategies", "runtime", "tools"):
+    for package in ("client", "common", "server", "strategies", "tools"):
         assert f"flatflower/{package}/__init__.py" in names, package
     assert {n.split("/")[0] for n in names} == {"flatflower", wheel.name.split("-py")[0] + ".dist-info"}
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
-    assert b"flatflower = flatflower.tools.cli:entry" in entry_points and b"flatflower-worker = flatflower.runtime.worker:main" in entry_points
+    assert b"flatflower = flatflower.tools.cli:entry" in entry_points and b"flatflower-worker = flatflower.tools.engines.worker:main" in entry_points
 
 
 @pytest.mark.parametrize("command", ["presets", "algorithms"])
@@ -177,7 +177,7 @@ def test_the_flower_app_ships_its_code_only_whatever_lies_in_the_checkout(tmp_pa
         (app / junk / "metrics.jsonl").write_text('{"round": 0}\n' * 1_000_000)  # 13 MB
         (app / junk / "config.json").write_text("{}")
     shipped = sorted(zipfile.ZipFile(BytesIO(build_fab_from_disk(app))).namelist())
-    code = sorted(n for n in tracked if n.split("/")[0] in ("common", "client", "server", "strategies", "runtime", "tools")
+    code = sorted(n for n in tracked if n.split("/")[0] in ("flatflower", "common", "client", "server", "strategies", "tools", "runtime")
                   and (n.endswith(".py") or n.startswith("tools/presets/")))
     assert shipped == sorted([".info/CONTENT", "pyproject.toml", *code])
 
@@ -208,7 +208,7 @@ def test_the_top_level_help_names_every_simulation_engine(capsys):
 
 
 def test_run_elapsed_is_formatted():
-    from flatflower.runtime.engines import seconds_text
+    from flatflower.tools.progress import seconds_text
 
     assert seconds_text("31.795824") == "31.8s" and seconds_text(31.795824) == "31.8s"
     assert seconds_text("?") == "?" and seconds_text("\x1b[2J") == "\\x1b[2J"
