@@ -692,9 +692,8 @@ def test_dockerfile_pins_flower_and_installs_the_app(kind):
     copies = [rest for ins, rest in steps if ins == "COPY"]
     assert copies and all(c.startswith("--chown=app:app ") for c in copies), copies
     copied = {word.rstrip("/") for c in copies for word in c.split()[1:-1]}
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())[
-        "tool"]["setuptools"]["packages"]["find"]["include"]
-    needed = {"pyproject.toml", "README.md", *(p.rstrip("*") for p in packages)}
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    needed = {"pyproject.toml", "README.md", "flatflower", *folders}
     assert needed <= copied, f"{path.name} does not copy {needed - copied}"
     assert any("mkdir -p" in r and all(d in r for d in ("/app/runs", "/app/data", "/app/state"))
                for r in runs)
