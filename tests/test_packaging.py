@@ -57,11 +57,11 @@ def user_project(tmp_path: Path) -> tuple[Path, Path]:
     for pkg in ("common", "tools", "client"):
         (project / pkg).mkdir(parents=True)
         (project / pkg / "__init__.py").write_text("MINE = True\n")
-    (project / "common" / "config.py").write_text("raise ImportError('the user project common.config')\n")
+    (project / "common" / "config.py").write_text("raise ImportError('the user project common/config.py')\n")
     other = tmp_path / "other-site"
     (other / "common").mkdir(parents=True)
     (other / "common" / "__init__.py").write_text("")
-    (other / "common" / "config.py").write_text("raise ImportError('another package common.config')\n")
+    (other / "common" / "config.py").write_text("raise ImportError('another package common/config.py')\n")
     return project, other
 
 
