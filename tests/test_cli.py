@@ -137,11 +137,11 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     presets = sorted(p.name for p in (ROOT / "tools" / "presets").glob("*.toml"))
     assert presets and all(f"flatflower/tools/presets/{p}" in names for p in presets)
-    for package in ("client", "common", "server", "strategies", "tools"):
+    for package in ("client", "common", "server", "strategies", "runtime", "tools"):
         assert f"flatflower/{package}/__init__.py" in names, package
     assert {n.split("/")[0] for n in names} == {"flatflower", wheel.name.split("-py")[0] + ".dist-info"}
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
-    assert b"flatflower = flatflower.tools.cli:entry" in entry_points and b"flatflower-worker = flatflower.tools.engines.worker:main" in entry_points
+    assert b"flatflower = flatflower.tools.cli:entry" in entry_points and b"flatflower-worker = flatflower.runtime.worker:main" in entry_points
 
 
 @pytest.mark.parametrize("command", ["presets", "algorithms"])
@@ -208,7 +208,7 @@ def test_the_top_level_help_names_every_simulation_engine(capsys):
 
 
 def test_run_elapsed_is_formatted():
-    from flatflower.tools.progress import seconds_text
+    from flatflower.runtime.engines import seconds_text
 
     assert seconds_text("31.795824") == "31.8s" and seconds_text(31.795824) == "31.8s"
     assert seconds_text("?") == "?" and seconds_text("\x1b[2J") == "\\x1b[2J"
