@@ -6,6 +6,7 @@ with no checkout at all (the Flower App is generated: tools/prepare.py ``install
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -65,8 +66,9 @@ def user_project(tmp_path: Path) -> tuple[Path, Path]:
     return project, other
 
 
-def run_installed(site: Path, cwd: Path, extra: list[Path], *argv: str, timeout: int = 600):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *map(str, extra)]),
+def run_installed(site: Path, cwd: Path, extra: list[Path], *argv: str, timeout: int = 600,
+                  env: dict[str, str] | None = None):
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(site), *map(str, extra)]),
            "FLWR_HOME": str(cwd / ".flwr"), "XDG_CACHE_HOME": str(cwd / ".cache"),
            "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0"}
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
@@ -99,3 +101,25 @@ def test_the_installed_wheel_runs_local_with_no_checkout(installed, tmp_path):
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert list((project / ".cache" / "flatflower").glob("app-*/pyproject.toml"))
     assert list((project / "runs").rglob("summary.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.ray
+def test_the_installed_wheel_runs_the_ray_engine_with_no_checkout(installed, tmp_path):
+    """`flatflower simulate --engine ray` from a user project: the generated App's FAB carries no
+    code, and Ray's workers import the installed flatflower."""
+    import shutil
+    import tempfile
+
+    project, _ = user_project(tmp_path)
+    ray_tmp = tempfile.mkdtemp(prefix="ray-")  # Ray's socket paths must stay under 108 bytes
+    try:
+        out = run_installed(installed, project, [], "-m", "flatflower.tools.cli", "simulate", "--engine", "ray",
+                            "--clients", "2", "--rounds", "1", "--dataset", "digits", "--algorithm", "fedavg",
+                            env={"RAY_TMPDIR": ray_tmp})
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    (summary,) = (project / "runs").rglob("summary.json")
+    assert json.loads((summary.parent / "config.json").read_text())["engine"] == "ray"

@@ -70,7 +70,7 @@ def test_every_algorithm_under_dp_is_refused_exactly_when_its_protocol_or_server
 
 
 def _calls(module: str, attribute: str) -> bool:
-    path = ROOT / Path(*module.split(".")).with_suffix(".py")
+    path = ROOT / Path(*module.removeprefix("flatflower.").split(".")).with_suffix(".py")
     return any(isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", None)) == attribute
                for n in ast.walk(ast.parse(path.read_text())))
 
@@ -79,7 +79,7 @@ def test_one_setup_for_the_serverapp_and_the_preflight():
     """The ServerApp's run loop and the CLI's preflight both set a run up with prepare_run,
     and no other product module builds a strategy: the setup is written once."""
     assert _calls("flatflower.server.run", "prepare_run") and _calls("flatflower.tools.prepare", "prepare_run")
-    builders = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
+    builders = sorted("flatflower." + ".".join(p.relative_to(ROOT).with_suffix("").parts)
                       for package in ("common", "client", "strategies", "server", "runtime", "tools")
                       for p in (ROOT / package).rglob("*.py")
                       if _calls(".".join(p.relative_to(ROOT).with_suffix("").parts), "new_strategy"))
