@@ -296,14 +296,14 @@ def test_malformed_replies_never_crash_the_server_and_are_each_refused(tmp_path,
 def malicious_app_dir(tmp_path: Path) -> Path:
     """A copy of this Flower App whose ClientApp is tests/malicious.py (for its SuperNodes)."""
     app = tmp_path / "app"
-    for package in ("client", "common", "server", "strategies", "runtime", "tools"):
+    for package in ("flatflower", "client", "common", "server", "strategies", "runtime", "tools"):
         shutil.copytree(ROOT / package, app / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "tests" / "malicious.py", app / "malicious.py")
     toml = (ROOT / "pyproject.toml").read_text()
-    assert 'clientapp = "flatflower.client.app:app"' in toml and 'fab-include = ["common/**/*.py",' in toml
+    assert 'clientapp = "flatflower.client.app:app"' in toml and 'fab-include = ["flatflower/**/*.py",' in toml
     (app / "pyproject.toml").write_text(
         toml.replace('clientapp = "flatflower.client.app:app"', 'clientapp = "malicious:app"')
-        .replace('fab-include = ["common/**/*.py",', 'fab-include = ["malicious.py", "common/**/*.py",'))
+        .replace('fab-include = ["flatflower/**/*.py",', 'fab-include = ["malicious.py", "flatflower/**/*.py",'))
     shutil.copy(ROOT / "README.md", app / "README.md")
     return app
 
