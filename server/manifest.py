@@ -250,7 +250,7 @@ def _match(path: Path, versions: list[dict[str, Any]], whole: bool) -> None:
     """ManifestError unless ``path`` (whole, or its first bytes) is one of ``versions``."""
     what = "" if whole else " (its rows up to the checkpoint)"
     if not path.is_file():
-        raise ManifestError(f"{path} is missing: the run wrote it and its checkpoint needs it{what}; "
+        raise ManifestError(f"{path} is missing: the run wrote it and the resume reads it{what}; "
                             "restore it to resume")
     size = path.stat().st_size
     for v in versions:
