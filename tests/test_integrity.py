@@ -320,3 +320,23 @@ def test_client_side_state_check_names_the_file_and_the_tensor():
             check_state({"dual": {**good, name: bad}}, layout, "f.pt")
     with pytest.raises(ValueError, match="missing"):
         check_state({"dual": {}}, layout, "f.pt")
+
+
+def test_a_node_local_state_file_that_does_not_fit_fails_that_client_in_one_line(tmp_path):
+    """Node-local client state (node-config ``state-dir``, which the server cannot see): the
+    client checks the file it loads and fails the round with the line naming file and tensor;
+    it never trains with a float64 dual, and the other clients' round goes on."""
+    from runtime.engines.inprocess import run_inprocess
+
+    config = {"algorithm": "feddyn", "dataset": "synthetic", "model": "logreg", "partition": "iid",
+              "local-steps": 1, "num-server-rounds": 2, "run-dir": str(tmp_path / "run"), "tensorboard": False}
+    nodes = {i: {"state-dir": str(tmp_path / f"node{i}")} for i in range(3)}
+    run_inprocess(config, 3, node_configs=nodes)
+    state_file = tmp_path / "node0" / "partition-0" / "round-000002.pt"
+    edit_tensor(state_file.name, dual(torch.Tensor.double))(state_file.parent)
+    run_dir, _ = run_inprocess({**config, "num-server-rounds": 3, "resume": True}, 3, node_configs=nodes)
+    rows = [json.loads(text) for text in (run_dir / "clients.jsonl").read_text().splitlines()]
+    mine = [r for r in rows if r["round"] == 3 and r["partition"] == 0]
+    assert len(mine) == 1 and mine[0]["status"] == "failed"
+    assert f"{state_file}: dual.1.weight has shape [10, 20] and dtype float64" in mine[0]["reason"]
+    assert all(r["status"] == "accepted" for r in rows if r["round"] == 3 and r["partition"] != 0)
