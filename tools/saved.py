@@ -155,7 +155,7 @@ class SavedRun:
         try:
             parts = table(read_json(file), str(file)).get("partitions")
             if not isinstance(parts, dict) or not parts or not all(
-                    isinstance(p, list) and all(type(i) is int and 0 <= i < 2**62 for i in p) for p in parts.values()):
+                    isinstance(p, list) and all(type(i) is int and abs(i) < 2**62 for i in p) for p in parts.values()):
                 raise RunFileError(f"{file}: 'partitions' is not a table of lists of indices")
             indices = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts.values()]))
         except RunFileError as err:
