@@ -340,3 +340,19 @@ def test_a_node_local_state_file_that_does_not_fit_fails_that_client_in_one_line
     assert len(mine) == 1 and mine[0]["status"] == "failed"
     assert f"{state_file}: dual.1.weight has shape [10, 20] and dtype float64" in mine[0]["reason"]
     assert all(r["status"] == "accepted" for r in rows if r["round"] == 3 and r["partition"] != 0)
+
+
+def test_the_python_api_refuses_a_damaged_resume_input_and_writes_nothing(tmp_path, feddyn_run):
+    """run_inprocess (the ServerApp's own setup) refuses as the command line does, and leaves
+    the directory as it found it (no failed summary.json over the run's)."""
+    from runtime.engines.inprocess import run_inprocess
+    from server.rundir import RunDirError
+
+    run = tmp_path / "run"
+    shutil.copytree(feddyn_run, run)
+    copy(STATE0, STATE2)(run)
+    config = json.loads((run / "config.json").read_text())["config"]
+    before = snapshot(tmp_path)
+    with pytest.raises(RunDirError, match=f"{STATE2} is changed since the run wrote it"):
+        run_inprocess({**config, "num-server-rounds": 3, "resume": True, "run-dir": str(run)}, 3)
+    assert_untouched(before, snapshot(tmp_path))
