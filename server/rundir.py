@@ -181,6 +181,10 @@ def write_recorded(path: Path, data: Any) -> None:
     """:func:`write_json` of a file a resume reads (config.json, partition.json,
     vectorized.json), recorded in its run directory's manifest (server/manifest.py)."""
     text = json.dumps(data, indent=1).encode()
+    with contextlib.suppress(OSError):
+        with open_file(path, "rb") as f:
+            if f.read(len(text) + 1) == text:  # as it is (vectorized.json, every round): no write at all
+                return
     with Manifest(path.parent).replacing(path.name, digest(text)), writing(path, "xb") as f:
         f.write(text)
 
