@@ -17,22 +17,22 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.algorithms.base import ClientRule
-from client.faults import Fault
-from client.layout import Layout
-from client.node import NodeSettings
-from client.state import ContextState, StateMirror, check_state
-from client.train import LocalResult, build_rule, local_train, round_generator, rule_outputs
-from common import codec
-from common import protocol as P
-from common.augment import Augment, train_augment
-from common.config import RunConfig
-from common.data import client_split, client_test_split, model_shape
-from common.datasets import Split
-from common.evaluate import evaluate as evaluate_model
-from common.models import ModelPool, build_model, check_importable
-from common.privacy import privatize
-from strategies import registry  # the algorithms (both halves); also registers their keys
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.faults import Fault
+from flatflower.client.layout import Layout
+from flatflower.client.node import NodeSettings
+from flatflower.client.state import ContextState, StateMirror, check_state
+from flatflower.client.train import LocalResult, build_rule, local_train, round_generator, rule_outputs
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.common.augment import Augment, train_augment
+from flatflower.common.config import RunConfig
+from flatflower.common.data import client_split, client_test_split, model_shape
+from flatflower.common.datasets import Split
+from flatflower.common.evaluate import evaluate as evaluate_model
+from flatflower.common.models import ModelPool, build_model, check_importable
+from flatflower.common.privacy import privatize
+from flatflower.strategies import registry  # the algorithms (both halves); also registers their keys
 
 log = logging.getLogger("flwr.flatflower.client")
 META = "client-meta"  # MetricRecord in context.state: rounds trained, last round
@@ -145,7 +145,7 @@ def _check_server_sends(spec, cfg: RunConfig, msg: Message, local: bool) -> None
         missing.append(f"config '{P.SAMPLED_CLIENTS}'")
     if missing:
         raise ValueError(f"{spec.name} needs {', '.join(missing)} in every train message, which only a "
-                         "flatflower server sends (server.app:app): a stock Flower strategy can drive a "
+                         "flatflower server sends (flatflower.server.app:app): a stock Flower strategy can drive a "
                          "model-only algorithm (fedavg, fedsam, fedprox, ...) only; see docs/protocol.md")
 
 
@@ -187,7 +187,7 @@ class TrainCall:
             fault.before_training(server_round)
         data = client_split(cfg, node.partition_id, node.num_partitions, node.data_dir)
         if device.type == "cuda":
-            data = data.to(device)  # the whole partition on the GPU (common.datasets.Split.to)
+            data = data.to(device)  # the whole partition on the GPU (flatflower.common.datasets.Split.to)
         key, model = _model(cfg, node, msg.content[P.MODEL], device)
         try:
             _check_server_sends(spec, cfg, msg, keeps_buffers(cfg, model))
@@ -218,7 +218,7 @@ class TrainCall:
         MODEL_POOL.give(self.pool_key, self.model)
 
     def train(self) -> LocalResult:
-        """Train this call's model alone (client.train.local_train), after its self-report."""
+        """Train this call's model alone (flatflower.client.train.local_train), after its self-report."""
         if self.reported is None:  # opened without its self-report
             self.reported = _self_report(self.cfg, self.model, self.data, self.held_out, "before")
         return local_train(self.model, self.data, self.rule, self.cfg, self.lr, self.generator(), self.batch)
@@ -237,7 +237,7 @@ class TrainCall:
         return self.data.get(idx, augment=self.augment)
 
     def generator(self) -> torch.Generator:
-        """This call's shuffling RNG (client.train.round_generator)."""
+        """This call's shuffling RNG (flatflower.client.train.round_generator)."""
         return round_generator(self.cfg.seed, self.server_round, self.node.partition_id)
 
     def reply(self, result: LocalResult) -> Message:

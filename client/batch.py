@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.tensors import Tensors
+from flatflower.common.tensors import Tensors
 # objective(logits, y, weight) -> (what is differentiated, the loss to report). weight: None for
 # a plain batch (means over its rows); a padded batch's engine passes per-row weights (1/b on
 # its b real rows, 0 on padding), and the means become weighted sums (batch_mean).

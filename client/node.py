@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from client.faults import Fault
+from flatflower.client.faults import Fault
 
 @dataclass(frozen=True)
 class NodeSettings:

@@ -1,5 +1,5 @@
 """SAM machinery (Foret et al. 2021; FedSAM eq. 3-4 of Qu et al. 2022), written over a
-:class:`client.batch.Batch`, so it does not care which engine computes the gradients.
+:class:`flatflower.client.batch.Batch`, so it does not care which engine computes the gradients.
 
 Norms are global L2 over all trainable parameters. The ascent and the descent gradient use
 the same mini-batch; the engine restores the weights bit-exactly after a gradient at an
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from client.batch import Batch
-from common.params import NONNEGATIVE, Params, key
-from common.tensors import EPS, Tensors, global_norm, scale
+from flatflower.client.batch import Batch
+from flatflower.common.params import NONNEGATIVE, Params, key
+from flatflower.common.tensors import EPS, Tensors, global_norm, scale
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from common.tensors import Tensors
+from flatflower.common.tensors import Tensors
 
 
 def per_client(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

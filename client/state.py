@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from flwr.app import Context
 
-from common import codec
+from flatflower.common import codec
 
 log = logging.getLogger("flwr.flatflower.client")
 _FILE = re.compile(r"round-(\d+)\.pt$")
@@ -162,8 +162,8 @@ def check_state(state: dict, layout, where: str) -> None:
     ``state`` holds exactly the model's trainable parameters (``local_buffers``: its buffers),
     each of the model's shape and dtype, with finite values: a damaged or edited state file
     (float64, another shape, NaN) is refused, never trained with."""
-    from common import protocol as P
-    from common import schema
+    from flatflower.common import protocol as P
+    from flatflower.common import schema
 
     params = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in zip(layout.names, layout.params)}
     buffers = {k: (tuple(layout.state[k].shape), str(layout.state[k].dtype).removeprefix("torch."))

@@ -1,7 +1,7 @@
 """The one local training loop every algorithm uses (the engine for one model).
 
 Per step: the rule gives a direction d (its gradient, SAM gradient, corrections...) from the
-weights and a :class:`client.batch.ModelBatch`; d becomes the parameters' .grad, is
+weights and a :class:`flatflower.client.batch.ModelBatch`; d becomes the parameters' .grad, is
 optionally clipped (global norm), and one SGD step (client/sgd.py, torch.optim.SGD's, the one
 the vectorised trainer takes too) applies lr (the round's, times the rule's ``lr_factor`` for
 the step: 1 but for FedSWA's in-round schedule), weight decay and client momentum. With momentum and weight decay 0 and no clipping the step is
@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from client.algorithms.base import ClientRule
-from client.batch import ModelBatch, trainable
-from client.layout import Layout
-from client.sgd import sgd_step
-from common.config import RunConfig, local_step_count
-from common.datasets import Split
-from common.tensors import Named
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.batch import ModelBatch, trainable
+from flatflower.client.layout import Layout
+from flatflower.client.sgd import sgd_step
+from flatflower.common.config import RunConfig, local_step_count
+from flatflower.common.datasets import Split
+from flatflower.common.tensors import Named
 
 
 @dataclass(frozen=True)

@@ -79,12 +79,12 @@ class Augment:
 
 def transform_function(name: str) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None:
     """The function ``train-transform`` names (None for ``none``); a reference is resolved here
-    (common.references: one-line BadReference)."""
+    (flatflower.common.references: one-line BadReference)."""
     if name == "none":
         return None
     if name == "crop-flip":
         return crop_flip
-    from common.references import resolve
+    from flatflower.common.references import resolve
 
     return resolve(name, "train-transform")
 
@@ -114,7 +114,7 @@ def check_train_transform(name: str, data) -> None:
 
 
 def _user_transform(fn: Callable, name: str) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
-    from common.references import BadReference, call
+    from flatflower.common.references import BadReference, call
 
     def apply(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         try:

@@ -165,8 +165,8 @@ class RunConfig:
     def validate(self, others: list[str] | None = None) -> None:
         """Raise ConfigError listing every invalid value (``others``: problems found in keys of
         other algorithms given with it)."""
-        from common import datasets, fds, models, partition, userdata
-        from common.references import is_reference
+        from flatflower.common import datasets, fds, models, partition, userdata
+        from flatflower.common.references import is_reference
 
         problems: list[str] = []
 
@@ -379,7 +379,7 @@ class RunConfig:
     def resolved_model(self) -> str:
         """The model name, with ``auto`` replaced by the dataset's default model (a
         ``package.module:callable`` reference is returned as is)."""
-        from common.datasets import default_model
+        from flatflower.common.datasets import default_model
 
         return default_model(self.dataset) if self.model == "auto" else self.model
 
@@ -419,7 +419,7 @@ def _other_algorithms_problems(values: Mapping[str, Any], cfg: RunConfig) -> lis
     """Bad values given for keys the run's algorithm does not use are still reported."""
     from typing import get_type_hints
 
-    from common.params import field_problem, parse_value
+    from flatflower.common.params import field_problem, parse_value
 
     own = cfg.params.fields() if cfg.params is not None else {}
     out = []
@@ -458,7 +458,7 @@ def register_algorithms(params: Mapping[str, type],
 def algorithm_params() -> Mapping[str, type]:
     """Algorithm name -> its params class, as registered."""
     if not _ALGORITHMS:
-        raise ConfigError("no algorithm is registered: import strategies.registry (every flatflower "
+        raise ConfigError("no algorithm is registered: import flatflower.strategies.registry (every flatflower "
                           "entry point does) before building a run config")
     return _ALGORITHMS
 

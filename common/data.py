@@ -15,11 +15,11 @@ import functools
 
 import numpy as np
 
-from common.config import RunConfig, parse_shape
-from common.datasets import FederatedDataset, Split, load_dataset
-from common import fds
-from common.partition import partition_indices
-from common.userdata import is_user_dataset
+from flatflower.common.config import RunConfig, parse_shape
+from flatflower.common.datasets import FederatedDataset, Split, load_dataset
+from flatflower.common import fds
+from flatflower.common.partition import partition_indices
+from flatflower.common.userdata import is_user_dataset
 
 
 def dataset_options(cfg: RunConfig) -> dict[str, float | str]:

@@ -19,7 +19,7 @@ import os
 import numpy as np
 import torch
 
-from common.splits import DatasetUnavailableError, FederatedDataset, Split  # noqa: F401 - re-exported
+from flatflower.common.splits import DatasetUnavailableError, FederatedDataset, Split  # noqa: F401 - re-exported
 
 DATASETS = ("digits", "synthetic", "synthetic-fedprox", "mnist1d", "synthetic-cifar10", "mnist",
             "fashion-mnist", "cifar10", "cifar100")
@@ -69,12 +69,12 @@ def default_data_dir() -> str:
 
 
 def register_dataset(name: str, fn) -> None:
-    """Make ``dataset = name`` call ``fn`` (the contract of common.userdata.from_callable) **in
-    this process only**, as common.models.register_model does for models: for the in-process
+    """Make ``dataset = name`` call ``fn`` (the contract of flatflower.common.userdata.from_callable) **in
+    this process only**, as flatflower.common.models.register_model does for models: for the in-process
     engines and the Python API. A name is bound once: loads are cached by name, so a second
     callable under it would be served the first's data."""
-    from common import userdata
-    from common.references import is_reference
+    from flatflower.common import userdata
+    from flatflower.common.references import is_reference
 
     if (not isinstance(name, str) or not name or name in DATASETS or name in userdata.FORMATS
             or is_reference(name) or not name.isprintable()):
@@ -93,7 +93,7 @@ def load_dataset(name: str, data_dir: str = "", download: bool = True,
     ``options``: the options of a generated dataset (synthetic-fedprox: ``clients``,
     ``alpha``, ``beta``, ``seed``) or of the user's own data (common/userdata.py: a file
     format in ``data_dir`` or a ``package.module:callable``)."""
-    from common import userdata
+    from flatflower.common import userdata
 
     if userdata.is_user_dataset(name):
         return userdata.load(name, data_dir, **options)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.datasets import Split
+from flatflower.common.datasets import Split
 
 
 @torch.no_grad()

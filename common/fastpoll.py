@@ -9,7 +9,7 @@ other version is refused: its code may differ) — a patch of Flower's internals
 off by default (in ``flatflower local`` and in docker compose) and only turned on by
 ``--fast-poll``.
 
-    python -m common.fastpoll supernode [flower-supernode arguments]   (a fast SuperNode)
+    python -m flatflower.common.fastpoll supernode [flower-supernode arguments]   (a fast SuperNode)
 
 The ServerApp patches itself when ``FLATFLOWER_FAST_POLL=1`` is in its environment (the SuperLink
 started by ``flatflower local --fast-poll`` passes it on).
@@ -73,7 +73,7 @@ def patch_serverapp() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "supernode":
-        print("usage: python -m common.fastpoll supernode [flower-supernode arguments]", file=sys.stderr)
+        print("usage: python -m flatflower.common.fastpoll supernode [flower-supernode arguments]", file=sys.stderr)
         return 2
     try:
         patch_supernode()

@@ -106,7 +106,7 @@ def partition(labels: np.ndarray, num_partitions: int, scheme: str, args: str, s
     flwr-datasets is missing, the partitioner is unknown or refuses its arguments."""
     import difflib
 
-    from common.partition import PartitionError
+    from flatflower.common.partition import PartitionError
 
     try:
         import datasets as hf

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.datasets import Split
-from common.flatness_settings import (DEFAULT_ITERS, DEFAULT_PROBES, DEFAULT_RHO,  # noqa: F401 (re-exported)
+from flatflower.common.datasets import Split
+from flatflower.common.flatness_settings import (DEFAULT_ITERS, DEFAULT_PROBES, DEFAULT_RHO,  # noqa: F401 (re-exported)
                                      HVP_METHODS, TOLERANCE)
 
 Vector = list[torch.Tensor]  # one tensor per trainable parameter, in model.parameters() order

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from common.references import BadReference, call, is_reference, resolve
+from flatflower.common.references import BadReference, call, is_reference, resolve
 
 Shape = tuple[int, ...]
 

@@ -6,7 +6,7 @@ the server half in strategies/x.py. A key both halves read is declared by the cl
 the server's ``Params`` extends that class. Fields are run-config keys in the algorithm's
 namespace (``fedtoga.alpha``; Flower flattens a ``[tool.flwr.app.config.fedtoga]`` table into
 such dotted keys), each declared with :func:`key`: its run-config name, default, meaning and
-check. Families share fields by inheritance: :class:`client.sam.SAMParams` gives every
+check. Families share fields by inheritance: :class:`flatflower.client.sam.SAMParams` gives every
 SAM-family algorithm ``sam.rho``. The registry (strategies/registry.py) joins an algorithm's
 two classes into one (:func:`combine`) for parsing and checking the run config; each half then
 receives only its own view of it (:meth:`Params.view`). Derived values (FedTOGA's coefficient)

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from common.tensors import global_norm
+from flatflower.common.tensors import global_norm
 
 # Renyi orders: DP-FedSAM's accountant's grid (its eps_computer.py), whose published values
 # Opacus's functions reproduce on it.

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from common.config import MAX_INT
+from flatflower.common.config import MAX_INT
 
 Check = Callable[[Any, str], None]
 
@@ -56,7 +56,7 @@ def any_table(value: Any, where: str) -> None:
 
 def tensors(layout: Mapping[str, tuple[tuple[int, ...], str]], finite: bool = True) -> Check:
     """A check: a table of tensors with exactly ``layout``'s names, shapes and dtypes
-    (:func:`strategies.validation.layout_of`), finite unless ``finite`` is false."""
+    (:func:`flatflower.strategies.validation.layout_of`), finite unless ``finite`` is false."""
     def check(value: Any, where: str) -> None:
         table(value, where, **{name: anything for name in layout})
         for name, (shape, dtype) in layout.items():

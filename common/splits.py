@@ -1,6 +1,6 @@
 """What every dataset is made of: splits held compactly in memory, and the error of a dataset
 that cannot be had. The built-in datasets (common/datasets.py) and the user's own
-(common/userdata.py) build these; common.datasets re-exports them."""
+(common/userdata.py) build these; flatflower.common.datasets re-exports them."""
 
 from __future__ import annotations
 

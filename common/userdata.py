@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.splits import DatasetUnavailableError, FederatedDataset, Split
+from flatflower.common.splits import DatasetUnavailableError, FederatedDataset, Split
 
 FORMATS = ("npz", "csv", "imagefolder")
 _GRAY_MODES = ("1", "L")
@@ -46,7 +46,7 @@ class DataError(DatasetUnavailableError, ValueError):
     """The user's data cannot be used as given (one line, naming the file or the reference)."""
 
 
-# name -> callable added by common.datasets.register_dataset: this process only (the in-process
+# name -> callable added by flatflower.common.datasets.register_dataset: this process only (the in-process
 # engines and the Python API, flatflower/); a reference is what crosses processes
 REGISTERED: dict[str, Any] = {}
 
@@ -54,7 +54,7 @@ REGISTERED: dict[str, Any] = {}
 def is_user_dataset(name: str) -> bool:
     """Whether ``dataset`` names the user's own data (a file format, a reference or a
     registered name)."""
-    from common.references import is_reference
+    from flatflower.common.references import is_reference
 
     return name in FORMATS or is_reference(name) or name in REGISTERED
 
@@ -272,7 +272,7 @@ def _open_image(path: str):
 # ---------------------------------------------------------------------- callable
 def from_callable(text: str, data_dir: str, num_classes: int = 0) -> FederatedDataset:
     """``dataset = package.module:callable`` (or a name registered in this process:
-    common.datasets.register_dataset): the user's function returns the data.
+    flatflower.common.datasets.register_dataset): the user's function returns the data.
 
     The contract: the callable takes ``(data_dir)`` (the run's data-dir, a node's own winning,
     as an absolute path, or "" when none is set) or nothing, and returns either ``(train,
@@ -285,7 +285,7 @@ def from_callable(text: str, data_dir: str, num_classes: int = 0) -> FederatedDa
     per process (cached), on the server and on every node: it must return the same data
     everywhere (seed any randomness), or each node its own when data lives on the nodes.
     """
-    from common.references import BadReference, call, resolve
+    from flatflower.common.references import BadReference, call, resolve
 
     try:
         out = call(REGISTERED.get(text) or resolve(text, "dataset"), (data_dir,), "dataset", text)

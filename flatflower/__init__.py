@@ -16,12 +16,12 @@ be built right away.
 
 from __future__ import annotations
 
-import strategies.registry  # noqa: F401 - registers the algorithms' keys with the run config
-from client.app import app as client_app
-from common.config import ConfigError, RunConfig
+import flatflower.strategies.registry  # noqa: F401 - registers the algorithms' keys with the run config
+from flatflower.client.app import app as client_app
+from flatflower.common.config import ConfigError, RunConfig
 from flatflower._halves import TrainingResult, algorithms, local_training, server_strategy
 from flatflower._simulation import History, RunResult, run_simulation
-from server.app import app as server_app
+from flatflower.server.app import app as server_app
 
 __all__ = ["run_simulation", "RunResult", "History", "algorithms", "server_strategy", "local_training",
            "TrainingResult", "client_app", "server_app", "RunConfig", "ConfigError"]

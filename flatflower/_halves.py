@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.config import ConfigError, RunConfig, flat_keys
+from flatflower.common.config import ConfigError, RunConfig, flat_keys
 
 
 def algorithms() -> list[dict[str, Any]]:
@@ -22,7 +22,7 @@ def algorithms() -> list[dict[str, Any]]:
     ``summary``, ``keys`` (each: ``name``, ``default``, ``required``, ``meaning``, ``read_by``),
     the records it sends ``down`` and ``up``, its scalar ``values``, its client ``state``, its
     gradient ``passes`` (and extra ``forwards``) per local step, and its two halves' classes."""
-    from strategies.registry import as_data
+    from flatflower.strategies.registry import as_data
 
     return as_data()
 
@@ -53,9 +53,9 @@ def server_strategy(algorithm: str, config: Mapping[str, Any] | RunConfig | None
     config (``strategy.cfg.to_dict()``). The strategy holds the global model
     (``strategy.model``), its server state and what the last round did
     (``strategy.round_record()``)."""
-    from common.data import model_shape, partitions_for
-    from common.models import buffer_names, build_model
-    from strategies.registry import get
+    from flatflower.common.data import model_shape, partitions_for
+    from flatflower.common.models import buffer_names, build_model
+    from flatflower.strategies.registry import get
 
     cfg = _config(algorithm, config, keys)
     if initial_model is None:
@@ -88,7 +88,7 @@ def local_training(algorithm: str, model: nn.Module, data: Any,
                    broadcast: Mapping[str, Any] | None = None, state: Mapping[str, Any] | None = None,
                    server_round: int = 1, partition_id: int = 0, **keys: Any) -> TrainingResult:
     """``algorithm``'s client half: one round of its local training of ``model`` (in place,
-    holding the received global weights) on ``data`` (a ``common.datasets.Split`` or ``(x,
+    holding the received global weights) on ``data`` (a ``flatflower.common.datasets.Split`` or ``(x,
     y)``: inputs as the model takes them, integer labels), as flatflower's own ClientApp
     trains it (client/train.py): the same steps, mini-batches (seeded by ``seed``,
     ``server_round`` and ``partition_id``), learning rate and augmentation. ``config``:
@@ -96,10 +96,10 @@ def local_training(algorithm: str, model: nn.Module, data: Any,
     FedSAM, FedProx, ...) needs nothing more; others take the server's ``broadcast`` records
     (name -> state dict, and their scalars) and this client's ``state`` (from the last
     result's)."""
-    from client.train import build_rule, local_train, round_generator, rule_outputs
-    from common.augment import train_augment
-    from common.datasets import Split
-    from strategies.registry import get
+    from flatflower.client.train import build_rule, local_train, round_generator, rule_outputs
+    from flatflower.common.augment import train_augment
+    from flatflower.common.datasets import Split
+    from flatflower.strategies.registry import get
 
     cfg = _config(algorithm, config, keys)
     spec = get(algorithm)
@@ -119,7 +119,7 @@ def local_training(algorithm: str, model: nn.Module, data: Any,
                          f"({', '.join(spec.state) or 'no client state'})")
     if not isinstance(data, Split):
         if not (isinstance(data, (tuple, list)) and len(data) == 2):
-            raise ValueError(f"data is a {type(data).__name__}: give (x, y) or a common.datasets.Split")
+            raise ValueError(f"data is a {type(data).__name__}: give (x, y) or a flatflower.common.datasets.Split")
         data = Split(torch.as_tensor(data[0]), torch.as_tensor(data[1]).long())
     lr = cfg.round_lr(server_round)
     rule, layout = build_rule(spec, cfg, model, broadcast, state, lr)

@@ -1,6 +1,6 @@
 """A user's Python objects as run-config names: a model or a dataset handed to the API as an
 object (not a name or a ``package.module:callable`` text) is registered in this process under a
-generated name (common.models.register_model, common.datasets.register_dataset), which the run
+generated name (flatflower.common.models.register_model, flatflower.common.datasets.register_dataset), which the run
 config then carries. In-process engines only: another process knows nothing of the name.
 """
 
@@ -35,7 +35,7 @@ def model_name(model: Any) -> str:
     """``model`` as a run-config ``model`` value: a text as it is; an ``nn.Module`` (every
     build is a deep copy of it: the run starts from its weights, whatever the seed) or a
     callable taking ``(input_shape, num_classes)`` or nothing, registered under a new name."""
-    from common.models import register_model
+    from flatflower.common.models import register_model
 
     if isinstance(model, str):
         return model
@@ -53,10 +53,10 @@ def model_name(model: Any) -> str:
 
 def dataset_name(dataset: Any) -> str:
     """``dataset`` as a run-config ``dataset`` value: a text as it is; a callable (the contract
-    of common.userdata.from_callable: takes ``(data_dir)`` or nothing, returns ``(train,
+    of flatflower.common.userdata.from_callable: takes ``(data_dir)`` or nothing, returns ``(train,
     test)`` or ``{"train", "test", "num_classes"}``), or that return value itself, registered
     under a new name."""
-    from common.datasets import register_dataset
+    from flatflower.common.datasets import register_dataset
 
     if isinstance(dataset, str):
         return dataset

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.config import ConfigError, RunConfig, flat_keys
+from flatflower.common.config import ConfigError, RunConfig, flat_keys
 
 ENGINES = ("inprocess", "vectorized")
 LOGGERS = ("flwr", "flwr.flatflower.server", "flwr.flatflower.client")
@@ -89,8 +89,8 @@ class RunResult:
 
     def model(self) -> nn.Module:
         """The run's model, holding the final global weights."""
-        from common.data import model_shape
-        from common.models import build_model
+        from flatflower.common.data import model_shape
+        from flatflower.common.models import build_model
 
         input_shape, num_classes = model_shape(self.config)
         model = build_model(self.config.resolved_model(), input_shape, num_classes, seed=self.config.seed)
@@ -100,7 +100,7 @@ class RunResult:
     @classmethod
     def read(cls, run_dir: Path, config: RunConfig) -> RunResult:
         """The result a completed run left in ``run_dir``."""
-        from server.rundir import load_tensors
+        from flatflower.server.rundir import load_tensors
 
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         return cls(run_dir, config, History(rows), dict(load_tensors(run_dir / "model_final.pt", "final model")),
@@ -125,7 +125,7 @@ def run_config(config: Mapping[str, Any] | RunConfig | None = None, *, preset: s
     named = {k: v for k, v in named.items() if v is not None}
     more = {k.replace("_", "-"): v for k, v in (keys or {}).items()}
     if preset is not None:
-        from tools.presets import load_preset
+        from flatflower.tools.presets import load_preset
 
         loaded = load_preset(preset)  # PresetError (a ValueError): one line
         chosen = named.get("algorithm") or more.get("algorithm") or given.get("algorithm")
@@ -146,12 +146,12 @@ def run_simulation(config: Mapping[str, Any] | RunConfig | None = None, *, prese
     """Run a federated simulation in this process and return its :class:`RunResult`.
 
     Bad input raises ConfigError (a ValueError, one line) before anything starts or is
-    written; a run that fails raises its error (e.g. server.run.RunFailed), its run directory
+    written; a run that fails raises its error (e.g. flatflower.server.run.RunFailed), its run directory
     holding summary.json's ``status = failed``. See docs/api.md."""
-    from common.datasets import DatasetUnavailableError
-    from server.rundir import RunDirError
-    from runtime.engines.inprocess import run_inprocess
-    from tools.prepare import DEFAULT_CLIENTS, UsageError, place_run, preflight
+    from flatflower.common.datasets import DatasetUnavailableError
+    from flatflower.server.rundir import RunDirError
+    from flatflower.runtime.engines.inprocess import run_inprocess
+    from flatflower.tools.prepare import DEFAULT_CLIENTS, UsageError, place_run, preflight
 
     if engine not in ENGINES:
         raise ConfigError(f"engine={engine!r} is not one of: {', '.join(ENGINES)} (Ray and a local deployment "

@@ -11,7 +11,7 @@ other attributes (hyperparameters, flags) are shared by the group.
 
 Ragged clients are exact. A step whose clients draw mini-batches of different sizes (the last
 batch of an epoch) pads them; real rows weigh 1/b and padding 0 in the objective's means
-(client.batch.batch_mean). A client with fewer steps than its group's longest is masked after
+(flatflower.client.batch.batch_mean). A client with fewer steps than its group's longest is masked after
 its last step: its weights, momentum and rule tensors keep their values. :func:`groups` cuts
 clients (sorted by step count) so that padded work stays within PADDING_BUDGET of the real
 work; a group smaller than MIN_GROUP, or of a model whose batched gradient is slower on this
@@ -20,7 +20,7 @@ step (clipping, weight decay, momentum, the step's lr) is the one client/train.p
 (client/sgd.py), on the stacked tensors, client by client.
 
 Every client's data, shuffling RNG, rule and reply are those of its own ``train`` call
-(client.app.TrainCall), so a vectorised run equals an in-process one up to the float rounding
+(flatflower.client.app.TrainCall), so a vectorised run equals an in-process one up to the float rounding
 of batched kernels.
 """
 
@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
-from client.algorithms.base import ClientRule
-from client.app import report_of
-from client.batch import ModelBatch, Objective, cross_entropy
-from client.sgd import masked, sgd_step
-from client.train import LocalResult, autocast, batch_indices
-from common.tensors import Tensors, add
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.app import report_of
+from flatflower.client.batch import ModelBatch, Objective, cross_entropy
+from flatflower.client.sgd import masked, sgd_step
+from flatflower.client.train import LocalResult, autocast, batch_indices
+from flatflower.common.tensors import Tensors, add
 
 log = logging.getLogger("flwr.flatflower.client")
 UNBATCHABLE = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
@@ -63,7 +63,7 @@ def check_batchable(model: nn.Module, name: str) -> None:
 
 
 class FunctionalBatch:
-    """:class:`client.batch.Batch` for one client inside vmap: gradients by
+    """:class:`flatflower.client.batch.Batch` for one client inside vmap: gradients by
     ``torch.func.grad`` of the template model called with this client's weights."""
 
     def __init__(self, model: nn.Module, names: Sequence[str], w: Tensors, x: torch.Tensor,
@@ -180,7 +180,7 @@ def split_attr(value) -> tuple[object, list, list[torch.Tensor]]:
 @torch.no_grad()
 def evaluate_stacked(model: nn.Module, names: Sequence[str], params: Tensors, splits: Sequence,
                      batch_size: int) -> list[tuple[float, float]]:
-    """common.evaluate.evaluate for each client: (mean cross-entropy, accuracy) of its weights
+    """flatflower.common.evaluate.evaluate for each client: (mean cross-entropy, accuracy) of its weights
     (``params``, stacked) on its split, in batched forward passes over padded rows."""
     def forward(weights, x):
         return functional_call(model, dict(zip(names, weights)), (x,))
@@ -203,7 +203,7 @@ def evaluate_stacked(model: nn.Module, names: Sequence[str], params: Tensors, sp
 
 
 def self_reports(calls: Sequence, params: Tensors, when: str) -> list[dict[str, float]]:
-    """client.app's ``client-eval`` self-reports of a group, batched (client.app.report_of)."""
+    """flatflower.client.app's ``client-eval`` self-reports of a group, batched (flatflower.client.app.report_of)."""
     first = calls[0]
     if not first.cfg.client_eval:
         return [{} for _ in calls]
@@ -221,7 +221,7 @@ def self_reports(calls: Sequence, params: Tensors, when: str) -> list[dict[str, 
 
 # ---------------------------------------------------------------- groups and their training
 PADDING_BUDGET = 2.0  # a group's work (clients x its longest client's steps) <= this x its real steps
-# smaller groups train one by one with client.train.local_train (the same rule code): a
+# smaller groups train one by one with flatflower.client.train.local_train (the same rule code): a
 # vmapped gradient costs about 1 ms more than one client's on this CPU, so batching 1 to 3
 # small clients loses (MLP, batch 32: 1 client 0.98 vs 0.24 ms, 10 clients 1.4 vs 2.4 ms)
 MIN_GROUP = 4

@@ -32,7 +32,7 @@ import sys
 import time
 from logging import ERROR, INFO
 
-from runtime.args import Parser
+from flatflower.runtime.args import Parser
 
 WORKER_EXIT_NEW_FAB = 3  # the worker exits to load another FAB's code (not an error)
 REASON_CHARS = 1000  # how much of an exception an error reply carries
@@ -243,7 +243,7 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
     failures = 0
     while not stopping:
         started = time.monotonic()
-        worker[:] = [subprocess.Popen([sys.executable, "-m", "runtime.worker", *argv, "--once",
+        worker[:] = [subprocess.Popen([sys.executable, "-m", "flatflower.runtime.worker", *argv, "--once",
                                        "--supervisor-pid", str(os.getpid())])]
         if stopping:  # a signal between the check above and the start
             worker[-1].terminate()

@@ -7,9 +7,9 @@ import os
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from common import fastpoll
-from common.config import RunConfig
-from server.run import run_server
+from flatflower.common import fastpoll
+from flatflower.common.config import RunConfig
+from flatflower.server.run import run_server
 
 app = ServerApp()
 

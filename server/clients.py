@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from common import protocol as P
-from strategies.strategy import RoundRecord
+from flatflower.common import protocol as P
+from flatflower.strategies.strategy import RoundRecord
 
 REPORTED_FIELDS = {key: key.replace("-", "_") for key in P.SELF_REPORTS}  # client metric -> clients.jsonl field
 

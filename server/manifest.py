@@ -59,7 +59,7 @@ def digest(data: bytes) -> dict[str, Any]:
 def file_digest(path: Path, size: int | None = None) -> dict[str, Any]:
     """sha256 and size of ``path``'s first ``size`` bytes (all of it when None), never
     through a link."""
-    from server.rundir import open_file
+    from flatflower.server.rundir import open_file
 
     h, n = hashlib.sha256(), 0
     with open_file(path, "rb") as f:
@@ -88,7 +88,7 @@ class Manifest:
         return read(self.run_dir)
 
     def _write(self, data: Mapping[str, Any]) -> None:
-        from server.rundir import write_json
+        from flatflower.server.rundir import write_json
 
         write_json(self.path, {"format": FORMAT, "what": "sha256 and size of the files a resume reads "
                                "(docs/run-directory.md)", **data})
@@ -129,7 +129,7 @@ class Manifest:
         done, h = self._logs.get(name, (0, None))
         if h is None or size < done:
             done, h = 0, hashlib.sha256()
-        from server.rundir import open_file
+        from flatflower.server.rundir import open_file
 
         with open_file(path, "rb") as f:
             f.seek(done)
@@ -182,7 +182,7 @@ def _versions(new: list, old: list) -> list:
 # ---------------------------------------------------------------------------- verifying
 def read(run_dir: Path) -> dict[str, Any] | None:
     """The manifest of ``run_dir`` (None: it has none); ManifestError when it is not one."""
-    from server.rundir import open_file
+    from flatflower.server.rundir import open_file
 
     path = run_dir / MANIFEST
     try:

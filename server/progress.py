@@ -22,7 +22,7 @@ from typing import Any
 
 from flwr.app import Message, MessageType
 
-from server.rundir import open_file
+from flatflower.server.rundir import open_file
 
 PROGRESS_FILE = "progress.json"
 REWRITE = 0.2  # seconds: the least time between two writes for replies within one stage

@@ -24,20 +24,20 @@ import torch
 from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
-from common import codec
-from common import protocol as P
-from common.config import RunConfig
-from common.data import partitions_for
-from common.evaluate import evaluate
-from common.flatness import flatness_distance, measure, seed_of
-from common.privacy import PrivacyLedger
-from server.clients import client_rows
-from server.progress import RoundProgress
-from server.rundir import RunDir, RunDirError, default_run_dir
-from server.setup import prepare_run
-from server.tensorboard import Board
-from strategies.base import all_finite
-from strategies.strategy import RoundStats
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.common.config import RunConfig
+from flatflower.common.data import partitions_for
+from flatflower.common.evaluate import evaluate
+from flatflower.common.flatness import flatness_distance, measure, seed_of
+from flatflower.common.privacy import PrivacyLedger
+from flatflower.server.clients import client_rows
+from flatflower.server.progress import RoundProgress
+from flatflower.server.rundir import RunDir, RunDirError, default_run_dir
+from flatflower.server.setup import prepare_run
+from flatflower.server.tensorboard import Board
+from flatflower.strategies.base import all_finite
+from flatflower.strategies.strategy import RoundStats
 
 log = logging.getLogger("flwr.flatflower.server")
 

@@ -44,10 +44,10 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from common import protocol as P
-from common import schema
-from common.config import RunConfig, defaults, user_path
-from server.manifest import Manifest, digest
+from flatflower.common import protocol as P
+from flatflower.common import schema
+from flatflower.common.config import RunConfig, defaults, user_path
+from flatflower.server.manifest import Manifest, digest
 
 
 class RunDirError(RuntimeError):
@@ -253,9 +253,9 @@ def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any], model: torch.nn.
     an absolute one (e.g. node-local) is checked by each client when it trains. With
     ``model``, every tensor is checked too: the model's names, shapes and dtypes, finite
     values (client/state.py: check_state)."""
-    from client.layout import Layout
-    from client.state import MissingState, StateMirror, check_state
-    from strategies.registry import get as get_spec
+    from flatflower.client.layout import Layout
+    from flatflower.client.state import MissingState, StateMirror, check_state
+    from flatflower.strategies.registry import get as get_spec
 
     needed = set(get_spec(cfg.algorithm).state)
     if not needed or not cfg.client_state_dir:
@@ -293,7 +293,7 @@ def client_state_files(cfg: RunConfig, accepted: Mapping[Any, Any]) -> list[Path
     """The clients' state files a resume from a checkpoint with these ``accepted`` rounds
     reads, where the server sees them: inside the run directory (a relative
     ``client-state-dir``); [] for node-local state (each client checks its own)."""
-    from client.state import StateMirror
+    from flatflower.client.state import StateMirror
 
     if not cfg.client_state_dir or cfg.client_state_dir.startswith(("/", "~")):
         return []

@@ -17,16 +17,16 @@ from pathlib import Path
 
 from torch import nn
 
-from common.augment import check_train_transform
-from common.config import RunConfig
-from common.data import check_local_data, dataset_for, model_shape, partitions_for
-from common.models import buffer_names, build_model
-from common.references import BadReference
-from server import manifest
-from server.rundir import (CHECKPOINT, RunDirError, check_client_state, check_resumable, client_state_files,
+from flatflower.common.augment import check_train_transform
+from flatflower.common.config import RunConfig
+from flatflower.common.data import check_local_data, dataset_for, model_shape, partitions_for
+from flatflower.common.models import buffer_names, build_model
+from flatflower.common.references import BadReference
+from flatflower.server import manifest
+from flatflower.server.rundir import (CHECKPOINT, RunDirError, check_client_state, check_resumable, client_state_files,
                            load_checkpoint)
-from strategies.registry import get as get_spec
-from strategies.strategy import FlatStrategy
+from flatflower.strategies.registry import get as get_spec
+from flatflower.strategies.strategy import FlatStrategy
 
 log = logging.getLogger("flwr.flatflower.server")
 

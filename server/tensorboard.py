@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from common.flatness import ROUND_FIELDS
+from flatflower.common.flatness import ROUND_FIELDS
 
 log = logging.getLogger("flwr.flatflower.server")
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from common.tensors import global_norm, scale
+from flatflower.common.tensors import global_norm, scale
 
 
 def client_weights(num_examples: Sequence[int], mode: str) -> list[float]:

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.config import RunConfig
-from common.params import Params
-from common.tensors import sub
-from strategies.aggregate import Aggregator
+from flatflower.common.config import RunConfig
+from flatflower.common.params import Params
+from flatflower.common.tensors import sub
+from flatflower.strategies.aggregate import Aggregator
 
 if TYPE_CHECKING:  # a data class of the validated reply; the rule never parses messages
-    from strategies.validation import ClientUpdate
+    from flatflower.strategies.validation import ClientUpdate
 
 __all__ = ["ServerRule", "all_finite"]
 

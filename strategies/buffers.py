@@ -6,7 +6,7 @@ frozen parameter is one too. The algorithms' server corrections (duals, momentum
 variates, perturbations, extrapolation by ``server-lr``, robust aggregation, norms) are defined
 on the weights the clients optimise: applied to a running variance they drive it negative
 (FedDyn's and FedGMT's dual correction), applied to an integer counter they average it as a
-float. So :class:`~strategies.strategy.FlatStrategy` gives its rule the trainable parameters
+float. So :class:`~flatflower.strategies.strategy.FlatStrategy` gives its rule the trainable parameters
 only and keeps the buffers here:
 
 * a reply is validated against the whole model (parameters and buffers), then split

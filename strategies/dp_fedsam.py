@@ -3,7 +3,7 @@ clients, DP in the clients' uploads (common/privacy.py)."""
 
 from __future__ import annotations
 
-from strategies.fedsam import FedSAM
+from flatflower.strategies.fedsam import FedSAM
 
 
 class DPFedSAM(FedSAM):

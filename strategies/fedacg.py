@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.params import FRACTION, Params, key
-from common.protocol import MOMENTUM
-from common.tensors import add_scaled
-from strategies.fednsam import FedNSAM
+from flatflower.common.params import FRACTION, Params, key
+from flatflower.common.protocol import MOMENTUM
+from flatflower.common.tensors import add_scaled
+from flatflower.strategies.fednsam import FedNSAM
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from strategies.fedsam import FedSAM
+from flatflower.strategies.fedsam import FedSAM
 
 
 class FedASAM(FedSAM):

@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from common.tensors import add_scaled, sub
-from strategies.base import ServerRule
+from flatflower.common.tensors import add_scaled, sub
+from flatflower.strategies.base import ServerRule
 
 
 class FedAvg(ServerRule):

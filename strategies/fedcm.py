@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.params import Params, key, one_of
-from common.protocol import GLOBAL_UPDATE
-from common.tensors import add_scaled, scale, sub, zeros_like
-from strategies.fedavg import FedAvg
+from flatflower.common.params import Params, key, one_of
+from flatflower.common.protocol import GLOBAL_UPDATE
+from flatflower.common.tensors import add_scaled, scale, sub, zeros_like
+from flatflower.strategies.fedavg import FedAvg
 
 
 def dp_refusal_of_global_update(cfg) -> str | None:

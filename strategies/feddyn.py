@@ -12,10 +12,10 @@ rule, ``fedtoga.dual-divisor``). h is server state only; clients keep their own 
 
 from __future__ import annotations
 
-from client.algorithms.feddyn import DualParams
-from common.protocol import DUAL
-from common.tensors import add_scaled, zeros_like
-from strategies.fedavg import FedAvg
+from flatflower.client.algorithms.feddyn import DualParams
+from flatflower.common.protocol import DUAL
+from flatflower.common.tensors import add_scaled, zeros_like
+from flatflower.strategies.fedavg import FedAvg
 
 
 class FedDyn(FedAvg):

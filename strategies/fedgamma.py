@@ -3,7 +3,7 @@ lives on the clients."""
 
 from __future__ import annotations
 
-from strategies.scaffold import Scaffold
+from flatflower.strategies.scaffold import Scaffold
 
 
 class FedGAMMA(Scaffold):

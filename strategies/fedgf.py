@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from client.sam import SAMParams
-from common.params import Check, key, required_key
-from common.protocol import DIVERGENCE_WINDOW, MIX_WEIGHT, PERTURBED_GLOBAL
-from common.tensors import EPS, add_scaled, clone, global_norm, sub
-from strategies.fedavg import FedAvg
+from flatflower.client.sam import SAMParams
+from flatflower.common.params import Check, key, required_key
+from flatflower.common.protocol import DIVERGENCE_WINDOW, MIX_WEIGHT, PERTURBED_GLOBAL
+from flatflower.common.tensors import EPS, add_scaled, clone, global_norm, sub
+from flatflower.strategies.fedavg import FedAvg
 
 MAX_WINDOW = 100_000
 

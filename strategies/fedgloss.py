@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from client.algorithms.fedgloss import GloSSDualParams
-from client.sam import SAMParams
-from common.params import NONNEGATIVE, Check, key, one_of
-from common.protocol import DUAL, LOCAL_RADIUS, PSEUDO_GRADIENT
-from common.tensors import EPS, add_scaled, global_norm, scale, sub, zeros_like
-from strategies.fedavg import FedAvg
+from flatflower.client.algorithms.fedgloss import GloSSDualParams
+from flatflower.client.sam import SAMParams
+from flatflower.common.params import NONNEGATIVE, Check, key, one_of
+from flatflower.common.protocol import DUAL, LOCAL_RADIUS, PSEUDO_GRADIENT
+from flatflower.common.tensors import EPS, add_scaled, global_norm, scale, sub, zeros_like
+from flatflower.strategies.fedavg import FedAvg
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from client.algorithms.fedgmt import ADMMParams
-from common.params import FRACTION, key
-from common.protocol import EMA_MODEL
-from strategies.feddyn import FedDyn
+from flatflower.client.algorithms.fedgmt import ADMMParams
+from flatflower.common.params import FRACTION, key
+from flatflower.common.protocol import EMA_MODEL
+from flatflower.strategies.feddyn import FedDyn
 
 
 @dataclass(frozen=True)

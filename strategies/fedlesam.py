@@ -4,9 +4,9 @@ FedAvg's, FedLESAM-D's FedDyn's, FedLESAM-S's SCAFFOLD's."""
 
 from __future__ import annotations
 
-from strategies.fedavg import FedAvg
-from strategies.feddyn import FedDyn
-from strategies.scaffold import Scaffold
+from flatflower.strategies.fedavg import FedAvg
+from flatflower.strategies.feddyn import FedDyn
+from flatflower.strategies.scaffold import Scaffold
 
 
 class FedLESAM(FedAvg):

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.params import UNIT, Params, key, one_of
-from common.protocol import CONTROL_OFFSET, CONTROL_UPDATES, MOMENTUM_CONTROL
-from common.tensors import add_scaled, zeros_like
-from strategies.fedswa import FedSWA
+from flatflower.common.params import UNIT, Params, key, one_of
+from flatflower.common.protocol import CONTROL_OFFSET, CONTROL_UPDATES, MOMENTUM_CONTROL
+from flatflower.common.tensors import add_scaled, zeros_like
+from flatflower.strategies.fedswa import FedSWA
 
 
 @dataclass(frozen=True)

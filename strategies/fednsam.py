@@ -9,10 +9,10 @@ m^t is broadcast with theta^t (the clients' next round uses m^{t-1}: notes §8.1
 
 from __future__ import annotations
 
-from client.algorithms.fednsam import MomentumParams
-from common.protocol import MOMENTUM
-from common.tensors import add_scaled, scale, zeros_like
-from strategies.fedavg import FedAvg
+from flatflower.client.algorithms.fednsam import MomentumParams
+from flatflower.common.protocol import MOMENTUM
+from flatflower.common.tensors import add_scaled, scale, zeros_like
+from flatflower.strategies.fedavg import FedAvg
 
 
 class FedNSAM(FedAvg):

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.params import FRACTION, POSITIVE, Params, key
-from common.protocol import ADAPTIVE_M, ADAPTIVE_V
-from common.tensors import zeros_like
-from strategies.fedavg import FedAvg
+from flatflower.common.params import FRACTION, POSITIVE, Params, key
+from flatflower.common.protocol import ADAPTIVE_M, ADAPTIVE_V
+from flatflower.common.tensors import zeros_like
+from flatflower.strategies.fedavg import FedAvg
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from strategies.fedavg import FedAvg
+from flatflower.strategies.fedavg import FedAvg
 
 
 class FedProx(FedAvg):

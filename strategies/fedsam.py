@@ -3,7 +3,7 @@ DP-FedSAM's server (strategies/dp_fedsam.py) is this one."""
 
 from __future__ import annotations
 
-from strategies.fedavg import FedAvg
+from flatflower.strategies.fedavg import FedAvg
 
 
 class FedSAM(FedAvg):

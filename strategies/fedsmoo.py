@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from client.algorithms.fedsmoo import FedSMOOParams
-from common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION
-from common.tensors import EPS, global_norm, scale, zeros_like
-from strategies.feddyn import FedDyn
+from flatflower.client.algorithms.fedsmoo import FedSMOOParams
+from flatflower.common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION
+from flatflower.common.tensors import EPS, global_norm, scale, zeros_like
+from flatflower.strategies.feddyn import FedDyn
 
 
 class FedSMOO(FedDyn):

@@ -3,7 +3,7 @@ the FedAvg server. FedSOL's proximal perturbation lives on the clients."""
 
 from __future__ import annotations
 
-from strategies.fedavg import FedAvg
+from flatflower.strategies.fedavg import FedAvg
 
 
 class FedSOL(FedAvg):

@@ -3,7 +3,7 @@ clients as in the authors' code (FL-Simulator issue #6); SAM lives on the client
 
 from __future__ import annotations
 
-from strategies.feddyn import FedDyn
+from flatflower.strategies.feddyn import FedDyn
 
 
 class FedSpeed(FedDyn):

@@ -6,7 +6,7 @@ ablation favours alpha = 1.5). The SWA part is the clients' in-round lr. FedMoSW
 
 from __future__ import annotations
 
-from strategies.fedavg import FedAvg
+from flatflower.strategies.fedavg import FedAvg
 
 
 class FedSWA(FedAvg):

@@ -5,7 +5,7 @@
     theta^{t+1} = mean_i theta_i - h^{t+1}/a
 
 with a = alpha or 1/alpha (``fedtoga.prox-scale``, read by both halves and so declared by the
-client's client.algorithms.fedtoga.DualStepParams). Delta is
+client's flatflower.client.algorithms.fedtoga.DualStepParams). Delta is
 broadcast with theta (2 models down, 1 up); Delta^0 = 0. K is each client's own number of
 steps tau_i, and 1/M is the aggregation weight p_i.
 """
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.fedtoga import DualStepParams
-from common.params import key, one_of
-from common.protocol import GLOBAL_UPDATE
-from common.tensors import zeros_like
-from strategies.fedcm import dp_refusal_of_global_update, global_update
-from strategies.feddyn import FedDyn
+from flatflower.client.algorithms.fedtoga import DualStepParams
+from flatflower.common.params import key, one_of
+from flatflower.common.protocol import GLOBAL_UPDATE
+from flatflower.common.tensors import zeros_like
+from flatflower.strategies.fedcm import dp_refusal_of_global_update, global_update
+from flatflower.strategies.feddyn import FedDyn
 
 
 @dataclass(frozen=True)

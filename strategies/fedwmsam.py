@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from client.algorithms.fedwmsam import WMSAMSharedParams
-from common.params import UNIT, key
-from common.protocol import CONTROL, GLOBAL_UPDATE, GRADIENT_WEIGHT, LOCAL_WEIGHT
-from common.tensors import add_scaled, global_norm, scale, sub, zeros_like
-from strategies.fedavg import FedAvg
-from strategies.fedcm import global_update
+from flatflower.client.algorithms.fedwmsam import WMSAMSharedParams
+from flatflower.common.params import UNIT, key
+from flatflower.common.protocol import CONTROL, GLOBAL_UPDATE, GRADIENT_WEIGHT, LOCAL_WEIGHT
+from flatflower.common.tensors import add_scaled, global_norm, scale, sub, zeros_like
+from flatflower.strategies.fedavg import FedAvg
+from flatflower.strategies.fedcm import global_update
 
 
 @dataclass(frozen=True)

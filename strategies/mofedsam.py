@@ -1,9 +1,9 @@
-"""MoFedSAM server (Qu et al. 2022, Alg. 2): FedCM's server (see strategies.fedcm); the
+"""MoFedSAM server (Qu et al. 2022, Alg. 2): FedCM's server (see flatflower.strategies.fedcm); the
 difference from FedCM is the clients' SAM gradient."""
 
 from __future__ import annotations
 
-from strategies.fedcm import FedCM
+from flatflower.strategies.fedcm import FedCM
 
 
 class MoFedSAM(FedCM):

@@ -41,10 +41,10 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from common import protocol as P
-from common import schema
-from common.config import RunConfig
-from strategies.validation import REASON_CHARS, RejectedReply, parse_handshake_reply
+from flatflower.common import protocol as P
+from flatflower.common import schema
+from flatflower.common.config import RunConfig
+from flatflower.strategies.validation import REASON_CHARS, RejectedReply, parse_handshake_reply
 
 log = logging.getLogger("flwr.flatflower.server")
 

@@ -7,7 +7,7 @@ after the family (fedgmt.py holds fedgmt and fedgmt-v2).
 
 Each half declares the run-config keys it reads (its ``Params``, common/params.py); the
 registry joins them into the algorithm's params class and registers those with the run-config
-parser (common.config.register_algorithms), so the ground floor checks every key without
+parser (flatflower.common.config.register_algorithms), so the ground floor checks every key without
 importing upward. This module sees both halves; every entry point imports it (the ServerApp
 and the ClientApp, the engines, the CLI). Adding an algorithm = its two halves, their tests
 and one line here (CONTRIBUTING.md).
@@ -19,61 +19,61 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.algorithms.base import ClientRule
-from client.algorithms.dp_fedsam import DPFedSAMClient
-from client.algorithms.fedacg import FedACGClient
-from client.algorithms.fedasam import FedASAMClient
-from client.algorithms.fedavg import FedAvgClient
-from client.algorithms.fedcm import FedCMClient
-from client.algorithms.feddyn import FedDynClient
-from client.algorithms.fedgamma import FedGAMMAClient
-from client.algorithms.fedgf import FedGFClient
-from client.algorithms.fedgloss import FedGloSSClient
-from client.algorithms.fedgmt import FedGMTClient, FedGMTv2Client
-from client.algorithms.fedlesam import FedLESAMClient, FedLESAMDClient, FedLESAMSClient
-from client.algorithms.fedmoswa import FedMoSWAClient
-from client.algorithms.fednsam import FedNSAMClient
-from client.algorithms.fedopt import FedOptClient
-from client.algorithms.fedprox import FedProxClient
-from client.algorithms.fedsam import FedSAMClient
-from client.algorithms.fedsmoo import FedSMOOClient
-from client.algorithms.fedsol import FedSOLClient
-from client.algorithms.fedswa import FedSWAClient
-from client.algorithms.fedspeed import FedSpeedClient
-from client.algorithms.fedtoga import FedTOGAClient
-from client.algorithms.fedwmsam import FedWMSAMClient
-from client.algorithms.mofedsam import MoFedSAMClient
-from client.algorithms.scaffold import ScaffoldClient
-from common import protocol as P
-from common.config import register_algorithms
-from common.params import Params, combine, is_required
-from strategies.base import ServerRule
-from strategies.compatibility import compatibility_problems
-from strategies.dp_fedsam import DPFedSAM
-from strategies.fedacg import FedACG
-from strategies.fedasam import FedASAM
-from strategies.fedavg import FedAvg
-from strategies.fedcm import FedCM
-from strategies.feddyn import FedDyn
-from strategies.fedgamma import FedGAMMA
-from strategies.fedgf import FedGF
-from strategies.fedgloss import FedGloSS
-from strategies.fedgmt import FedGMT, FedGMTv2
-from strategies.fedlesam import FedLESAM, FedLESAMD, FedLESAMS
-from strategies.fedmoswa import FedMoSWA
-from strategies.fednsam import FedNSAM
-from strategies.fedopt import FedAdam, FedYogi
-from strategies.fedprox import FedProx
-from strategies.fedsam import FedSAM
-from strategies.fedsmoo import FedSMOO
-from strategies.fedsol import FedSOL
-from strategies.fedswa import FedSWA
-from strategies.fedspeed import FedSpeed
-from strategies.fedtoga import FedTOGA
-from strategies.fedwmsam import FedWMSAM
-from strategies.mofedsam import MoFedSAM
-from strategies.scaffold import Scaffold
-from strategies.strategy import FlatStrategy
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.algorithms.dp_fedsam import DPFedSAMClient
+from flatflower.client.algorithms.fedacg import FedACGClient
+from flatflower.client.algorithms.fedasam import FedASAMClient
+from flatflower.client.algorithms.fedavg import FedAvgClient
+from flatflower.client.algorithms.fedcm import FedCMClient
+from flatflower.client.algorithms.feddyn import FedDynClient
+from flatflower.client.algorithms.fedgamma import FedGAMMAClient
+from flatflower.client.algorithms.fedgf import FedGFClient
+from flatflower.client.algorithms.fedgloss import FedGloSSClient
+from flatflower.client.algorithms.fedgmt import FedGMTClient, FedGMTv2Client
+from flatflower.client.algorithms.fedlesam import FedLESAMClient, FedLESAMDClient, FedLESAMSClient
+from flatflower.client.algorithms.fedmoswa import FedMoSWAClient
+from flatflower.client.algorithms.fednsam import FedNSAMClient
+from flatflower.client.algorithms.fedopt import FedOptClient
+from flatflower.client.algorithms.fedprox import FedProxClient
+from flatflower.client.algorithms.fedsam import FedSAMClient
+from flatflower.client.algorithms.fedsmoo import FedSMOOClient
+from flatflower.client.algorithms.fedsol import FedSOLClient
+from flatflower.client.algorithms.fedswa import FedSWAClient
+from flatflower.client.algorithms.fedspeed import FedSpeedClient
+from flatflower.client.algorithms.fedtoga import FedTOGAClient
+from flatflower.client.algorithms.fedwmsam import FedWMSAMClient
+from flatflower.client.algorithms.mofedsam import MoFedSAMClient
+from flatflower.client.algorithms.scaffold import ScaffoldClient
+from flatflower.common import protocol as P
+from flatflower.common.config import register_algorithms
+from flatflower.common.params import Params, combine, is_required
+from flatflower.strategies.base import ServerRule
+from flatflower.strategies.compatibility import compatibility_problems
+from flatflower.strategies.dp_fedsam import DPFedSAM
+from flatflower.strategies.fedacg import FedACG
+from flatflower.strategies.fedasam import FedASAM
+from flatflower.strategies.fedavg import FedAvg
+from flatflower.strategies.fedcm import FedCM
+from flatflower.strategies.feddyn import FedDyn
+from flatflower.strategies.fedgamma import FedGAMMA
+from flatflower.strategies.fedgf import FedGF
+from flatflower.strategies.fedgloss import FedGloSS
+from flatflower.strategies.fedgmt import FedGMT, FedGMTv2
+from flatflower.strategies.fedlesam import FedLESAM, FedLESAMD, FedLESAMS
+from flatflower.strategies.fedmoswa import FedMoSWA
+from flatflower.strategies.fednsam import FedNSAM
+from flatflower.strategies.fedopt import FedAdam, FedYogi
+from flatflower.strategies.fedprox import FedProx
+from flatflower.strategies.fedsam import FedSAM
+from flatflower.strategies.fedsmoo import FedSMOO
+from flatflower.strategies.fedsol import FedSOL
+from flatflower.strategies.fedswa import FedSWA
+from flatflower.strategies.fedspeed import FedSpeed
+from flatflower.strategies.fedtoga import FedTOGA
+from flatflower.strategies.fedwmsam import FedWMSAM
+from flatflower.strategies.mofedsam import MoFedSAM
+from flatflower.strategies.scaffold import Scaffold
+from flatflower.strategies.strategy import FlatStrategy
 
 
 # family file -> the algorithms whose halves it holds (strategies/<file>.py, client/algorithms/<file>.py)

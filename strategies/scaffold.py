@@ -9,9 +9,9 @@ N is the number of clients in the federation, M the number of accepted updates.
 
 from __future__ import annotations
 
-from common.protocol import CONTROL, CONTROL_DELTA
-from common.tensors import add_scaled, zeros_like
-from strategies.fedavg import FedAvg
+from flatflower.common.protocol import CONTROL, CONTROL_DELTA
+from flatflower.common.tensors import add_scaled, zeros_like
+from flatflower.strategies.fedavg import FedAvg
 
 
 class Scaffold(FedAvg):

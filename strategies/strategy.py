@@ -2,7 +2,7 @@
 
 ``FlatStrategy`` is a Flower message-based ``FedAvg`` (so ``strategy.start()`` works as in
 any Flower app, through the same round code as the ServerApp's ``train_round``, retries
-included) that owns one algorithm's :class:`~strategies.base.ServerRule` (``self.rule``: the
+included) that owns one algorithm's :class:`~flatflower.strategies.base.ServerRule` (``self.rule``: the
 model, the server state and the algorithm's update, pure tensor code) and adds what the
 papers' algorithms need and stock FedAvg lacks:
 
@@ -40,17 +40,17 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-from common import codec
-from common import protocol as P
-from common.config import RunConfig
-from common.privacy import round_noise_multiplier
-from common.tensors import global_norm
-from strategies import buffers as bufs
-from strategies.aggregate import client_weights
-from strategies.base import ServerRule
-from strategies.participation import (NoNodesError, Participation, destinations, error_text, exchange,
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.common.config import RunConfig
+from flatflower.common.privacy import round_noise_multiplier
+from flatflower.common.tensors import global_norm
+from flatflower.strategies import buffers as bufs
+from flatflower.strategies.aggregate import client_weights
+from flatflower.strategies.base import ServerRule
+from flatflower.strategies.participation import (NoNodesError, Participation, destinations, error_text, exchange,
                                      new_nonce, node_of)
-from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
+from flatflower.strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
                                    parse_evaluate_reply, parse_train_reply)
 
 log = logging.getLogger("flwr.flatflower.server")
@@ -107,7 +107,7 @@ class RoundRecord:
 
 class FlatStrategy(FlowerFedAvg):
     """The Flower strategy that drives an algorithm's rounds (see module docstring); the
-    algorithm itself is ``self.rule``, its :class:`~strategies.base.ServerRule`."""
+    algorithm itself is ``self.rule``, its :class:`~flatflower.strategies.base.ServerRule`."""
 
     def __init__(self, cfg: RunConfig, initial_model: OrderedDict, spec,
                  partition_sizes: Callable[[int], Sequence[int]] | None = None,
@@ -200,7 +200,7 @@ class FlatStrategy(FlowerFedAvg):
         what this run allocates (algorithm, round, the model's and every record's names, shapes
         and dtypes, finite values; the participation state), and nothing restored then: a
         damaged checkpoint never resumes to a different model."""
-        from common import schema
+        from flatflower.common import schema
 
         def algorithm(name, where):
             if name != self.spec.name:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from flwr.app import Array, Message
 
-from common import codec
-from common import protocol as P
+from flatflower.common import codec
+from flatflower.common import protocol as P
 
 ArraySpecs = dict[str, tuple[tuple[int, ...], str]]  # array key -> (shape, dtype) a reply must hold
 NPY_HEADER_BYTES = 4096  # an .npy header is at most a few hundred bytes

@@ -25,10 +25,10 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import malicious  # noqa: E402
-from client.app import app as honest_app  # noqa: E402
-from common.config import RunConfig  # noqa: E402
-from server.run import run_server  # noqa: E402
-from runtime.engines.inprocess import InProcessGrid  # noqa: E402
+from flatflower.client.app import app as honest_app  # noqa: E402
+from flatflower.common.config import RunConfig  # noqa: E402
+from flatflower.server.run import run_server  # noqa: E402
+from flatflower.runtime.engines.inprocess import InProcessGrid  # noqa: E402
 
 ATTACKS = {"clean": "", "data lie": "data-lie", "weight inflation": "weight-inflation",
            "sign flip x4.5": "sign-flip:4.5", "replay": "replay", "scaled x50": "scale:50",

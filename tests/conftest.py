@@ -9,7 +9,7 @@
 * ``make test`` runs on two pytest-xdist workers. Each pytest process tags what it starts
   with its own ``FLATFLOWER_TEST_PROCESS`` environment value, and ``flower_pids`` counts only
   the Flower processes carrying it, so a worker never sees the other's processes; ports come
-  from a ledger that no two federations share (runtime.engines.federation.free_port), so deployments run
+  from a ledger that no two federations share (flatflower.runtime.engines.federation.free_port), so deployments run
   side by side. The Ray tests form one xdist group, ``ray``: one Ray cluster at a time.
 """
 
@@ -85,7 +85,7 @@ def server_spy(monkeypatch):
     """Wraps the FedDyn-family server update (FedSpeed, FedGMT, FedTOGA call it through
     super()) to record the server rule and, per round, u computed independently in float64 with
     uniform weights, and the number of clients M."""
-    from strategies.feddyn import FedDyn
+    from flatflower.strategies.feddyn import FedDyn
     from tests.reference import Problem
 
     seen = {"rule": None, "u_uniform": [], "M": []}
@@ -106,7 +106,7 @@ def server_spy(monkeypatch):
 @pytest.fixture
 def strategy_spy(monkeypatch):
     """Records the strategy of the last run (to read its server state)."""
-    from strategies.strategy import FlatStrategy
+    from flatflower.strategies.strategy import FlatStrategy
 
     seen = {}
     original = FlatStrategy.finish_round

@@ -539,10 +539,10 @@ def reference_model(engine: Engine, run_config: dict, work: Path, name: str) -> 
     out.chmod(0o777)  # the image's user (uid 49999) writes here
     script = (
         "import json, sys\n"
-        "from client.app import app\n"
-        "from common.config import RunConfig\n"
-        "from runtime.engines.inprocess import InProcessGrid\n"
-        "from server.run import run_server\n"
+        "from flatflower.client.app import app\n"
+        "from flatflower.common.config import RunConfig\n"
+        "from flatflower.runtime.engines.inprocess import InProcessGrid\n"
+        "from flatflower.server.run import run_server\n"
         "cfg = RunConfig.from_mapping({**json.loads(sys.argv[1]), 'run-dir': '/out/run'})\n"
         f"run_server(InProcessGrid(app, {NODES}, cfg.to_dict()), cfg)\n")
     start = time.monotonic()

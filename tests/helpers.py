@@ -17,17 +17,17 @@ import numpy as np
 import torch
 from flwr.app import MessageType
 
-from client.app import app as client_app
-from client.batch import ModelBatch
-from client.state import latest
-from common import protocol as P
-from strategies import registry
-from common.config import RunConfig
-from common.data import dataset_for
-from common.models import build_model
-from server.run import run_server
+from flatflower.client.app import app as client_app
+from flatflower.client.batch import ModelBatch
+from flatflower.client.state import latest
+from flatflower.common import protocol as P
+from flatflower.strategies import registry
+from flatflower.common.config import RunConfig
+from flatflower.common.data import dataset_for
+from flatflower.common.models import build_model
+from flatflower.server.run import run_server
 from tests.reference import K, LR, Problem
-from runtime.engines.inprocess import InProcessGrid, run_inprocess
+from flatflower.runtime.engines.inprocess import InProcessGrid, run_inprocess
 
 
 # ---------------------------------------------------------------- quick run configs
@@ -279,7 +279,7 @@ def deployed(tmp_path, name, config: dict, nodes: int, kill_after: int | None = 
     """Run ``config`` on a real SuperLink + ``nodes`` SuperNodes (Flower App ``app``); after
     row ``kill_after`` of metrics.jsonl, SIGKILL process ``kill`` (and restart SuperNode
     ``restart``)."""
-    from runtime.engines.federation import COMPLETED, LocalFederation
+    from flatflower.runtime.engines.federation import COMPLETED, LocalFederation
 
     run_dir = tmp_path / name
     (run_dir / "logs").mkdir(parents=True)

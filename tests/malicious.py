@@ -31,10 +31,10 @@ from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Message, Messag
                       RecordDict)
 from flwr.clientapp import ClientApp
 
-import client.app as honest
-from common import codec
-from common import protocol as P
-from strategies.validation import MAX_LOSS
+import flatflower.client.app as honest
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.strategies.validation import MAX_LOSS
 
 Tamper = Callable[[Message, Message, Context, float], Message]
 SENT: list[dict] = []  # every malformed reply of a fuzzing client: {"node", "stage", "round", "kind"}
@@ -352,7 +352,7 @@ def colluding_grid(client_app: ClientApp, num_nodes: int, run_config, attack: st
     round the grid collects every reply, then sets each attacker's model to start + the same
     malicious update, computed from the honest clients' updates of that round (``attack``:
     ``alie[:z]`` or ``ipm[:epsilon]``). The attackers' other uploads (records) stay honest."""
-    from runtime.engines.inprocess import InProcessGrid  # not in a deployed app (this module is its ClientApp)
+    from flatflower.runtime.engines.inprocess import InProcessGrid  # not in a deployed app (this module is its ClientApp)
 
     class ColludingGrid(InProcessGrid):
         def push_messages(self, messages):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.datasets import load_dataset
+from flatflower.common.datasets import load_dataset
 
 K = 3  # local steps
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import AGGREGATORS, ConfigError, RunConfig
-from common.protocol import CONTROL, CONTROL_DELTA
-from strategies.registry import ALGORITHMS
-from strategies.registry import get as get_spec
-from tools.cli import main as cli
-from common.tensors import global_norm
-from strategies.aggregate import Aggregator, weighted_sum
-from strategies.validation import ClientUpdate
+from flatflower.common.config import AGGREGATORS, ConfigError, RunConfig
+from flatflower.common.protocol import CONTROL, CONTROL_DELTA
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.strategies.registry import get as get_spec
+from flatflower.tools.cli import main as cli
+from flatflower.common.tensors import global_norm
+from flatflower.strategies.aggregate import Aggregator, weighted_sum
+from flatflower.strategies.validation import ClientUpdate
 from tests.helpers import MODEL, fast_config, run_with_faults
 
 ROBUST = ("median", "trimmed-mean", "krum", "multi-krum", "bulyan")

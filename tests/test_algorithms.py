@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from client.batch import ModelBatch, trainable
-from client.sam import sam_gradient
-from common import protocol as P
-from common.config import ConfigError, RunConfig
+from flatflower.client.batch import ModelBatch, trainable
+from flatflower.client.sam import sam_gradient
+from flatflower.common import protocol as P
+from flatflower.common.config import ConfigError, RunConfig
 from tests.helpers import (
     PARTIAL,
     TOGA,
@@ -33,7 +33,7 @@ from tests.helpers import (
     server_dual,
     server_record,
 )
-from tools.cli import main as cli
+from flatflower.tools.cli import main as cli
 from tests.reference import (
     Problem,
     fedacg_reference,
@@ -718,8 +718,8 @@ def test_fedopt_equals_flowers_own_strategy(algorithm):
     from flwr.serverapp.strategy import FedAdam as FlowerAdam
     from flwr.serverapp.strategy import FedYogi as FlowerYogi
 
-    from strategies.registry import ALGORITHMS
-    from strategies.validation import ClientUpdate
+    from flatflower.strategies.registry import ALGORITHMS
+    from flatflower.strategies.validation import ClientUpdate
 
     rng = np.random.default_rng(0)
     model = {"w": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=4).astype(np.float32)}

@@ -6,11 +6,11 @@ import json
 
 import torch
 
-from client.batch import ModelBatch, trainable
-from client.sam import sam_gradient
-from client.train import autocast
-from common.config import RunConfig
-from runtime.engines.inprocess import run_inprocess
+from flatflower.client.batch import ModelBatch, trainable
+from flatflower.client.sam import sam_gradient
+from flatflower.client.train import autocast
+from flatflower.common.config import RunConfig
+from flatflower.runtime.engines.inprocess import run_inprocess
 from tests.helpers import fast_config
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import runtime.engines.inprocess  # noqa: F401  (flwr's log handler: see tests/test_bad_input.py)
-from tools.cli import main
+import flatflower.runtime.engines.inprocess  # noqa: F401  (flwr's log handler: see tests/test_bad_input.py)
+from flatflower.tools.cli import main
 
 GARBAGE = random.Random(44).randbytes(3000)
 DEEP = "[" * 100_000

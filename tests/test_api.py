@@ -45,7 +45,7 @@ def run_example(code: str) -> dict:
 # ----------------------------------------------------------------------------- import, __all__
 def test_import_in_a_fresh_process_needs_nothing_else(tmp_path):
     """``import flatflower`` alone: every public name is there and a RunConfig builds (no
-    ``import strategies.registry`` first)."""
+    ``import flatflower.strategies.registry`` first)."""
     code = ("import flatflower\n"
             "missing = [n for n in flatflower.__all__ if not hasattr(flatflower, n)]\n"
             "cfg = flatflower.RunConfig.from_mapping({'algorithm': 'fedgmt', 'fedgmt.beta': 5})\n"
@@ -66,9 +66,9 @@ def test_all_is_what_docs_api_lists():
 
 # ----------------------------------------------------------------------------- run_simulation
 def test_run_simulation_returns_the_runs_history_and_final_model(tmp_path):
-    from common.evaluate import evaluate
-    from common.data import dataset_for
-    from runtime.engines.inprocess import run_inprocess
+    from flatflower.common.evaluate import evaluate
+    from flatflower.common.data import dataset_for
+    from flatflower.runtime.engines.inprocess import run_inprocess
 
     result = flatflower.run_simulation(DIGITS, algorithm="fedsam", clients=2, rounds=2, seed=3,
                                        run_dir=tmp_path / "api")
@@ -160,8 +160,8 @@ def test_algorithms_lists_all_28_with_their_keys_and_pyprojects_defaults(capsys)
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
-    from common.config import flat_keys
-    from strategies.registry import ALGORITHMS
+    from flatflower.common.config import flat_keys
+    from flatflower.strategies.registry import ALGORITHMS
 
     declared = flat_keys(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
     algs = flatflower.algorithms()
@@ -183,10 +183,10 @@ def test_a_users_own_serverapp_drives_fedgmt_with_flatflowers_clientapp(tmp_path
     """A ServerApp written here, with Flower's ServerApp and ``strategy.start``, runs FedGMT's
     server half against flatflower's ClientApps on the in-process grid: the global model
     learns (its test accuracy rises well above chance) and the EMA model went down every round."""
-    from common.data import dataset_for
-    from common.evaluate import evaluate
-    from common.models import build_model
-    from runtime.engines.inprocess import run_inprocess
+    from flatflower.common.data import dataset_for
+    from flatflower.common.evaluate import evaluate
+    from flatflower.common.models import build_model
+    from flatflower.runtime.engines.inprocess import run_inprocess
 
     seen: dict = {}
     app = ServerApp()
@@ -216,7 +216,7 @@ def test_a_users_own_serverapp_drives_fedgmt_with_flatflowers_clientapp(tmp_path
 
 
 def test_the_docs_serverapp_runs(tmp_path, capsys):
-    from runtime.engines.inprocess import run_inprocess
+    from flatflower.runtime.engines.inprocess import run_inprocess
 
     app = run_example(example("flatflower.server_strategy("))["app"]
     run_inprocess({**DIGITS, "algorithm": "fedgmt", "run-dir": str(tmp_path / "docs")}, 2, server_app=app)
@@ -231,9 +231,9 @@ def test_server_strategy_refuses_another_algorithm_in_its_config():
 # ----------------------------------------------------------------------------- client half
 def _direct(cfg_values: dict, model: torch.nn.Module, data, server_round: int, pid: int) -> dict:
     """FedSAM's client half through client/train.py directly: the weights it trains to."""
-    from client.train import build_rule, local_train, round_generator
-    from common.config import RunConfig
-    from strategies.registry import get
+    from flatflower.client.train import build_rule, local_train, round_generator
+    from flatflower.common.config import RunConfig
+    from flatflower.strategies.registry import get
 
     cfg = RunConfig.from_mapping(cfg_values)
     lr = cfg.round_lr(server_round)
@@ -248,9 +248,9 @@ def test_fedsam_in_a_plain_flower_clientapp_trains_as_client_train_does():
     Flower's stock FedAvg drives it for two rounds."""
     from flwr.serverapp.strategy import FedAvg
 
-    from common.datasets import Split
+    from flatflower.common.datasets import Split
     from tests.conftest import set_task_identity
-    from runtime.engines.inprocess import InProcessGrid
+    from flatflower.runtime.engines.inprocess import InProcessGrid
 
     ns = run_example(example("flatflower.local_training("))
     grid = InProcessGrid(ns["app"], 2, {})
@@ -281,9 +281,9 @@ def test_fedsam_in_a_plain_flower_clientapp_trains_as_client_train_does():
 def test_local_training_equals_flatflowers_own_clientapp():
     """The same round through flatflower's ClientApp (driven by FedSAM's server half) and
     through ``local_training`` on the node's partition: the same weights."""
-    from common.data import client_split
-    from common.models import build_model
-    from runtime.engines.inprocess import InProcessGrid
+    from flatflower.common.data import client_split
+    from flatflower.common.models import build_model
+    from flatflower.runtime.engines.inprocess import InProcessGrid
 
     cfg = fast_config(algorithm="fedsam", **{"sam.rho": 0.05}, num_partitions=2)
     strategy = flatflower.server_strategy("fedsam", cfg)
@@ -338,7 +338,7 @@ def test_a_dataset_callable_and_a_model_class(tmp_path):
                                        partition="iid", run_dir=tmp_path / "b")
     assert (second.config.model, second.config.dataset) == (first.config.model, first.config.dataset)
     assert all(torch.equal(first.final_model[k], second.final_model[k]) for k in first.final_model)
-    from common.datasets import register_dataset
+    from flatflower.common.datasets import register_dataset
 
     with pytest.raises(ValueError, match="already registered to another callable"):
         register_dataset(first.config.dataset, lambda: None)

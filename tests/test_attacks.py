@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.app import app as client_app
-from common.config import RunConfig
-from strategies.registry import ALGORITHMS
-from server.run import run_server
+from flatflower.client.app import app as client_app
+from flatflower.common.config import RunConfig
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.server.run import run_server
 from tests import malicious
-from runtime.engines.inprocess import InProcessGrid
+from flatflower.runtime.engines.inprocess import InProcessGrid
 from tests.helpers import DEPLOYED, ROOT, deployed, fast_config, flower_pids, metrics, run_with_faults, same
 
 
@@ -300,9 +300,9 @@ def malicious_app_dir(tmp_path: Path) -> Path:
         shutil.copytree(ROOT / package, app / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "tests" / "malicious.py", app / "malicious.py")
     toml = (ROOT / "pyproject.toml").read_text()
-    assert 'clientapp = "client.app:app"' in toml and 'fab-include = ["common/**/*.py",' in toml
+    assert 'clientapp = "flatflower.client.app:app"' in toml and 'fab-include = ["common/**/*.py",' in toml
     (app / "pyproject.toml").write_text(
-        toml.replace('clientapp = "client.app:app"', 'clientapp = "malicious:app"')
+        toml.replace('clientapp = "flatflower.client.app:app"', 'clientapp = "malicious:app"')
         .replace('fab-include = ["common/**/*.py",', 'fab-include = ["malicious.py", "common/**/*.py",'))
     shutil.copy(ROOT / "README.md", app / "README.md")
     return app

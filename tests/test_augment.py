@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from client.train import round_generator
-from common.augment import (Augment, TransformError, augment_generator, check_train_transform, crop_flip,
+from flatflower.client.train import round_generator
+from flatflower.common.augment import (Augment, TransformError, augment_generator, check_train_transform, crop_flip,
                             train_augment)
-from common.config import ConfigError, RunConfig
-from common.datasets import Split, load_dataset
-from runtime import vectorized as vec
-from runtime.engines.inprocess import run_inprocess
-from tools.prepare import UsageError, preflight
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.datasets import Split, load_dataset
+from flatflower.runtime import vectorized as vec
+from flatflower.runtime.engines.inprocess import run_inprocess
+from flatflower.tools.prepare import UsageError, preflight
 from tests.helpers import user_module_file
 
 IMAGES = {"dataset": "digits", "model": "cnn", "partition": "iid", "local-steps": 3, "batch-size": 16,

@@ -31,9 +31,9 @@ import torch
 
 # imported here, not first inside a test: flwr's log handler keeps the sys.stderr of its import,
 # and a test's capture stream is closed after it ("--- Logging error ---" tracebacks later on)
-import runtime.engines.inprocess  # noqa: F401
-from client.node import NodeSettings
-from tools.cli import main
+import flatflower.runtime.engines.inprocess  # noqa: F401
+from flatflower.client.node import NodeSettings
+from flatflower.tools.cli import main
 
 USAGE = 2
 SIM = ["simulate", "--engine", "inprocess"]
@@ -330,7 +330,7 @@ HELD: list[int] = []
 
 def held_by_another_command(tmp: Path) -> None:
     """Another flatflower command is resuming the run (it holds the directory's lock)."""
-    from server.rundir import claim
+    from flatflower.server.rundir import claim
 
     HELD.append(claim(tmp / "run", "busy"))
 
@@ -682,9 +682,9 @@ def test_run_directory_files_are_never_opened_through_a_link(tmp_path):
     following a link planted at its name (or at its temporary name): the link's target is never
     read or changed; an append or a read is refused in one line, an atomic write replaces the
     link itself."""
-    from server.progress import PROGRESS_FILE, read_progress, write_progress
-    from server.rundir import RunDir, RunDirError, RunWriteError, load_tensors, open_file
-    from tools.progress import Progress
+    from flatflower.server.progress import PROGRESS_FILE, read_progress, write_progress
+    from flatflower.server.rundir import RunDir, RunDirError, RunWriteError, load_tensors, open_file
+    from flatflower.tools.progress import Progress
 
     victim = tmp_path / "victim"
     victim.write_text("precious")

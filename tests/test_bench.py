@@ -10,14 +10,14 @@ import json
 import pytest
 import torch
 
-from common.config import RunConfig
-from common.data import partitions_for
-from common.flatness import HVP_METHODS
-from strategies.registry import ALGORITHMS
-from tools.bench import main as bench
-from tools.bench import print_tables
-from tools.cli import main as cli
-from tools.throughput import render as render_throughput
+from flatflower.common.config import RunConfig
+from flatflower.common.data import partitions_for
+from flatflower.common.flatness import HVP_METHODS
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.tools.bench import main as bench
+from flatflower.tools.bench import print_tables
+from flatflower.tools.cli import main as cli
+from flatflower.tools.throughput import render as render_throughput
 
 
 # one worker runs `bench --quick` once for the tests that read its report

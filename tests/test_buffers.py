@@ -18,16 +18,16 @@ import pytest
 import torch
 from torch import nn
 
-import runtime.engines.inprocess  # noqa: F401 (flwr's log handler: see tests/test_bad_input.py)
-from client.batch import ModelBatch
-from common.config import RunConfig
-from common.models import buffer_names, build_model
-from server.run import RunFailed
-from strategies import buffers as bufs
-from strategies.registry import ALGORITHMS
-from strategies.validation import ClientUpdate
+import flatflower.runtime.engines.inprocess  # noqa: F401 (flwr's log handler: see tests/test_bad_input.py)
+from flatflower.client.batch import ModelBatch
+from flatflower.common.config import RunConfig
+from flatflower.common.models import buffer_names, build_model
+from flatflower.server.run import RunFailed
+from flatflower.strategies import buffers as bufs
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.strategies.validation import ClientUpdate
 from tests.bn_models import small_bn_cnn
-from runtime.engines.inprocess import run_inprocess
+from flatflower.runtime.engines.inprocess import run_inprocess
 
 BN = "tests.bn_models:small_bn_cnn"
 RESNET = "tests.bn_models:resnet18_bn"
@@ -213,9 +213,9 @@ def test_under_a_robust_aggregator_one_client_cannot_move_the_buffers():
 def test_only_the_first_pass_of_a_sam_step_moves_the_running_statistics():
     """FedSAM: each step takes a gradient at w and one at w + e; num_batches_tracked advances by
     exactly 1 per step, and running_mean is one momentum update with the batch's mean at w."""
-    from client.train import local_train, round_generator
-    from client.train import build_rule
-    from common.data import client_split
+    from flatflower.client.train import local_train, round_generator
+    from flatflower.client.train import build_rule
+    from flatflower.common.data import client_split
 
     cfg = RunConfig.from_mapping({"algorithm": "fedsam", "dataset": "digits", "local-steps": 3, "batch-size": 16})
     model = build_model(BN, (1, 8, 8), 10, seed=0)
@@ -256,8 +256,8 @@ def test_local_buffers_stay_on_each_client(tmp_path):
     """Each client stores its own statistics in its state (never seen by the rule) and starts
     its next round from them: its self-report before round 2 differs from the global policy's,
     while the server's averaged buffers (its central evaluation) agree."""
-    from client.state import latest
-    from common import protocol as P
+    from flatflower.client.state import latest
+    from flatflower.common import protocol as P
 
     rows, finals = {}, {}
     for policy in ("global", "local"):
@@ -299,7 +299,7 @@ class NaNWhenEvaluated(nn.Module):
 
 
 def test_a_non_finite_final_test_loss_fails_the_run_and_keeps_what_was_computed(tmp_path):
-    from common.models import register_model
+    from flatflower.common.models import register_model
 
     register_model("nan-when-evaluated", lambda: NaNWhenEvaluated())
     with pytest.raises(RunFailed, match="test_loss is not finite"):
@@ -338,7 +338,7 @@ def test_federated_evaluation_uses_each_clients_own_statistics(tmp_path):
 
 
 def test_a_missing_model_module_fails_the_serverapp_in_one_line(tmp_path):
-    from common.references import BadReference
+    from flatflower.common.references import BadReference
 
     with pytest.raises(BadReference, match="module 'nowhere_at_all_q' is not found"):
         run_inprocess({"algorithm": "fedavg", **TINY, "model": "nowhere_at_all_q:net",

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from common.config import RunConfig
-from strategies.registry import ALGORITHMS
+from flatflower.common.config import RunConfig
+from flatflower.strategies.registry import ALGORITHMS
 from tests.helpers import ROOT, flower_pids
-from tools.cli import main as cli
+from flatflower.tools.cli import main as cli
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -51,7 +51,7 @@ def test_cli_refuses_to_overwrite_a_run(tmp_path, capsys):
 
 def test_cli_reports_a_failed_run_with_nonzero_exit(tmp_path, capsys):
     """Pass/fail comes from the `flwr ls` status, not from `flwr run`'s exit code."""
-    from tools.progress import EXIT_FAILED, Progress, finish
+    from flatflower.tools.progress import EXIT_FAILED, Progress, finish
 
     cfg = RunConfig.from_mapping({"run-dir": str(tmp_path)})
     code = finish(cfg, False, Progress(tmp_path, 3), "ServerApp failed with exception: boom")
@@ -71,7 +71,7 @@ def test_cli_unwritable_run_dir_is_a_clear_error(tmp_path, capsys):
 # ---------------------------------------------------------------- what the specs generate
 def test_docs_key_table_is_flatflower_algorithms_markdown(capsys):
     """docs/algorithms.md's table of every algorithm's records and keys is the command's output."""
-    from tools.commands import algorithm_table
+    from flatflower.tools.commands import algorithm_table
 
     text = (ROOT / "docs" / "algorithms.md").read_text()
     block = text.split("<!-- algorithms:begin (flatflower algorithms --markdown) -->\n", 1)[1]
@@ -84,7 +84,7 @@ def test_docs_key_table_is_flatflower_algorithms_markdown(capsys):
 def test_configuration_doc_lists_every_general_key_with_its_default_and_no_algorithm_key():
     """docs/configuration.md's key table: every general key of RunConfig, each with the
     default the code has, and no algorithm key (those are `flatflower algorithms`')."""
-    from common.config import algorithm_keys, general_fields
+    from flatflower.common.config import algorithm_keys, general_fields
 
     text = (ROOT / "docs" / "configuration.md").read_text()
     table = text.split("## General keys", 1)[1].split("\n## ", 1)[0]
@@ -139,7 +139,7 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
     for package in ("client", "common", "server", "strategies", "runtime", "tools"):
         assert f"{package}/__init__.py" in names, package
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt")))
-    assert b"flatflower = tools.cli:entry" in entry_points and b"flatflower-worker = runtime.worker:main" in entry_points
+    assert b"flatflower = flatflower.tools.cli:entry" in entry_points and b"flatflower-worker = flatflower.runtime.worker:main" in entry_points
 
 
 @pytest.mark.parametrize("command", ["presets", "algorithms"])
@@ -147,7 +147,7 @@ def test_a_wheel_carries_the_presets_and_the_commands(tmp_path):
 def test_output_into_a_closed_pipe_ends_quietly_as_a_shell_reports_sigpipe(command):
     """`flatflower presets | head -1`: the reader goes away; the command ends with 141 (128 +
     SIGPIPE) and says nothing, instead of `error: [Errno 32] Broken pipe` and exit code 2."""
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", command], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "flatflower.tools.cli", command], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the command writes a byte
     _, err = proc.communicate(timeout=120)
@@ -183,9 +183,9 @@ def test_the_flower_app_ships_its_code_only_whatever_lies_in_the_checkout(tmp_pa
 def test_every_set_example_in_the_help_is_accepted():
     """The help's `--set KEY=VALUE` examples are valid run-config keys and values (it showed
     `--set rho=0.05`, which is refused: the key is sam.rho)."""
-    from common.config import parse_assignments
-    from tools.cli import build_parser
-    from tools.sweep import build_parser as sweep_parser
+    from flatflower.common.config import parse_assignments
+    from flatflower.tools.cli import build_parser
+    from flatflower.tools.sweep import build_parser as sweep_parser
 
     parser = build_parser()
     helps = [parser.format_help(), sweep_parser().format_help()]
@@ -206,7 +206,7 @@ def test_the_top_level_help_names_every_simulation_engine(capsys):
 
 
 def test_run_elapsed_is_formatted():
-    from runtime.engines import seconds_text
+    from flatflower.runtime.engines import seconds_text
 
     assert seconds_text("31.795824") == "31.8s" and seconds_text(31.795824) == "31.8s"
     assert seconds_text("?") == "?" and seconds_text("\x1b[2J") == "\\x1b[2J"

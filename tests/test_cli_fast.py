@@ -2,9 +2,9 @@
 PyTorch is imported (issue 43: they took 6-37 s, each mistyped flag as long as a run's start).
 
 One child process (a fresh interpreter: this one has torch loaded long ago) calls
-``tools.cli.main`` on each command line in turn and records its exit code, its stderr and
+``flatflower.tools.cli.main`` on each command line in turn and records its exit code, its stderr and
 whether torch, NumPy, Flower, matplotlib or Ray were imported by then. No timing is asserted: what the answer
-costs is what it imports (`python -X importtime -c "import tools.cli"`)."""
+costs is what it imports (`python -X importtime -c "import flatflower.tools.cli"`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ CASES = [(["--help"], 0), (["--version"], 0), *(([name, "--help"], 0) for name i
 
 CHILD = f"""
 import contextlib, io, json, sys
-from tools.cli import main
+from flatflower.tools.cli import main
 results = []
 for argv in json.loads(sys.argv[1]):
     err = io.StringIO()

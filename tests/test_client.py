@@ -1,6 +1,6 @@
 """Tests for the client side: batching, RNG, node settings and the ClientApp handlers.
 
-The ClientApp is exercised through ``runtime.engines.inprocess.InProcessGrid`` (real Flower
+The ClientApp is exercised through ``flatflower.runtime.engines.inprocess.InProcessGrid`` (real Flower
 messages and contexts, one process, no ports).
 """
 
@@ -13,17 +13,17 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from client.app import META
-from client.app import app as client_app
-from client.node import NodeSettings
-from client.train import batch_indices, round_generator
-from common import codec
-from common import protocol as P
-from strategies import registry
-from common.config import RunConfig
-from common.data import dataset_for, partitions_for
-from common.models import build_model
-from runtime.engines.inprocess import InProcessGrid, run_inprocess
+from flatflower.client.app import META
+from flatflower.client.app import app as client_app
+from flatflower.client.node import NodeSettings
+from flatflower.client.train import batch_indices, round_generator
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.strategies import registry
+from flatflower.common.config import RunConfig
+from flatflower.common.data import dataset_for, partitions_for
+from flatflower.common.models import build_model
+from flatflower.runtime.engines.inprocess import InProcessGrid, run_inprocess
 from tests.helpers import fast_config
 
 
@@ -271,11 +271,11 @@ def test_query_on_misconfigured_node_is_an_error_reply() -> None:
 
 
 def test_the_self_report_names_are_one_vocabulary_on_both_sides():
-    """What a client can report (client.app.report_of) is what the server accepts in a train
-    reply and writes to clients.jsonl: all spelled once, in common.protocol."""
-    from client.app import report_of
-    from server.clients import REPORTED_FIELDS
-    from strategies.validation import REPORTED, TRAIN_METRICS
+    """What a client can report (flatflower.client.app.report_of) is what the server accepts in a train
+    reply and writes to clients.jsonl: all spelled once, in flatflower.common.protocol."""
+    from flatflower.client.app import report_of
+    from flatflower.server.clients import REPORTED_FIELDS
+    from flatflower.strategies.validation import REPORTED, TRAIN_METRICS
 
     made = {**report_of("before", (0.5, 0.25), 0.75), **report_of("after", (0.4, 0.5), 0.8)}
     assert set(made) == set(P.SELF_REPORTS) == set(REPORTED) == set(REPORTED_FIELDS)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.app import app as client_app
-from common.config import RunConfig
-from server.run import run_server
+from flatflower.client.app import app as client_app
+from flatflower.common.config import RunConfig
+from flatflower.server.run import run_server
 from tests.helpers import (DEPLOYED, FIRST_NODE, deployed, fast_config, measure_startup, metrics,
                            run_with_faults, same)
-from runtime.engines.inprocess import InProcessGrid, VectorizedGrid
+from flatflower.runtime.engines.inprocess import InProcessGrid, VectorizedGrid
 
 STATEFUL = ["scaffold", "feddyn"]  # a control variate and a dual: both change every round
 
@@ -115,7 +115,7 @@ RUN = ["simulate", "--engine", "inprocess", "--algorithm", "scaffold", "--client
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory):
     """A 3-round SCAFFOLD run (to be resumed to 5 rounds) and the uninterrupted 5-round run."""
-    from tools.cli import main as cli
+    from flatflower.tools.cli import main as cli
 
     root = tmp_path_factory.mktemp("runs")
     assert cli([*RUN, "--rounds", "5", "--run-dir", str(root / "full")]) == 0
@@ -135,7 +135,7 @@ def listing(path: Path) -> dict:
 
 @pytest.mark.parametrize("how", ["move", "copy"])
 def test_a_moved_or_copied_run_directory_resumes_from_its_own_files(stopped_run, tmp_path, how):
-    from tools.cli import main as cli
+    from flatflower.tools.cli import main as cli
 
     src = tmp_path / "a"
     shutil.copytree(stopped_run / "a", src)
@@ -152,7 +152,7 @@ def test_a_moved_or_copied_run_directory_resumes_from_its_own_files(stopped_run,
 
 @pytest.mark.parametrize("damage", ["all", "partition", "file", "foreign"])
 def test_resume_refuses_missing_or_damaged_client_state_in_one_line(stopped_run, tmp_path, capsys, damage):
-    from tools.cli import main as cli
+    from flatflower.tools.cli import main as cli
 
     run_dir = tmp_path / "a"
     shutil.copytree(stopped_run / "a", run_dir)

@@ -13,10 +13,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 import pytest
 
-from common.config import ConfigError, RunConfig, defaults, flat_keys, general_fields, parse_assignments
-from strategies.registry import ALGORITHMS
-from common.datasets import DATASETS
-from common.params import PLACEHOLDER, is_unset
+from flatflower.common.config import ConfigError, RunConfig, defaults, flat_keys, general_fields, parse_assignments
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.common.datasets import DATASETS
+from flatflower.common.params import PLACEHOLDER, is_unset
 from tests.helpers import fast_config
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -130,7 +130,7 @@ def test_replace_validates() -> None:
 
 def test_invalid_config_fails_before_training(tmp_path: Path) -> None:
     """The in-process runner refuses the config before it creates a run directory."""
-    from runtime.engines.inprocess import run_inprocess
+    from flatflower.runtime.engines.inprocess import run_inprocess
 
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match="lr must be a finite number > 0"):

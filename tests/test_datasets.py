@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from common import datasets
-from common.datasets import (
+from flatflower.common import datasets
+from flatflower.common.datasets import (
     DATASETS,
     DEFAULT_MODEL,
     DatasetUnavailableError,
@@ -16,7 +16,7 @@ from common.datasets import (
     default_data_dir,
     load_dataset,
 )
-from common.models import MODELS
+from flatflower.common.models import MODELS
 
 
 def test_default_model_is_known_for_every_dataset() -> None:
@@ -213,8 +213,8 @@ def test_synthetic_fedprox_beta_spreads_the_clients_inputs() -> None:
 
 
 def test_client_test_split_is_the_clients_held_out_data() -> None:
-    from common.config import RunConfig
-    from common.data import client_split, client_test_split
+    from flatflower.common.config import RunConfig
+    from flatflower.common.data import client_split, client_test_split
 
     cfg = RunConfig.from_mapping({"dataset": "synthetic-fedprox", "partition": "natural",
                                   "num-partitions": 5})
@@ -262,7 +262,7 @@ def test_missing_mnist_is_one_line_and_leaves_no_empty_folders(tmp_path, monkeyp
 
 
 def test_data_check_says_what_is_usable_offline(tmp_path, capsys) -> None:
-    from tools.cli import main as cli
+    from flatflower.tools.cli import main as cli
 
     raw = tmp_path / "MNIST" / "raw"
     raw.mkdir(parents=True)
@@ -353,7 +353,7 @@ def test_a_damaged_idx_file_is_named_in_one_error(tmp_path, monkeypatch, damage,
 
 
 def test_data_check_names_the_source_or_the_command_that_gives_one(tmp_path, monkeypatch, capsys) -> None:
-    from tools.cli import main as cli
+    from flatflower.tools.cli import main as cli
 
     _fake_system_package(tmp_path / "system")
     monkeypatch.setenv("FLATFLOWER_SYSTEM_DATA", str(tmp_path / "system"))

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from client.node import NodeSettings
+from flatflower.client.node import NodeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -61,7 +61,7 @@ PARSERS = {
     "flower-superlink": ("flwr.superlink.cli.flower_superlink", "_parse_args_run_superlink"),
     "flower-supernode": ("flwr.supernode.cli.flower_supernode", "_parse_args_run_supernode"),
     "flower-superexec": ("flwr.supercore.cli.flower_superexec", "_parse_args"),
-    WORKER: ("runtime.worker", "build_parser"),
+    WORKER: ("flatflower.runtime.worker", "build_parser"),
 }
 APP_UID = "49999"  # user `app` in every Flower image
 
@@ -535,7 +535,7 @@ def test_insecure_only_in_the_base_file():
 
 @pytest.mark.parametrize("combo", ["tls", "tls+gpu"])
 def test_tls_overlay_uses_the_flatflower_certs_layout(combo, tmp_path):
-    from runtime.certs import generate_certs
+    from flatflower.runtime.certs import generate_certs
 
     n = len(supernodes(load_merged(COMBOS["base"])))
     files = generate_certs(tmp_path / "certs", nodes=n, hosts=["superlink"])
@@ -782,7 +782,7 @@ def test_flower_stand_in_images_match_the_official_ones():
 def test_docker_e2e_driver_configs_are_valid_runs():
     """tests/docker_e2e.py (make test-docker, not run by pytest): its run configs are valid and
     its FedDyn restart run can only end with the uninterrupted model (all replies required)."""
-    from common.config import RunConfig
+    from flatflower.common.config import RunConfig
     from tests import docker_e2e as e2e
 
     keys = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
@@ -824,7 +824,7 @@ def test_docker_compose_config_accepts_and_merges_alike(combo, tmp_path):
     compose = _docker_compose()
     if compose is None:
         pytest.skip("no `docker compose` CLI here; the files are checked by the other tests")
-    from runtime.certs import generate_certs
+    from flatflower.runtime.certs import generate_certs
 
     certs = generate_certs(tmp_path / "certs", nodes=2, hosts=["superlink"]).out_dir
     env = {"FLATFLOWER_CERTS": str(certs)}
@@ -865,7 +865,7 @@ def test_debian_docker_compose_validates_and_merges_alike(combo, tmp_path):
     compose = shutil.which("docker-compose")
     if compose is None:
         pytest.skip("no Debian docker-compose here (apt-get install docker-compose)")
-    from runtime.certs import generate_certs
+    from flatflower.runtime.certs import generate_certs
 
     files = COMBOS[combo.removesuffix("+local")] + ((LOCAL_BASE,) if combo.endswith("+local") else ())
     certs = generate_certs(tmp_path / "certs", nodes=2, hosts=["superlink"]).out_dir
@@ -937,7 +937,7 @@ def test_docs_run_configs_and_node_configs_are_valid():
 
 
 def test_docs_flatflower_commands_parse():
-    from tools.cli import build_parser
+    from flatflower.tools.cli import build_parser
 
     parser = build_parser()
     lines = [args for command, args in docs_commands() if command == "flatflower"]

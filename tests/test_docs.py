@@ -16,7 +16,7 @@ import shlex
 
 import pytest
 
-from strategies.registry import ALGORITHMS
+from flatflower.strategies.registry import ALGORITHMS
 from tests.helpers import ROOT, markdown_section as section
 
 README = ROOT / "README.md"
@@ -24,8 +24,8 @@ DOCS = ROOT / "docs"
 # the guides a reader reaches from the README; their `flatflower` lines must parse too
 GUIDES = ("configuration", "engines", "presets", "run-directory", "datasets", "flatness", "privacy",
           "sweeps", "reliability", "your-data", "models", "local-data", "deployment", "api", "protocol")
-OWN_PARSERS = {"report": "tools.report", "landscape": "tools.landscape", "bench": "tools.bench",
-               "sweep": "tools.sweep", "flatness": "tools.flatness_cmd"}
+OWN_PARSERS = {"report": "flatflower.tools.report", "landscape": "flatflower.tools.landscape", "bench": "flatflower.tools.bench",
+               "sweep": "flatflower.tools.sweep", "flatness": "flatflower.tools.flatness_cmd"}
 
 
 
@@ -48,7 +48,7 @@ def parse(args: list[str]) -> tuple[str, argparse.Namespace]:
         parser = importlib.import_module(OWN_PARSERS[command]).build_parser()
         rest = args[1:]
     else:
-        from tools.cli import build_parser
+        from flatflower.tools.cli import build_parser
 
         parser, rest = build_parser(), args
     try:
@@ -96,12 +96,12 @@ def test_no_doc_states_another_number_of_algorithms():
 
 
 def test_preset_table_is_generated_from_the_presets():
-    from tools.presets import available, markdown_table
+    from flatflower.tools.presets import available, markdown_table
 
     text = (DOCS / "presets.md").read_text()
-    block = text.split("<!-- presets:begin (tools.presets.markdown_table) -->\n", 1)[1]
+    block = text.split("<!-- presets:begin (flatflower.tools.presets.markdown_table) -->\n", 1)[1]
     assert block.split("\n<!-- presets:end -->", 1)[0] == markdown_table(), \
-        'regenerate: python -c "from tools.presets import markdown_table; print(markdown_table())"'
+        'regenerate: python -c "from flatflower.tools.presets import markdown_table; print(markdown_table())"'
     assert len(table_rows(markdown_table())) == len(available()) + 1  # + the header
 
 
@@ -135,9 +135,9 @@ def produced_runs(lines: list[list[str]]) -> set[str]:
 
 
 def test_every_readme_command_parses_resolves_and_names_what_exists(tmp_path, monkeypatch):
-    from common.config import algorithm_keys, general_fields
-    from tools.presets import find_preset
-    from tools.prepare import resolve_config
+    from flatflower.common.config import algorithm_keys, general_fields
+    from flatflower.tools.presets import find_preset
+    from flatflower.tools.prepare import resolve_config
 
     lines = shell_lines(README.read_text())
     made = produced_runs(lines)
@@ -203,7 +203,7 @@ def test_the_flatness_and_landscape_examples_read_runs_their_sweeps_make():
 
 
 def test_the_documented_misspelling_hint_is_the_one_the_config_gives():
-    from common.config import ConfigError, RunConfig
+    from flatflower.common.config import ConfigError, RunConfig
 
     with pytest.raises(ConfigError) as err:
         RunConfig.from_mapping({"algorithm": "fedsma"})

@@ -11,9 +11,9 @@ import tempfile
 import pytest
 import torch
 
-from tools.cli import main as cli
-from runtime.engines.inprocess import run_inprocess
-from common.config import RunConfig
+from flatflower.tools.cli import main as cli
+from flatflower.runtime.engines.inprocess import run_inprocess
+from flatflower.common.config import RunConfig
 from tests.helpers import DIGITS, RAY_RETRY, ROOT, check_run_dir, flower_pids, metrics
 
 
@@ -83,8 +83,8 @@ def test_ray_simulation_gives_the_inprocess_model_for_stateful_clients(tmp_path)
     `flatflower simulate` starts) runs the three algorithms one after the other. FedGMT-v2's
     client EMA (whose w^0 a Ray worker rebuilds from the seed) and its broadcast EMA go
     through Ray in tests/test_reliability.py's stop-and-resume test, via the CLI."""
-    from runtime.engines import ray_federation_config
-    from runtime.engines.federation import COMPLETED, LocalFederation
+    from flatflower.runtime.engines import ray_federation_config
+    from flatflower.runtime.engines.federation import COMPLETED, LocalFederation
 
     before = flower_pids()
     algorithms = ("fedtoga", "fedsmoo", "fedlesam-s", "fedwmsam")
@@ -126,8 +126,8 @@ def test_inprocess_clients_parse_array_headers_one_at_a_time():
     import ast
     import sys
 
-    from client.app import app as client_app
-    from runtime.engines.inprocess import InProcessGrid
+    from flatflower.client.app import app as client_app
+    from flatflower.runtime.engines.inprocess import InProcessGrid
 
     InProcessGrid(client_app, 2, {})
     assert sys.version_info >= (3, 13) or getattr(ast.parse, "one_at_a_time", False)
@@ -142,8 +142,8 @@ def test_exchange_takes_each_in_process_reply_as_it_lands_without_sleeping(monke
     from flwr.app import Message, MessageType, RecordDict
     from flwr.clientapp import ClientApp
 
-    from strategies import participation
-    from runtime.engines.inprocess import InProcessGrid
+    from flatflower.strategies import participation
+    from flatflower.runtime.engines.inprocess import InProcessGrid
 
     answered = threading.Event()
     echo = ClientApp()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, flower_pids, metrics
-from tools.cli import main as cli
+from flatflower.tools.cli import main as cli
 
 EXAMPLES = ROOT / "examples"
 

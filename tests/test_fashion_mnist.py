@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import metrics
 from tests.test_datasets import system_fashion_mnist
-from tools.cli import main as cli
+from flatflower.tools.cli import main as cli
 
 
 @pytest.mark.slow

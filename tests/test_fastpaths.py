@@ -14,11 +14,11 @@ import pytest
 import torch
 from flwr.app import Array
 
-from common import codec
-from common.config import ConfigError, RunConfig
-from common.data import client_split
-from common.models import MODELS, ModelPool, build_model
-from strategies.validation import RejectedReply, decode_array
+from flatflower.common import codec
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.data import client_split
+from flatflower.common.models import MODELS, ModelPool, build_model
+from flatflower.strategies.validation import RejectedReply, decode_array
 
 ARRAYS = [np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(5), np.full((), 2.5),
           np.zeros((0, 3), np.float32), np.ones((2, 3), dtype=">f4"), np.ones((2, 2, 2), np.int8)]
@@ -110,7 +110,7 @@ def test_a_kept_client_split_is_the_split_and_is_not_shared_with_others():
 
 
 def test_slots_bound_the_calls_at_once_and_a_stuck_holder_holds_nobody_up():
-    from runtime.engines.inprocess import Slots
+    from flatflower.runtime.engines.inprocess import Slots
 
     slots = Slots(1, patience=0.2)
     assert slots.acquire()  # the one slot, then held "forever"

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from common.config import ConfigError, RunConfig
-from common.fds import parse_args, partition
-from common.partition import PartitionError
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.fds import parse_args, partition
+from flatflower.common.partition import PartitionError
 from tests.helpers import fast_config
-from runtime.engines.inprocess import run_inprocess
+from flatflower.runtime.engines.inprocess import run_inprocess
 
 pytest.importorskip("flwr_datasets")
 

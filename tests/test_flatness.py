@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from common.flatness import (
+from flatflower.common.flatness import (
     SplitLoss,
     hessian_trace,
     measure,
@@ -29,9 +29,9 @@ from common.flatness import (
     sharpness,
     top_eigenvalue,
 )
-from common.models import build_model
-from tools.cli import main as cli
-from tools.saved import SavedRun
+from flatflower.common.models import build_model
+from flatflower.tools.cli import main as cli
+from flatflower.tools.saved import SavedRun
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +325,7 @@ def test_an_existing_json_file_is_kept_without_force(run_dir, tmp_path, capsys):
 
 
 def test_the_documented_defaults(run_dir):
-    from tools.flatness_cmd import build_parser
+    from flatflower.tools.flatness_cmd import build_parser
 
     args = build_parser().parse_args([str(run_dir)])
     assert (args.model, args.split, args.rho, args.iters, args.probes, args.tol, args.seed,

@@ -11,17 +11,17 @@ import pytest
 import torch
 from flwr.app import MessageType
 
-from client.app import app as client_app
-from common import codec
-from common import protocol as P
-from common.config import ConfigError, RunConfig
-from common.data import dataset_for
-from common.flatness import ROUND_FIELDS, measure, seed_of
-from common.models import build_model
-from server.run import run_server
+from flatflower.client.app import app as client_app
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.data import dataset_for
+from flatflower.common.flatness import ROUND_FIELDS, measure, seed_of
+from flatflower.common.models import build_model
+from flatflower.server.run import run_server
 from tests.helpers import fast_config, metrics, run_with_faults
-from tools.cli import main as cli
-from runtime.engines.inprocess import InProcessGrid
+from flatflower.tools.cli import main as cli
+from flatflower.runtime.engines.inprocess import InProcessGrid
 
 MEASURED = ("sharpness", "sharpness_rho", "hessian_max_eig", "hessian_trace", "flatness_seconds")
 

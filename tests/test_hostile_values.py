@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from server.tensorboard import HISTOGRAM_LIMIT, Board, drift
+from flatflower.server.tensorboard import HISTOGRAM_LIMIT, Board, drift
 from tests import malicious
 from tests.helpers import metrics, run_with_faults
-from tools import report
+from flatflower.tools import report
 
 # every kind of value a row may hold: huge, beyond float32, beyond TensorBoard's histogram
 # buckets, non-finite, subnormal, an int beyond any float, and what is not a number at all

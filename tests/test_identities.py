@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.algorithms.fedspeed import FedSpeedClient
-from client.sam import sam_gradient
+from flatflower.client.algorithms.fedspeed import FedSpeedClient
+from flatflower.client.sam import sam_gradient
 from tests.helpers import PARTIAL, TOGA, assert_client_duals, assert_close_models, assert_differ, finals_equal, matches, run
 from tests.reference import Problem, fedgmt_reference
 

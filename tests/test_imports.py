@@ -94,7 +94,7 @@ def test_imports_go_one_way():
              for m, deps in graph.items()
              for forbidden in [{"client": {"strategies", "server", "tools"},
                                 "strategies": {"server", "tools"}}.get(m.split(".")[0], set())]
-             if m != "client.app"}
+             if m != "flatflower.client.app"}
     assert {m: d for m, d in found.items() if d} == {}
 
 
@@ -120,12 +120,12 @@ def test_no_class_is_imported_by_name():
     train-transform), which flatflower cannot import by name."""
     hits = []
     for name, path in _modules().items():
-        if name == "common.references":
+        if name == "flatflower.common.references":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr == "import_module":
                 hits.append(name)
             if isinstance(node, ast.Name) and node.id in ("__import__", "import_module"):
                 hits.append(name)
-    # common.references is the one importer of the user's own code (model = package.module:callable)
-    assert [h for h in hits if h != "common.references"] == []
+    # flatflower.common.references is the one importer of the user's own code (model = package.module:callable)
+    assert [h for h in hits if h != "flatflower.common.references"] == []

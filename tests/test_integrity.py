@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import runtime.engines.inprocess  # noqa: F401  (flwr's log handler: see tests/test_bad_input.py)
-from server import manifest
-from server.manifest import MANIFEST, Manifest, ManifestError
+import flatflower.runtime.engines.inprocess  # noqa: F401  (flwr's log handler: see tests/test_bad_input.py)
+from flatflower.server import manifest
+from flatflower.server.manifest import MANIFEST, Manifest, ManifestError
 from tests.test_bad_input import USAGE, assert_untouched, run_cli, snapshot
-from tools.cli import main
+from flatflower.tools.cli import main
 
 BASE = ["simulate", "--engine", "inprocess", "--clients", "3", "--dataset", "synthetic", "--model", "logreg",
         "--partition", "iid", "--set", "local-steps=1", "--no-tensorboard"]
@@ -305,9 +305,9 @@ def test_client_side_state_check_names_the_file_and_the_tensor():
     checks the file it loads the same way (client/app.py: TrainCall.open)."""
     from collections import OrderedDict
 
-    from client.layout import Layout
-    from client.state import check_state
-    from common.models import build_model
+    from flatflower.client.layout import Layout
+    from flatflower.client.state import check_state
+    from flatflower.common.models import build_model
 
     model = build_model("logreg", (4,), 3, seed=0)
     layout = Layout(model)
@@ -326,7 +326,7 @@ def test_a_node_local_state_file_that_does_not_fit_fails_that_client_in_one_line
     """Node-local client state (node-config ``state-dir``, which the server cannot see): the
     client checks the file it loads and fails the round with the line naming file and tensor;
     it never trains with a float64 dual, and the other clients' round goes on."""
-    from runtime.engines.inprocess import run_inprocess
+    from flatflower.runtime.engines.inprocess import run_inprocess
 
     config = {"algorithm": "feddyn", "dataset": "synthetic", "model": "logreg", "partition": "iid",
               "local-steps": 1, "num-server-rounds": 2, "run-dir": str(tmp_path / "run"), "tensorboard": False}
@@ -345,8 +345,8 @@ def test_a_node_local_state_file_that_does_not_fit_fails_that_client_in_one_line
 def test_the_python_api_refuses_a_damaged_resume_input_and_writes_nothing(tmp_path, feddyn_run):
     """run_inprocess (the ServerApp's own setup) refuses as the command line does, and leaves
     the directory as it found it (no failed summary.json over the run's)."""
-    from runtime.engines.inprocess import run_inprocess
-    from server.rundir import RunDirError
+    from flatflower.runtime.engines.inprocess import run_inprocess
+    from flatflower.server.rundir import RunDirError
 
     run = tmp_path / "run"
     shutil.copytree(feddyn_run, run)

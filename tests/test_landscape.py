@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from common.flatness import SplitLoss, perturbed
+from flatflower.common.flatness import SplitLoss, perturbed
 from tests.helpers import fast_config
-from tools.cli import main as cli
-from runtime.engines.inprocess import run_inprocess
-from tools.landscape import raw_directions, trainable
-from tools.saved import SavedRun
+from flatflower.tools.cli import main as cli
+from flatflower.runtime.engines.inprocess import run_inprocess
+from flatflower.tools.landscape import raw_directions, trainable
+from flatflower.tools.saved import SavedRun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -208,7 +208,7 @@ def test_an_existing_output_is_kept_without_force(runs, tmp_path, capsys, existi
 
 
 def test_the_default_figure_goes_where_the_report_goes_and_the_help_lists_the_command(runs, capsys):
-    from tools.report import default_out
+    from flatflower.tools.report import default_out
 
     out = default_out([runs["avg"]]).with_name("landscape.png")
     assert landscape(runs["avg"], "--dims", 1, "--steps", 3) == 0
@@ -220,7 +220,7 @@ def test_the_default_figure_goes_where_the_report_goes_and_the_help_lists_the_co
 
 
 def test_progress_is_shown_every_5_percent_of_a_long_surface_and_at_the_end(capsys):
-    from tools.landscape import Progress
+    from flatflower.tools.landscape import Progress
 
     progress = Progress(40, quiet=0.0)  # a long surface: past its quiet first seconds
     for _ in range(40):
@@ -241,7 +241,7 @@ def test_split_and_model_choose_what_is_measured(runs, tmp_path, split, model):
 
 
 def test_contour_levels_are_geometric_over_a_wide_range():
-    from tools.landscape import contour_levels
+    from flatflower.tools.landscape import contour_levels
 
     np.testing.assert_allclose(contour_levels(np.array([1.0, 2.0]), 3), [1.0, 1.5, 2.0])
     np.testing.assert_allclose(contour_levels(np.array([0.5, np.inf, 50.0]), 3), [0.5, 5.0, 50.0])
@@ -250,7 +250,7 @@ def test_contour_levels_are_geometric_over_a_wide_range():
 def test_the_grid_holds_0_and_1_exactly_and_never_moves_a_point_onto_them():
     """0 and 1 are exact grid values where the grid passes them; with a huge span the point
     at 0 stays at 0 (a rounding tolerance of the span's size once moved it to 1)."""
-    from tools.landscape import grid
+    from flatflower.tools.landscape import grid
 
     assert grid(-1e30, 1e30, 3).tolist() == [-1e30, 0.0, 1e30]
     coords = grid(-0.5, 1.5, 21)

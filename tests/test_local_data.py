@@ -16,16 +16,16 @@ import torch
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-import client.app as honest
-from common import protocol as P
-from common.config import ConfigError, RunConfig
-from common.datasets import Split
-from common.evaluate import evaluate
-from common.models import build_model
-from strategies.participation import Participation
+import flatflower.client.app as honest
+from flatflower.common import protocol as P
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.datasets import Split
+from flatflower.common.evaluate import evaluate
+from flatflower.common.models import build_model
+from flatflower.strategies.participation import Participation
 from tests.helpers import metrics
 from tests.malicious import with_metric
-from runtime.engines.inprocess import InProcessGrid, run_inprocess
+from flatflower.runtime.engines.inprocess import InProcessGrid, run_inprocess
 
 FEATURES, CLASSES = 16, 10
 # (train examples, held-out examples, classes present) of each site: different sizes and mixes
@@ -258,7 +258,7 @@ def test_a_local_run_with_nothing_to_measure_it_is_refused(tmp_path):
 def test_simulate_with_a_folder_per_client(tmp_path, capsys):
     """``flatflower simulate --node-data DIR`` once per client: partition = local, --clients
     from the folders; the in-process and vectorised engines give the same federated numbers."""
-    from tools.cli import main as cli
+    from flatflower.tools.cli import main as cli
 
     folders = sites(tmp_path)
     args = ["simulate", "--dataset", "npz", "--model", "logreg", "--set", f"input-shape={FEATURES}",
@@ -283,7 +283,7 @@ def test_simulate_with_a_folder_per_client(tmp_path, capsys):
     (["--engine", "ray"], "--node-data: Ray's simulation gives every virtual node the same node config"),
 ])
 def test_bad_node_folders_are_one_line_before_anything_starts(tmp_path, capsys, change, error):
-    from tools.cli import main as cli
+    from flatflower.tools.cli import main as cli
 
     folders = sites(tmp_path)
     paths = {"missing": str(tmp_path / "missing"),
@@ -320,8 +320,8 @@ def test_the_guides_commands_are_valid():
 
     from flwr.common.config import parse_config_args
 
-    from client.node import NodeSettings
-    from tools.cli import build_parser
+    from flatflower.client.node import NodeSettings
+    from flatflower.tools.cli import build_parser
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "local-data.md").read_text()
     seen = set()

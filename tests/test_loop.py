@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engines.inprocess import run_inprocess
-from tools.loop import measure_loop, run_loop
+from flatflower.runtime.engines.inprocess import run_inprocess
+from flatflower.tools.loop import measure_loop, run_loop
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedsam"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.models import MODELS, build_model, count_parameters
+from flatflower.common.models import MODELS, build_model, count_parameters
 
 DIGITS = (1, 8, 8)
 CIFAR = (3, 32, 32)

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from runtime.certs import planned_files
-from runtime.engines.federation import COMPLETED, LocalFederation, free_port, is_loopback
+from flatflower.runtime.certs import planned_files
+from flatflower.runtime.engines.federation import COMPLETED, LocalFederation, free_port, is_loopback
 from tests.helpers import flower_pids, markdown_section, metrics
 
 ROOT = Path(__file__).resolve().parent.parent

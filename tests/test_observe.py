@@ -13,11 +13,11 @@ import pytest
 import torch
 from flwr.app import MessageType
 
-from server import progress as progress_module
-from server.progress import RoundProgress, read_progress, write_progress
+from flatflower.server import progress as progress_module
+from flatflower.server.progress import RoundProgress, read_progress, write_progress
 from tests.helpers import fast_config, metrics, run_with_faults
-from runtime.engines.inprocess import run_inprocess
-from tools.progress import Progress, round_line
+from flatflower.runtime.engines.inprocess import run_inprocess
+from flatflower.tools.progress import Progress, round_line
 
 CLIENT_FIELDS = {"round", "partition", "status", "reason", "node", "examples", "steps", "weight",
                  "train_loss", "update_norm", "cosine_to_mean", "loss_before", "loss_after",
@@ -93,7 +93,7 @@ def test_tensorboard_event_files_hold_every_metric_and_the_clients(tmp_path):
     rows = metrics(run_dir)
     numeric = {k for row in rows[1:] for k, v in row.items()
                if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    from common.flatness import ROUND_FIELDS
+    from flatflower.common.flatness import ROUND_FIELDS
 
     assert {f"{'flatness' if k in ROUND_FIELDS else 'metrics'}/{k}" for k in numeric} <= set(tags["scalars"])
     accuracy = board.Scalars("metrics/test_accuracy")
@@ -220,8 +220,8 @@ def test_live_display_shows_rounds_and_clients(tmp_path):
 
 
 def test_tensorboard_flag_sets_the_run_config(tmp_path):
-    from tools.cli import build_parser
-    from tools.prepare import resolve_config
+    from flatflower.tools.cli import build_parser
+    from flatflower.tools.prepare import resolve_config
 
     def cfg(*flags):
         args = build_parser().parse_args(["simulate", *flags, "--run-dir", str(tmp_path / "r")])

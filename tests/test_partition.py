@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from common.partition import PARTITIONS, PartitionError, label_histogram, partition_indices
+from flatflower.common.partition import PARTITIONS, PartitionError, label_histogram, partition_indices
 
 SYNTHETIC = np.random.default_rng(42).integers(0, 10, size=2000)
 DIGITS = load_digits().target

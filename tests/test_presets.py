@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from common.config import RunConfig
-from tools.cli import build_parser, main
-from tools.prepare import UsageError, apply_preset, resolve_config
-from tools.presets import PRESET_DIR, PresetError, available, load_preset
+from flatflower.common.config import RunConfig
+from flatflower.tools.cli import build_parser, main
+from flatflower.tools.prepare import UsageError, apply_preset, resolve_config
+from flatflower.tools.presets import PRESET_DIR, PresetError, available, load_preset
 
 PRESETS = available()
 # the others reproduce no paper number: a smoke test and the offline benchmarks (source "none ...")
@@ -184,7 +184,7 @@ def test_a_resumed_run_continues_on_the_engine_it_ran_on(tmp_path, engine):
 
 
 def test_rays_actor_sizes_choose_ray_and_are_refused_by_the_in_process_engines(tmp_path, monkeypatch):
-    monkeypatch.setattr("tools.prepare.cuda_gpu_count", lambda: 1)  # as on a machine with one GPU
+    monkeypatch.setattr("flatflower.tools.prepare.cuda_gpu_count", lambda: 1)  # as on a machine with one GPU
     run = ["--run-dir", str(tmp_path / "r")]
     args = build_parser().parse_args(["simulate", "--gpus-per-client", "0.25", *run])
     apply_preset(args)
@@ -204,7 +204,7 @@ def test_rays_actor_sizes_choose_ray_and_are_refused_by_the_in_process_engines(t
 
 def test_ray_actor_sizes_this_machine_cannot_place_are_refused_before_ray_starts(tmp_path, monkeypatch):
     """Ray ends such a run after its start-up with "ActorPool is empty"; the CLI says why first."""
-    monkeypatch.setattr("tools.prepare.cuda_gpu_count", lambda: 0)
+    monkeypatch.setattr("flatflower.tools.prepare.cuda_gpu_count", lambda: 0)
     run = ["--engine", "ray", "--run-dir", str(tmp_path / "r")]
     with pytest.raises(UsageError, match="--gpus-per-client 0.25 gives each client a share of a GPU, and "
                                          "PyTorch sees no CUDA GPU here"):
@@ -221,7 +221,7 @@ def test_ray_actor_sizes_this_machine_cannot_place_are_refused_before_ray_starts
 def test_the_ray_engine_without_ray_installed_says_how_to_install_it(tmp_path, monkeypatch, capsys):
     """Without Ray, Flower's simulation ended after its start-up with "Task failed with unknown
     error" (exit code 701 in logs/run.log); the CLI refuses with the install command first."""
-    monkeypatch.setattr("tools.prepare.ray_installed", lambda: False)
+    monkeypatch.setattr("flatflower.tools.prepare.ray_installed", lambda: False)
     assert main(["simulate", "--engine", "ray", "--rounds", "1", "--run-dir", str(tmp_path / "r")]) == 2
     assert "pip install 'flwr[simulation]==1.39.0'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

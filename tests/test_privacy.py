@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import ConfigError, RunConfig
-from common.privacy import PrivacyLedger, privatize, round_noise_multiplier
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.privacy import PrivacyLedger, privatize, round_noise_multiplier
 from tests.helpers import PARTIAL, assert_differ, fast_config, finals_equal, metrics, run
-from runtime.engines.inprocess import run_inprocess
-from tools.report import main as report_main
+from flatflower.runtime.engines.inprocess import run_inprocess
+from flatflower.tools.report import main as report_main
 
 
 @pytest.mark.parametrize("sigma,rounds,q,delta,epsilon", [
@@ -173,7 +173,7 @@ def test_the_fedcm_family_with_equal_step_counts_runs_under_dp(tmp_path):
 def test_the_sampling_rate_is_each_clients_chance_in_the_pool_sampled_from():
     """q for the accountant: fixed sampling, the sampled share of the partitions sampled from
     (not of N when fewer are connected); bernoulli, the fraction given a non-empty draw."""
-    from strategies.participation import Participation
+    from flatflower.strategies.participation import Participation
 
     fixed = Participation(RunConfig.from_mapping({"sampling": "fixed"}))
     assert fixed.inclusion_rate(100, 10, 0.1) == 0.1

@@ -18,12 +18,12 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg as StockFedAvg
 
-from client.app import app as flatflower_clientapp
-from common import protocol as P
-from common.config import RunConfig
-from strategies.participation import NoNodesError
+from flatflower.client.app import app as flatflower_clientapp
+from flatflower.common import protocol as P
+from flatflower.common.config import RunConfig
+from flatflower.strategies.participation import NoNodesError
 from tests.helpers import ROOT, fast_config, initial_model, metrics
-from runtime.engines.inprocess import InProcessGrid, run_inprocess
+from flatflower.runtime.engines.inprocess import InProcessGrid, run_inprocess
 
 EXAMPLE = ROOT / "examples" / "stock_clientapp"
 
@@ -50,7 +50,7 @@ def test_the_protocol_doc_lists_the_model_only_algorithms():
     the model (what a stock ClientApp can run)."""
     import re
 
-    from strategies.registry import ALGORITHMS
+    from flatflower.strategies.registry import ALGORITHMS
 
     intro = (ROOT / "docs" / "protocol.md").read_text().split("\n## ")[0]
     named = {n for n in re.findall(r"`([a-z0-9-]+)`", intro) if n in ALGORITHMS}
@@ -145,7 +145,7 @@ def test_a_stock_clientapp_joins_over_loopback(tmp_path):
     `flwr run` to a real SuperLink with two SuperNodes on 127.0.0.1: the run completes, every
     update accepted, with only the keys the example's pyproject lists overridden."""
     from tests.helpers import flower_pids
-    from runtime.engines.federation import COMPLETED, LocalFederation
+    from flatflower.runtime.engines.federation import COMPLETED, LocalFederation
 
     before = flower_pids()
     run_dir = tmp_path / "run"

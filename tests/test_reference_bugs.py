@@ -28,25 +28,25 @@ import numpy as np
 import pytest
 import torch
 
-import client.algorithms.fedlesam as fedlesam_client
-import client.sam as sam
-from client.algorithms.feddyn import DualClient
-from client.algorithms.fedacg import FedACGClient
-from client.algorithms.fedprox import FedProxClient
-from client.algorithms.fedsmoo import FedSMOOClient
-from client.algorithms.fedspeed import FedSpeedClient
-from client.algorithms.scaffold import ScaffoldClient
-from client.batch import ModelBatch, cross_entropy, trainable
-from client.layout import Layout
-from client.train import build_rule, local_train, rule_outputs
-from common import protocol as P
-from common.config import RunConfig
-from common.datasets import Split, load_dataset
-from common.models import build_model
-from common.tensors import add_scaled, scale
-from strategies.fednsam import FedNSAM
-from strategies.registry import ALGORITHMS
-from strategies.scaffold import Scaffold
+import flatflower.client.algorithms.fedlesam as fedlesam_client
+import flatflower.client.sam as sam
+from flatflower.client.algorithms.feddyn import DualClient
+from flatflower.client.algorithms.fedacg import FedACGClient
+from flatflower.client.algorithms.fedprox import FedProxClient
+from flatflower.client.algorithms.fedsmoo import FedSMOOClient
+from flatflower.client.algorithms.fedspeed import FedSpeedClient
+from flatflower.client.algorithms.scaffold import ScaffoldClient
+from flatflower.client.batch import ModelBatch, cross_entropy, trainable
+from flatflower.client.layout import Layout
+from flatflower.client.train import build_rule, local_train, rule_outputs
+from flatflower.common import protocol as P
+from flatflower.common.config import RunConfig
+from flatflower.common.datasets import Split, load_dataset
+from flatflower.common.models import build_model
+from flatflower.common.tensors import add_scaled, scale
+from flatflower.strategies.fednsam import FedNSAM
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.strategies.scaffold import Scaffold
 from tests.helpers import PARTIAL, run
 from tests.reference import EPS, Problem, fedacg_reference, feddyn_reference, fedlesam_reference, fedprox_reference, fedsmoo_reference, norm, scaffold_reference, scaled
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, RunConfig, algorithm_params
-from common.params import Params, combine, key
-from strategies.registry import ALGORITHMS, FAMILIES, as_data
+from flatflower.common.config import ConfigError, RunConfig, algorithm_params
+from flatflower.common.params import Params, combine, key
+from flatflower.strategies.registry import ALGORITHMS, FAMILIES, as_data
 from tests.helpers import initial_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,8 +29,8 @@ def _file_of(name: str) -> str:
 def test_each_half_lives_in_the_file_named_after_its_algorithm(name):
     spec = ALGORITHMS[name]
     stem = _file_of(name)
-    assert spec.server.__module__ == f"strategies.{stem}"
-    assert spec.client.__module__ == f"client.algorithms.{stem}"
+    assert spec.server.__module__ == f"flatflower.strategies.{stem}"
+    assert spec.client.__module__ == f"flatflower.client.algorithms.{stem}"
 
 
 def test_every_algorithm_file_holds_a_registered_half():
@@ -107,7 +107,7 @@ def test_combined_params_survive_pickling():
 
 
 def test_algorithms_json_is_the_registry_as_data(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tools.cli", "algorithms", "--json"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "flatflower.tools.cli", "algorithms", "--json"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     data = json.loads(out)
     assert data == json.loads(json.dumps(as_data()))
@@ -124,12 +124,12 @@ def test_algorithms_json_is_the_registry_as_data(tmp_path):
 def test_the_run_config_needs_the_registry_and_says_so():
     """The ground floor does not import the halves: without the registry a run config cannot
     be checked, and the error says what to import."""
-    code = ("from common.config import RunConfig\n"
+    code = ("from flatflower.common.config import RunConfig\n"
             "try:\n    RunConfig.from_mapping({})\n"
             "except Exception as err:\n    print(type(err).__name__, err)\n"
-            "import strategies.registry\n"
+            "import flatflower.strategies.registry\n"
             "print(RunConfig.from_mapping({'algorithm': 'fedsam'}).params)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out[0].startswith(ConfigError.__name__) and "import strategies.registry" in out[0]
+    assert out[0].startswith(ConfigError.__name__) and "import flatflower.strategies.registry" in out[0]
     assert out[1] == "SAMParams(rho=0.1)"

@@ -24,20 +24,20 @@ from flwr.app import Error, Message, MessageType
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from client.app import app as client_app
-from client.app import query as client_query
-from client.app import train as client_train
-from client.faults import Fault
-from client.state import MissingState, StateMirror
-from common import codec
-from common import protocol as P
-from common.config import RunConfig
-from tools.cli import main as cli
-from runtime.engines.federation import _cmdline
-from runtime.engines.inprocess import InProcessGrid
-from server.rundir import RunDirError, load_checkpoint
-from server.run import RunFailed, run_server
-from strategies.participation import NoNodesError
+from flatflower.client.app import app as client_app
+from flatflower.client.app import query as client_query
+from flatflower.client.app import train as client_train
+from flatflower.client.faults import Fault
+from flatflower.client.state import MissingState, StateMirror
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.common.config import RunConfig
+from flatflower.tools.cli import main as cli
+from flatflower.runtime.engines.federation import _cmdline
+from flatflower.runtime.engines.inprocess import InProcessGrid
+from flatflower.server.rundir import RunDirError, load_checkpoint
+from flatflower.server.run import RunFailed, run_server
+from flatflower.strategies.participation import NoNodesError
 from tests.helpers import (DEPLOYED, RAY_RETRY, ROOT, deployed, fast_config, flower_pids, make_strategy, metrics,
                            round_deadline, run_with_faults, same, set_flags,
                            startup_seconds)
@@ -280,7 +280,7 @@ def test_a_full_disk_is_one_error_line_and_the_last_checkpoint_resumes(tmp_path,
     """ENOSPC (writes into /dev/full) while saving the final model: exit 1, one line; the
     checkpoint of the last round is intact, and the resume finishes the run. (The final
     model's temporary file is /dev/full: a link planted there would never be written through.)"""
-    from server import rundir
+    from flatflower.server import rundir
 
     run_dir = tmp_path / "run"
     real_open = rundir.open_file
@@ -303,7 +303,7 @@ def test_a_full_disk_is_one_error_line_and_the_last_checkpoint_resumes(tmp_path,
 
 
 def test_an_unwritable_file_is_one_error_line_naming_it():
-    from server.rundir import RunWriteError, write_json
+    from flatflower.server.rundir import RunWriteError, write_json
 
     with pytest.raises(RunWriteError, match=r"^cannot write /proc/flatflower/x.json: "):
         write_json(Path("/proc/flatflower/x.json"), {})  # /proc refuses new files, even to root
@@ -317,7 +317,7 @@ def test_a_run_whose_every_round_fails_exits_1_with_its_reason(tmp_path, capfd):
 
 
 def test_a_run_directory_in_use_is_refused_by_the_server(tmp_path):
-    from server.rundir import hold_lock
+    from flatflower.server.rundir import hold_lock
 
     cfg = RunConfig.from_mapping(fast_config(run_dir=str(tmp_path / "r")))
     (tmp_path / "r").mkdir()
@@ -383,7 +383,7 @@ def _kill_when(proc: subprocess.Popen, run_dir: Path, round_: int, sig=signal.SI
 
 
 def _cli_process(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "flatflower.tools.cli", *args], cwd=ROOT,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=os.environ.copy())
 
 
@@ -481,7 +481,7 @@ def test_a_run_of_code_before_a_new_key_resumes_as_that_keys_default(tmp_path):
 
 
 def _check_resumable_from_files(run: Path) -> None:
-    from server.rundir import check_resumable
+    from flatflower.server.rundir import check_resumable
 
     config = json.loads((run / "config.json").read_text())["config"]
     check_resumable(RunConfig.from_mapping(config), load_checkpoint(run))
@@ -532,7 +532,7 @@ def test_a_killed_ray_simulation_takes_its_processes_with_it(tmp_path):
     tag = f"FLATFLOWER_KILL_TEST={os.getpid()}-{time.monotonic_ns()}"
     run = tmp_path / "r"
     env = {**os.environ, tag.split("=")[0]: tag.split("=")[1]}
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "simulate", "--engine", "ray", "--algorithm", "fedavg",
+    proc = subprocess.Popen([sys.executable, "-m", "flatflower.tools.cli", "simulate", "--engine", "ray", "--algorithm", "fedavg",
                              "--clients", "4", "--rounds", "20", "--dataset", "digits", "--set",
                              "local-epochs=3", "--run-dir", str(run)], cwd=ROOT, env=env,
                             stdout=(tmp_path / "out.log").open("w"), stderr=subprocess.STDOUT)
@@ -646,13 +646,13 @@ def test_a_real_node_that_never_answers_its_handshake_costs_one_wait_and_is_reco
 def test_a_killed_superlink_is_one_error_line_and_the_checkpoint_resumes(tmp_path):
     """SIGKILL of the SuperLink mid-run: `flatflower local` stops everything it started, exits 1
     with one `error:` line (no traceback), and the run resumes from its last checkpoint."""
-    from runtime.engines.federation import _children
+    from flatflower.runtime.engines.federation import _children
 
     before = flower_pids()
     run_dir = tmp_path / "r"
     out, err = tmp_path / "out.log", tmp_path / "err.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "local", "--clients", "2", "--rounds", "4", "--dataset",
+        [sys.executable, "-m", "flatflower.tools.cli", "local", "--clients", "2", "--rounds", "4", "--dataset",
          "digits", "--set", "local-epochs=1", "--run-dir", str(run_dir)],
         cwd=ROOT, stdout=out.open("w"), stderr=err.open("w"), env=os.environ.copy())
     deadline = time.monotonic() + 300
@@ -697,7 +697,7 @@ def test_killed_server_of_a_tls_deployment_resumes_to_the_uninterrupted_model(tm
     within seconds, not at the SuperLink's heartbeat expiry: the command sees no ServerApp
     process, stops the run, exits 1 and stops everything); `--resume` finishes it with the
     same model as an uninterrupted run."""
-    from runtime.engines.federation import _children
+    from flatflower.runtime.engines.federation import _children
 
     args = ["--algorithm", "fedtoga", "--clients", "2", "--rounds", "4", "--dataset", "digits",
             "--set", "local-epochs=1", "--tls"]

@@ -1,4 +1,4 @@
-"""Tests for tools.report: loading run directories, summaries, grouping, plot and CLI."""
+"""Tests for flatflower.tools.report: loading run directories, summaries, grouping, plot and CLI."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.report import (
+from flatflower.tools.report import (
     ReportError,
     group_by_algorithm,
     load_run,
@@ -285,7 +285,7 @@ def test_runs_of_different_or_modified_code_are_flagged(tmp_path: Path, capsys) 
 def test_a_run_records_the_git_commit_of_the_code_it_ran(tmp_path: Path) -> None:
     import subprocess
 
-    from server.rundir import code_version, versions
+    from flatflower.server.rundir import code_version, versions
 
     root = Path(__file__).resolve().parent.parent
     if not (root / ".git").exists():
@@ -307,7 +307,7 @@ def test_a_study_of_twelve_methods_draws_twelve_distinct_lines_and_no_empty_flat
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    from tools.report import _plot, plot_flatness
+    from flatflower.tools.report import _plot, plot_flatness
 
     curves = [(f"m{i}", [0, 1], [i, i + 1], None) for i in range(12)]
     fig, ax = plt.subplots()
@@ -347,7 +347,7 @@ def test_many_curves_get_their_legend_beside_the_axes_and_a_diverging_panel_a_lo
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    from tools.report import _legend, _log_if_wide, _plot
+    from flatflower.tools.report import _legend, _log_if_wide, _plot
 
     def draw(n: int, top: float, low: float = 0.4):
         fig, ax = plt.subplots()
@@ -371,7 +371,7 @@ def test_many_curves_get_their_legend_beside_the_axes_and_a_diverging_panel_a_lo
 
 
 def test_bytes_are_printed_in_human_units(tmp_path: Path) -> None:
-    from tools.report import human_bytes
+    from flatflower.tools.report import human_bytes
 
     assert [human_bytes(n) for n in (999, 3_898_000, 23_400_000_000)] == ["999 B", "3.90 MB", "23.40 GB"]
     text = render_table([{"algorithm": "fedsam", "bytes_total": 3_898_000.0}], "t")
@@ -397,7 +397,7 @@ def _write_clients(run_dir: Path, cosines: dict[int, list[float]]) -> None:
 
 
 def test_client_drift_table_and_plot(tmp_path: Path, capsys) -> None:
-    from tools.report import drift_by_algorithm
+    from flatflower.tools.report import drift_by_algorithm
 
     a = write_run(tmp_path, "a", ACC[:3], algorithm="fedavg")
     b = write_run(tmp_path, "b", ACC[:3], algorithm="fedtoga")
@@ -415,7 +415,7 @@ def test_client_drift_table_and_plot(tmp_path: Path, capsys) -> None:
 
 
 def test_seed_curves_carry_their_std(tmp_path: Path) -> None:
-    from tools.report import _curves
+    from flatflower.tools.report import _curves
 
     runs = [load_run(write_run(tmp_path, f"r{s}", acc, seed=s))
             for s, acc in enumerate(([0.1, 0.5, 0.7], [0.1, 0.7, 0.9]))]

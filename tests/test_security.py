@@ -19,9 +19,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from runtime.certs import CertError, generate_certs, parse_host, write_node_key
-from tools.cli import main as cli
-from runtime.engines.federation import (EXIT_SUPERNODE_REFUSED, FederationError, LocalFederation,
+from flatflower.runtime.certs import CertError, generate_certs, parse_host, write_node_key
+from flatflower.tools.cli import main as cli
+from flatflower.runtime.engines.federation import (EXIT_SUPERNODE_REFUSED, FederationError, LocalFederation,
                                is_loopback)
 from tests.helpers import flower_pids
 

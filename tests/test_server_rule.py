@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import RunConfig
-from strategies.registry import ALGORITHMS
-from strategies.validation import ClientUpdate
+from flatflower.common.config import RunConfig
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.strategies.validation import ClientUpdate
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = OrderedDict([("0.weight", torch.randn(3, 4, generator=torch.Generator().manual_seed(0))),
@@ -24,7 +24,7 @@ def test_every_algorithms_two_halves_import_no_flower():
     """Each algorithm's server rule and client rule, and the bases they build on, load in an
     interpreter where Flower was never imported: they cannot reach a grid or a message."""
     modules = sorted({cls.__module__ for spec in ALGORITHMS.values() for cls in (spec.server, spec.client)}
-                     | {"strategies.base", "client.algorithms.base"})
+                     | {"flatflower.strategies.base", "flatflower.client.algorithms.base"})
     code = ("import importlib, json, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "print(json.dumps(sorted(m for m in sys.modules if m == 'flwr' or m.startswith('flwr.'))))")

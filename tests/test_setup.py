@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from flwr.app import Context, RecordDict
 
-from common.config import ConfigError, RunConfig
-from runtime.engines.inprocess import run_inprocess
-from strategies.compatibility import compatibility_problems
-from strategies.registry import ALGORITHMS
-from tools.cli import main as cli
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.runtime.engines.inprocess import run_inprocess
+from flatflower.strategies.compatibility import compatibility_problems
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.tools.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DP = {"dp.clip": 1.0, "aggregation": "uniform"}
@@ -37,7 +37,7 @@ def test_the_cli_refuses_an_algorithm_option_clash_in_one_line_and_writes_nothin
 def test_the_serverapp_refuses_it_before_claiming_the_run_directory(tmp_path):
     """`flwr run` hands the ServerApp the run config as given: it is refused when parsed, before
     the run directory is claimed (no .lock, no failed summary.json)."""
-    from server.app import main as server_main
+    from flatflower.server.app import main as server_main
 
     run_dir = tmp_path / "r"
     bad = {"algorithm": "scaffold", **DP, "run-dir": str(run_dir)}
@@ -78,12 +78,12 @@ def _calls(module: str, attribute: str) -> bool:
 def test_one_setup_for_the_serverapp_and_the_preflight():
     """The ServerApp's run loop and the CLI's preflight both set a run up with prepare_run,
     and no other product module builds a strategy: the setup is written once."""
-    assert _calls("server.run", "prepare_run") and _calls("tools.prepare", "prepare_run")
+    assert _calls("flatflower.server.run", "prepare_run") and _calls("flatflower.tools.prepare", "prepare_run")
     builders = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
                       for package in ("common", "client", "strategies", "server", "runtime", "tools")
                       for p in (ROOT / package).rglob("*.py")
                       if _calls(".".join(p.relative_to(ROOT).with_suffix("").parts), "new_strategy"))
-    assert builders == ["server.setup"]
+    assert builders == ["flatflower.server.setup"]
 
 
 def test_the_setup_the_preflight_runs_is_the_serverapps_own(tmp_path):
@@ -91,8 +91,8 @@ def test_the_setup_the_preflight_runs_is_the_serverapps_own(tmp_path):
     starts after the checkpoint's round, from the strategy state and model the run saved."""
     import torch
 
-    from server.rundir import CHECKPOINT
-    from server.setup import prepare_run
+    from flatflower.server.rundir import CHECKPOINT
+    from flatflower.server.setup import prepare_run
 
     cfg = {"algorithm": "scaffold", "num-server-rounds": 2, "local-steps": 2, "tensorboard": False,
            "run-dir": str(tmp_path / "r"), "checkpoint-every": 1}

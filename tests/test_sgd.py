@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from client.sgd import sgd_step
+from flatflower.client.sgd import sgd_step
 
 OPTIONS = [
     {"momentum": 0.0, "weight_decay": 0.0, "clip_norm": 0.0},

@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 
-from client.app import META
-from common import codec
-from common import protocol as P
-from strategies.registry import ALGORITHMS
+from flatflower.client.app import META
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.strategies.registry import ALGORITHMS
 from tests.helpers import assert_states_equal, fast_config, metrics, run_with_snapshots
 from tests.reference import PAPER_PATTERN
-from runtime.engines.inprocess import run_inprocess
+from flatflower.runtime.engines.inprocess import run_inprocess
 
 # ---------------------------------------------------------------- what crosses the wire
 

@@ -14,16 +14,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-import client.app as real_client
-from common import codec
-from common import protocol as P
-from common.config import RunConfig
-from runtime.engines.inprocess import InProcessGrid, run_inprocess
-from strategies.aggregate import client_weights, weighted_sum
-from strategies.strategy import NoNodesError
-from strategies.mofedsam import MoFedSAM
-from strategies.registry import ALGORITHMS
-from strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
+import flatflower.client.app as real_client
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.common.config import RunConfig
+from flatflower.runtime.engines.inprocess import InProcessGrid, run_inprocess
+from flatflower.strategies.aggregate import client_weights, weighted_sum
+from flatflower.strategies.strategy import NoNodesError
+from flatflower.strategies.mofedsam import MoFedSAM
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
                                    parse_train_reply)
 from tests.helpers import MODEL, fast_config, make_strategy, metrics
 
@@ -457,7 +457,7 @@ def test_a_federated_evaluation_draws_its_clients_apart_from_training(tmp_path):
     are seeded by (seed, round + EVALUATE_DRAWS), training's by (seed, round)."""
     import torch
 
-    from strategies.participation import EVALUATE_DRAWS, Participation
+    from flatflower.strategies.participation import EVALUATE_DRAWS, Participation
 
     runs = {}
     for evaluate in (0.0, 0.5):

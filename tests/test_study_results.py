@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.presets import load_preset
-from tools.report import RUN_COLUMNS, load_run, run_row
+from flatflower.tools.presets import load_preset
+from flatflower.tools.report import RUN_COLUMNS, load_run, run_row
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 CSV = RESULTS / "fashion-mnist.csv"
@@ -98,7 +98,7 @@ def test_the_three_seed_table_in_the_docs_is_the_csvs_mean_and_std():
 
     doc = (RESULTS.parent / "benchmarks.md").read_text()
     section = doc[doc.index("### Three seeds"):doc.index("### Seed 0 alone")]
-    from strategies.registry import ALGORITHMS
+    from flatflower.strategies.registry import ALGORITHMS
 
     table = [cells for cells in (line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| "))
              if cells[0].strip() in ALGORITHMS]
@@ -174,7 +174,7 @@ def test_dp_fedsams_epsilon_is_opacus_accounting_of_its_rounds_and_in_the_docs()
     orders; the three seeds spend the same; docs/benchmarks.md states round 100's."""
     from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
-    from common.privacy import ORDERS
+    from flatflower.common.privacy import ORDERS
 
     spent, one_round = [], {}
     for seed in (0, 1, 2):
@@ -317,7 +317,7 @@ def test_the_h100_table_in_the_docs_is_what_its_runs_recorded():
     doc = (RESULTS.parent / "benchmarks.md").read_text()
     section = doc[doc.index("### One GPU, measured again"):]
     flat = " ".join(section.split())
-    from strategies.registry import ALGORITHMS
+    from flatflower.strategies.registry import ALGORITHMS
 
     table = [cells for cells in (line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| "))
              if cells[0].strip() in ALGORITHMS]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.cli import main as cli
-from tools.sweep import main
+from flatflower.tools.cli import main as cli
+from flatflower.tools.sweep import main
 
 FAST = ["--engine", "inprocess", "--clients", "3", "--rounds", "2", "--dataset", "synthetic",
         "--model", "logreg", "--partition", "dirichlet", "--set", "local-steps=2"]
@@ -104,7 +104,7 @@ def test_bad_input_is_one_error_line_and_runs_nothing(tmp_path, capsys):
 def test_the_flags_the_sweep_sets_itself_are_not_options(tmp_path, capsys, flag):
     """--algorithm, --seed, --run-dir and --resume mean nothing to a sweep (it sets each run's):
     not in its help, and refused in one line."""
-    from tools.sweep import build_parser
+    from flatflower.tools.sweep import build_parser
 
     assert flag + " " not in build_parser().format_help()
     with pytest.raises(SystemExit) as exit_:
@@ -158,8 +158,8 @@ def test_a_presets_partition_seed_is_the_sweeps(tmp_path):
 
 
 def test_partition_seed_decouples_the_partition_from_the_seed(tmp_path):
-    from common.config import RunConfig
-    from common.data import partitions_for
+    from flatflower.common.config import RunConfig
+    from flatflower.common.data import partitions_for
 
     base = {"dataset": "synthetic", "partition": "dirichlet"}
     a, b = (partitions_for(RunConfig.from_mapping({**base, "seed": s, "partition-seed": 7}), 4) for s in (0, 1))
@@ -220,7 +220,7 @@ def test_a_terminated_sweep_stops_its_runs_and_resumes_where_it_stopped(tmp_path
     from tests.helpers import round_deadline
 
     out = tmp_path / "sweep"
-    argv = [sys.executable, "-m", "tools.cli", "sweep", "--algorithms", "fedavg,fedsam", "--seeds", "0",
+    argv = [sys.executable, "-m", "flatflower.tools.cli", "sweep", "--algorithms", "fedavg,fedsam", "--seeds", "0",
             "--out", str(out), "--jobs", jobs, *FAST[:-1], "local-steps=400", "--rounds", "6"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 3 * round_deadline()

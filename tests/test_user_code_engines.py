@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import flower_pids, metrics
-from tools.cli import main as cli
+from flatflower.tools.cli import main as cli
 
 ALGORITHMS = ("fedgmt", "fedsam", "scaffold", "feddyn")
 

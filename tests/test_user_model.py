@@ -19,13 +19,13 @@ import pytest
 import torch
 from torch import nn
 
-import runtime.engines.inprocess  # noqa: F401 (flwr's log handler: see tests/test_bad_input.py)
-from common.config import ConfigError, RunConfig
-from common.models import build_model, register_model
-from common.references import BadReference
-from strategies import registry  # noqa: F401 (registers the algorithms' keys)
+import flatflower.runtime.engines.inprocess  # noqa: F401 (flwr's log handler: see tests/test_bad_input.py)
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.models import build_model, register_model
+from flatflower.common.references import BadReference
+from flatflower.strategies import registry  # noqa: F401 (registers the algorithms' keys)
 from tests.test_bad_input import check_cli
-from runtime.engines.inprocess import run_inprocess
+from flatflower.runtime.engines.inprocess import run_inprocess
 
 USER_MODELS = '''
 from torch import nn
@@ -162,12 +162,12 @@ def test_a_bad_reference_is_one_error_line_in_the_cli(user_dir, tmp_path, capfd,
 def test_a_node_without_the_module_answers_the_handshake_with_one_line(make_message):
     """A SuperNode on which the user's module is not installed fails the handshake with a
     BadReference naming the module; the server refuses the node with that one-line reason
-    (Flower's error reply, as strategies.participation.error_text shows it) before any round."""
+    (Flower's error reply, as flatflower.strategies.participation.error_text shows it) before any round."""
     from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict
 
-    from client.app import query
-    from common import protocol as P
-    from strategies.participation import error_text
+    from flatflower.client.app import query
+    from flatflower.common import protocol as P
+    from flatflower.strategies.participation import error_text
 
     context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2},
                       state=RecordDict(), run_config={"dataset": "digits", "model": "nowhere_module_abc:net"})
@@ -201,7 +201,7 @@ def test_flatflower_local_trains_a_users_batchnorm_model_from_its_folder(tmp_pat
     and the ClientApps find it through the PYTHONPATH the engine hands them; the run ends with
     the in-process run's model, buffers included. About 30-40 s on 2 busy cores (slow)."""
     from tests.helpers import flower_pids
-    from tools.cli import main as cli
+    from flatflower.tools.cli import main as cli
 
     name = f"user_bn_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{name}.py").write_text(BN_MODEL)
@@ -229,7 +229,7 @@ def test_the_engines_hand_the_users_folder_to_the_processes_they_start(user_dir,
     """run_local/run_ray put the folder of the run's own code on the PYTHONPATH of every process
     they start; a module inside the app directory but outside its FAB gets a note, since
     ``flwr run`` to a real deployment would not ship it."""
-    from runtime.engines import hand_user_code, outside_fab, user_code
+    from flatflower.runtime.engines import hand_user_code, outside_fab, user_code
 
     cfg = RunConfig.from_mapping({"model": f"{user_dir}:tiny"})
     texts, roots = user_code(cfg)

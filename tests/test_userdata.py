@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import ConfigError, RunConfig
-from common.datasets import load_dataset
-from common.userdata import DataError, load
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.datasets import load_dataset
+from flatflower.common.userdata import DataError, load
 from tests.helpers import fast_config, user_module_file
-from runtime.engines.inprocess import run_inprocess
+from flatflower.runtime.engines.inprocess import run_inprocess
 
 
 def write_npz(folder: Path, xtr, ytr, xte, yte) -> Path:

@@ -1,4 +1,4 @@
-"""The vectorised engine (runtime/vectorized.py, runtime.engines.inprocess.VectorizedGrid) against its
+"""The vectorised engine (runtime/vectorized.py, flatflower.runtime.engines.inprocess.VectorizedGrid) against its
 contract: it trains a round's sampled clients together under ``torch.func.vmap``, running the
 same client rule code, so a vectorised run equals an in-process run up to the float rounding
 of batched kernels -- for every algorithm, with padded last batches, ragged (Dirichlet)
@@ -25,24 +25,24 @@ import torch
 from torch import nn
 
 # imported first (see tests/test_bad_input.py: flwr's log handler keeps the stderr of its import)
-import runtime.engines.inprocess  # noqa: F401
-import client.app as client_module
-import runtime.vectorized as vec
-from client.app import app as client_app
-from client.batch import ModelBatch, cross_entropy, mean_kl, trainable
-from client.state import latest
-from client.train import build_rule
-from runtime.vectorized import FunctionalBatch, check_batchable, groups, padded
-from common import codec
-from common import protocol as P
-from common.config import RunConfig
-from common.models import MODELS, build_model
-from strategies.registry import ALGORITHMS
-from server.run import RunFailed, run_server
+import flatflower.runtime.engines.inprocess  # noqa: F401
+import flatflower.client.app as client_module
+import flatflower.runtime.vectorized as vec
+from flatflower.client.app import app as client_app
+from flatflower.client.batch import ModelBatch, cross_entropy, mean_kl, trainable
+from flatflower.client.state import latest
+from flatflower.client.train import build_rule
+from flatflower.runtime.vectorized import FunctionalBatch, check_batchable, groups, padded
+from flatflower.common import codec
+from flatflower.common import protocol as P
+from flatflower.common.config import RunConfig
+from flatflower.common.models import MODELS, build_model
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.server.run import RunFailed, run_server
 from tests.helpers import FIRST_NODE, metrics
-from tools.cli import main as cli
-from runtime.engines.inprocess import InProcessGrid, VectorizedGrid, run_inprocess
-from tools.prepare import UsageError, preflight
+from flatflower.tools.cli import main as cli
+from flatflower.runtime.engines.inprocess import InProcessGrid, VectorizedGrid, run_inprocess
+from flatflower.tools.prepare import UsageError, preflight
 
 # iid digits over 8 clients: 1437 = 5 x 180 + 3 x 179 samples, 6 steps of 32 each; the last
 # batch of an epoch has 20 or 19 rows, so a group mixing both sizes pads. Half participate
@@ -85,7 +85,7 @@ def batching_always_pays(monkeypatch):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records every group runtime.vectorized trains together (its size, step count and
+    """Records every group flatflower.runtime.vectorized trains together (its size, step count and
     partitions) and whether each stacked mini-batch was padded (padded() gave weights)."""
     seen = {"groups": [], "padded": 0, "unpadded": 0}
     train_group, pad = vec.train_group, vec.padded
@@ -557,9 +557,9 @@ def test_batching_pays_is_measured_once_per_model_batch_and_device(monkeypatch):
 def test_a_client_that_opens_late_trains_alone_with_the_same_result(tmp_path, monkeypatch):
     """A call still opening when the batch is ready (STRAGGLER_WAIT) is trained on its own
     when it opens (TrainCall.run), not waited for: the same model as the in-process engine."""
-    from client.app import TrainCall
+    from flatflower.client.app import TrainCall
 
-    monkeypatch.setattr(runtime.engines.inprocess, "STRAGGLER_WAIT", 0.2)
+    monkeypatch.setattr(flatflower.runtime.engines.inprocess, "STRAGGLER_WAIT", 0.2)
     opening = TrainCall.open.__func__
 
     def slow_open(cls, msg, context, self_report=True):
@@ -621,11 +621,11 @@ def test_cli_sweep_vectorized(tmp_path, capsys):
 
 def test_an_empty_partition_gets_local_trains_own_error_and_fails_alone():
     """A call with no data never joins a group: it trains alone, so the ClientApp's loop
-    raises its own error for it (client.train.local_train)."""
+    raises its own error for it (flatflower.client.train.local_train)."""
     cfg = RunConfig.from_mapping({"batch-size": 32})
     model = build_model("logreg", (1, 8, 8), 10, seed=0)
-    from client.train import local_train
-    from common.datasets import Split
+    from flatflower.client.train import local_train
+    from flatflower.common.datasets import Split
 
     empty = Split(torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.int64))
     rule, _ = build_rule(ALGORITHMS[cfg.algorithm], cfg, model, {}, {}, 0.1)

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 from flwr.app import Error
 
-from common import fastpoll
-from strategies.participation import error_text
+from flatflower.common import fastpoll
+from flatflower.strategies.participation import error_text
 from tests.helpers import ROOT, flower_pids, round_deadline
-from tools.cli import main as cli
-from runtime.engines.federation import FederationError, LocalFederation, free_port
+from flatflower.tools.cli import main as cli
+from flatflower.runtime.engines.federation import FederationError, LocalFederation, free_port
 
 
 # ---------------------------------------------------------------- fast poll (no processes)
@@ -77,7 +77,7 @@ def test_a_node_error_fails_the_run_at_once_on_the_operators_screen(tmp_path, ca
     node-wait-timeout (an hour here, far beyond the command's own timeout). The command's own
     check of --device (which refuses it at once on this machine, tests/test_bad_input.py) is
     bypassed: it stands for an operator's machine that has the GPU its SuperNodes lack."""
-    monkeypatch.setattr("tools.commands.check_device", lambda device: None)
+    monkeypatch.setattr("flatflower.tools.commands.check_device", lambda device: None)
     before = flower_pids()
     timeout = int(4 * round_deadline())
     code = cli(["local", "--algorithm", "fedavg", "--clients", "2", "--rounds", "2", "--dataset", "digits",
@@ -133,10 +133,10 @@ def test_the_worker_never_outlives_its_supervisor_or_its_supernode(tmp_path):
     supervisor (killed as a whole by nothing else), and both end with the SuperNode pid given."""
     stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "runtime.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "flatflower.runtime.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
          "--insecure"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     second = subprocess.Popen(
-        [sys.executable, "-m", "runtime.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "flatflower.runtime.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
          "--insecure", "--parent-pid", str(stand_in.pid)], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children: dict[int, int] = {}
@@ -167,7 +167,7 @@ def test_sigterm_stops_the_supervisor_and_its_worker_at_once():
     the worker and exits 0, well before Docker's 10 s stop timeout would SIGKILL it (the
     compose e2e run saw exit code 137 before the supervisor handled the signal)."""
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "runtime.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "flatflower.runtime.worker", "--runtime-api-address", f"127.0.0.1:{free_port()}",
          "--insecure"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     worker = None
     try:
@@ -205,7 +205,7 @@ def test_the_worker_says_where_it_connected_and_where_it_cannot(tmp_path):
     port = free_port()
     log = tmp_path / "lonely.log"
     with open(log, "w") as out:
-        lonely = subprocess.Popen([sys.executable, "-m", "runtime.worker", "--runtime-api-address",
+        lonely = subprocess.Popen([sys.executable, "-m", "flatflower.runtime.worker", "--runtime-api-address",
                                    f"127.0.0.1:{port}", "--insecure"], cwd=ROOT, stdout=out, stderr=out)
     try:
         line = _wait_for_line(log, "cannot reach", round_deadline())

@@ -51,20 +51,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from client.batch import ModelBatch
-from common import protocol as P
-from common.config import RunConfig, cli_int
-from common.datasets import Split
-from common.flatness import DEFAULT_ITERS, DEFAULT_PROBES, HVP_METHODS, SplitLoss, measure, random_vector
-from common.models import build_model
-from strategies.registry import ALGORITHMS
-from strategies.registry import get as get_spec
-from server.rundir import load_checkpoint, load_tensors
-from runtime.engines import quiet_flower
-from tools.parsers import BENCH_SECTIONS as SECTIONS
-from tools.parsers import bench as build_parser
-from tools.throughput import ThroughputSettings, bench_throughput
-from tools.throughput import render as render_throughput
+from flatflower.client.batch import ModelBatch
+from flatflower.common import protocol as P
+from flatflower.common.config import RunConfig, cli_int
+from flatflower.common.datasets import Split
+from flatflower.common.flatness import DEFAULT_ITERS, DEFAULT_PROBES, HVP_METHODS, SplitLoss, measure, random_vector
+from flatflower.common.models import build_model
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.strategies.registry import get as get_spec
+from flatflower.server.rundir import load_checkpoint, load_tensors
+from flatflower.runtime.engines import quiet_flower
+from flatflower.tools.parsers import BENCH_SECTIONS as SECTIONS
+from flatflower.tools.parsers import bench as build_parser
+from flatflower.tools.throughput import ThroughputSettings, bench_throughput
+from flatflower.tools.throughput import render as render_throughput
 
 # Variants measured besides each algorithm's defaults: (label, algorithm, run-config overrides).
 VARIANTS = [(name, name, {}) for name in ALGORITHMS] + [
@@ -154,7 +154,7 @@ def _names(text: str | None) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------- compute
 class PassCounter:
     """Counts gradient passes (every one a client rule asks for goes through its batch,
-    client.batch.ModelBatch) and forwards of one model."""
+    flatflower.client.batch.ModelBatch) and forwards of one model."""
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.grads, self.forwards = model, 0, 0
@@ -204,9 +204,9 @@ def _noise_like(tensors: OrderedDict, scale: float = 1e-3) -> OrderedDict:
 
 def _algorithm_seconds(name: str, overrides: dict, settings: Settings, x, y, init: OrderedDict,
                        device) -> tuple[float, int, int, int]:
-    """Seconds per step of ``name`` in our real local loop (client.train.local_train), after a
+    """Seconds per step of ``name`` in our real local loop (flatflower.client.train.local_train), after a
     warm-up round that gives the client its state; and the passes counted in the timed round."""
-    from client.train import build_rule, local_train, rule_outputs
+    from flatflower.client.train import build_rule, local_train, rule_outputs
 
     cfg = RunConfig.from_mapping({**get_spec(name).example_config(), "local-steps": settings.steps,
                                   "batch-size": settings.batch_size, "local-epochs": 1, **overrides})
@@ -280,9 +280,9 @@ def _overhead_config(run_dir: Path, quick: bool) -> dict[str, Any]:
 
 def _pure_training_seconds(cfg: RunConfig, clients: int) -> float:
     """Sum over the clients of local_train alone (round 1's start model, their data)."""
-    from client.algorithms.fedavg import FedAvgClient
-    from client.train import local_train, round_generator
-    from common.data import client_split, dataset_for
+    from flatflower.client.algorithms.fedavg import FedAvgClient
+    from flatflower.client.train import local_train, round_generator
+    from flatflower.common.data import client_split, dataset_for
 
     data = dataset_for(cfg)
     init = build_model(cfg.resolved_model(), data.input_shape, data.num_classes, seed=cfg.seed).state_dict()
@@ -311,11 +311,11 @@ def _plain_flower_fedavg_seconds(cfg: RunConfig, clients: int) -> list[float]:
     from flwr.clientapp import ClientApp
     from flwr.serverapp.strategy import FedAvg
 
-    from client.algorithms.fedavg import FedAvgClient
-    from client.train import local_train, round_generator
-    from common.data import client_split, dataset_for
-    from common.evaluate import evaluate
-    from runtime.engines.inprocess import InProcessGrid
+    from flatflower.client.algorithms.fedavg import FedAvgClient
+    from flatflower.client.train import local_train, round_generator
+    from flatflower.common.data import client_split, dataset_for
+    from flatflower.common.evaluate import evaluate
+    from flatflower.runtime.engines.inprocess import InProcessGrid
 
     data = dataset_for(cfg)
     plain = ClientApp()
@@ -363,7 +363,7 @@ def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path
                        extra: list[str] = (), name: str = "") -> dict:
     """Run ``flatflower local|simulate`` for FedAvg in a subprocess; its round times and wall."""
     run_dir = workdir / (name or command).replace(" ", "_").replace("(", "").replace(")", "")
-    args = [sys.executable, "-m", "tools.cli", command, *extra, "--algorithm", "fedavg", "--clients", str(clients),
+    args = [sys.executable, "-m", "flatflower.tools.cli", command, *extra, "--algorithm", "fedavg", "--clients", str(clients),
             "--rounds", str(cfg_dict["num-server-rounds"]), "--dataset", "digits", "--partition", "iid",
             "--model", cfg_dict["model"], "--set", f"local-epochs={cfg_dict['local-epochs']}",
             "--set", "checkpoint-every=0", "--run-dir", str(run_dir),
@@ -380,7 +380,7 @@ def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path
 
 
 def bench_overhead(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
-    from runtime.engines.inprocess import run_inprocess
+    from flatflower.runtime.engines.inprocess import run_inprocess
 
     clients = 4
     cfg_dict = _overhead_config(workdir / "ours", settings.quick)
@@ -427,7 +427,7 @@ def bench_overhead(settings: Settings, workdir: Path, say=_silent) -> dict[str, 
 
 # ---------------------------------------------------------------------------- communication
 def _fast_run(workdir: Path, name: str, clients: int, **overrides) -> tuple[Path, Any]:
-    from runtime.engines.inprocess import run_inprocess
+    from flatflower.runtime.engines.inprocess import run_inprocess
 
     cfg = {**get_spec(name).example_config(), "dataset": "synthetic", "model": "mlp", "partition": "iid",
            "local-steps": 2, "batch-size": 64, "num-server-rounds": 2,
@@ -468,9 +468,9 @@ class _WireGrid:
 
 
 def bench_communication(workdir: Path, say=_silent) -> list[dict[str, Any]]:
-    from client.app import app as client_app
-    from runtime.engines.inprocess import InProcessGrid
-    from server.run import run_server
+    from flatflower.client.app import app as client_app
+    from flatflower.runtime.engines.inprocess import InProcessGrid
+    from flatflower.server.run import run_server
 
     rows = []
     clients = 4
@@ -540,7 +540,7 @@ def _landscape_seconds(model: torch.nn.Module, split: Split, steps: int, batch_s
     """Seconds of one ``steps`` x ``steps`` loss landscape of ``model`` on ``split``, as
     ``flatflower landscape`` computes it (tools/landscape.py: two filter-normalised directions,
     then steps² full-split losses over [-1, 1]²); no plotting or file writing."""
-    from tools.landscape import Progress, grid, losses, random_directions, surface_points, trainable
+    from flatflower.tools.landscape import Progress, grid, losses, random_directions, surface_points, trainable
 
     device = next(model.parameters()).device
     _sync(device)
@@ -596,7 +596,7 @@ def _hvp_seconds(model, split: Split, hvp: str, repeats: int, batch_size: int) -
 
 def _flatness_run(model_name: str, workdir: Path, knobs: dict) -> tuple[Path, dict]:
     """The in-process FedAvg run whose rounds are timed and whose final model is measured."""
-    from runtime.engines.inprocess import run_inprocess
+    from flatflower.runtime.engines.inprocess import run_inprocess
 
     plan = {**FLATNESS_RUNS[model_name], **knobs["run"]}
     cfg = {"algorithm": "fedavg", "dataset": plan["dataset"], "model": model_name, "partition": "iid",
@@ -612,7 +612,7 @@ def _flatness_run(model_name: str, workdir: Path, knobs: dict) -> tuple[Path, di
 
 
 def _flatness_row(model_name: str, settings: Settings, workdir: Path, knobs: dict, say) -> dict[str, Any]:
-    from tools.saved import SavedRun
+    from flatflower.tools.saved import SavedRun
 
     say(f"flatness: {model_name} run")
     run_dir, plan = _flatness_run(model_name, workdir, knobs)
@@ -683,7 +683,7 @@ def machine() -> dict[str, Any]:
 
 
 def run_bench(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
-    """Every section; ``say(text)`` is told what is being measured (tools.progress.Steps)."""
+    """Every section; ``say(text)`` is told what is being measured (flatflower.tools.progress.Steps)."""
     t0 = time.perf_counter()
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
@@ -723,7 +723,7 @@ def print_tables(report: dict[str, Any]) -> str:
 
 
 def _compute_table(report: dict[str, Any]) -> str:
-    from tools.report import render_table
+    from flatflower.tools.report import render_table
 
     comp = [{"algorithm": r["algorithm"], "s/step": f"{r['seconds_per_step'] * 1e3:.2f} ms",
              "x SGD": f"{r['cost_vs_sgd']:.2f}", "expected": f"{r['expected_cost']:.2f}",
@@ -733,7 +733,7 @@ def _compute_table(report: dict[str, Any]) -> str:
 
 
 def _overhead_table(report: dict[str, Any]) -> str:
-    from tools.report import render_table
+    from flatflower.tools.report import render_table
 
     o = report["overhead"]
     over = [{"what": "pure training (sum over clients)", "seconds": f"{o['pure_training_seconds']:.3f}"},
@@ -750,7 +750,7 @@ def _overhead_table(report: dict[str, Any]) -> str:
 
 
 def _communication_table(report: dict[str, Any]) -> str:
-    from tools.report import render_table
+    from flatflower.tools.report import render_table
 
     comm = [{"algorithm": r["algorithm"], "down": r["records_down"], "up": r["records_up"],
              "payload down/up": f"{r['bytes_down_per_client']:.0f}/{r['bytes_up_per_client']:.0f}",
@@ -761,7 +761,7 @@ def _communication_table(report: dict[str, Any]) -> str:
 
 
 def _memory_table(report: dict[str, Any]) -> str:
-    from tools.report import render_table
+    from flatflower.tools.report import render_table
 
     mem = [{"algorithm": r["algorithm"], "clients": r["clients"],
             "client state (max)": r["client_state_bytes_max"],
@@ -771,7 +771,7 @@ def _memory_table(report: dict[str, Any]) -> str:
 
 
 def _flatness_table(report: dict[str, Any]) -> str:
-    from tools.report import render_table
+    from flatflower.tools.report import render_table
 
     f = report["flatness"]
     rows, lines = [], []
@@ -817,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from tools.progress import Steps
+    from flatflower.tools.progress import Steps
 
     steps = Steps("bench")
     try:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import cli_int
-from tools.parsers import PARSERS
-from tools.prepare import Parser, add_node_data_argument, add_run_arguments, add_simulate_arguments
+from flatflower.common.config import cli_int
+from flatflower.tools.parsers import PARSERS
+from flatflower.tools.prepare import Parser, add_node_data_argument, add_run_arguments, add_simulate_arguments
 
 # Nothing above imports PyTorch, NumPy or Flower: ``--help``, ``--version`` and every argument
-# error answer before a command's modules load (tools.commands and what it runs, after parsing;
+# error answer before a command's modules load (flatflower.tools.commands and what it runs, after parsing;
 # tests/test_cli_fast.py fails if one of these paths imports torch).
 
 
@@ -47,30 +47,30 @@ def version() -> str:
 
 
 # the commands that parse their own arguments (their parsers in tools/parsers.py; their modules
-# load only once the arguments parsed); the others are tools.commands.COMMANDS, over what
+# load only once the arguments parsed); the others are flatflower.tools.commands.COMMANDS, over what
 # build_parser parses: both go through commands.run
 def _report(argv: list[str]) -> int:
-    from tools.report import main
+    from flatflower.tools.report import main
     return main(argv)
 
 
 def _landscape(argv: list[str]) -> int:
-    from tools.landscape import main
+    from flatflower.tools.landscape import main
     return main(argv)
 
 
 def _bench(argv: list[str]) -> int:
-    from tools.bench import main
+    from flatflower.tools.bench import main
     return main(argv)
 
 
 def _sweep(argv: list[str]) -> int:
-    from tools.sweep import main
+    from flatflower.tools.sweep import main
     return main(argv)
 
 
 def _flatness(argv: list[str]) -> int:
-    from tools.flatness_cmd import main
+    from flatflower.tools.flatness_cmd import main
     return main(argv)
 
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         parsed = build_parser().parse_args(argv)
         command, args, handler = parsed.command, parsed, None
-    from tools import commands
+    from flatflower.tools import commands
     _stop_on_signals()  # SIGTERM too ends a run, a sweep's runs, a landscape, ...
     code = commands.run(command, args, handler)
     return commands.EXIT_PIPE if commands.stdout_gone() else code
@@ -176,7 +176,7 @@ def entry() -> None:
     without an active exception", SIGABRT) instead of exiting 130: seen under load after an
     in-process run's SIGTERM."""
     code = main()
-    from tools import commands
+    from flatflower.tools import commands
 
     if code == commands.EXIT_INTERRUPTED and "ray" not in sys.modules:
         import logging

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime import engines
-from tools.prepare import UsageError, app_dir, check_device, log_dir, node_configs, preflight, resolve_config
-from tools.presets import PresetError, available, load_preset
-from tools.progress import EXIT_FAILED, EXIT_OK, Progress, finish
+from flatflower.runtime import engines
+from flatflower.tools.prepare import UsageError, app_dir, check_device, log_dir, node_configs, preflight, resolve_config
+from flatflower.tools.presets import PresetError, available, load_preset
+from flatflower.tools.progress import EXIT_FAILED, EXIT_OK, Progress, finish
 
 EXIT_USAGE = 2
 EXIT_PIPE = 141  # 128 + SIGPIPE: the reader of our output went away (`| head`), as a shell reports it
@@ -43,14 +43,14 @@ def run(command: str, args: argparse.Namespace | list[str], handler: Callable[[A
     arguments cli.py parsed; a command that parses its own arguments gets its argument list)
     and turn its failures into exit codes and one ``error:`` line: bad input 2 (nothing
     started), a failed run 1, an interrupt 130."""
-    from common.config import ConfigError
-    from common.datasets import DatasetUnavailableError
-    from common.partition import PartitionError
-    from server.run import RunFailed
-    from server.rundir import RunDirError, RunWriteError
-    from strategies.participation import NoNodesError
-    from runtime.engines.federation import FederationError
-    from tools.prepare import apply_preset
+    from flatflower.common.config import ConfigError
+    from flatflower.common.datasets import DatasetUnavailableError
+    from flatflower.common.partition import PartitionError
+    from flatflower.server.run import RunFailed
+    from flatflower.server.rundir import RunDirError, RunWriteError
+    from flatflower.strategies.participation import NoNodesError
+    from flatflower.runtime.engines.federation import FederationError
+    from flatflower.tools.prepare import apply_preset
 
     try:
         if command in ("local", "simulate", "check"):
@@ -125,7 +125,7 @@ def check(args: argparse.Namespace) -> int:
 def presets(args: argparse.Namespace) -> int:
     """List name, description and source of each preset in tools/presets/ (control characters
     shown escaped: a preset file cannot write to the terminal)."""
-    from common.schema import printable
+    from flatflower.common.schema import printable
 
     names = available()
     if not names:
@@ -146,7 +146,7 @@ def presets(args: argparse.Namespace) -> int:
 
 def data(args: argparse.Namespace) -> int:
     """``data check``: each dataset, usable offline here or what it needs (one line each)."""
-    from tools.datacheck import check
+    from flatflower.tools.datacheck import check
 
     print(check(args.data_dir))
     return EXIT_OK
@@ -157,7 +157,7 @@ def algorithms(args: argparse.Namespace) -> int:
     per local step, and their own run-config keys with defaults and the half that reads each
     (``--markdown``: the table of docs/algorithms.md; ``--json``: all of it as data)."""
     if args.json:
-        from strategies.registry import as_data
+        from flatflower.strategies.registry import as_data
 
         print(json.dumps(as_data(), indent=1))
     else:
@@ -169,7 +169,7 @@ READ_BY = {"client": "the client", "server": "the server", "both": "both halves"
 
 
 def algorithm_table(markdown: bool = False) -> str:
-    from strategies.registry import as_data
+    from flatflower.strategies.registry import as_data
 
     rows = []
     for alg in as_data():
@@ -195,7 +195,7 @@ def algorithm_table(markdown: bool = False) -> str:
 
 def certs(args: argparse.Namespace) -> int:
     """Write a CA, the SuperLink's certificate and --nodes SuperNode key pairs to OUT_DIR."""
-    from runtime.certs import CertError, generate_certs, summary
+    from flatflower.runtime.certs import CertError, generate_certs, summary
 
     try:
         files = generate_certs(Path(args.out_dir), args.nodes, args.hosts, days=args.days,
@@ -206,7 +206,7 @@ def certs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# every command that takes what tools.cli.build_parser parsed -> its function (``check``: the
+# every command that takes what flatflower.tools.cli.build_parser parsed -> its function (``check``: the
 # sweep's dry run of simulate); tools/cli.py adds the commands that parse their own arguments
 COMMANDS = {"local": local, "simulate": simulate, "check": check, "presets": presets, "data": data,
             "algorithms": algorithms, "certs": certs}

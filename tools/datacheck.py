@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from common.datasets import (DATASETS, SYSTEM_PACKAGES, TORCHVISION_FOLDER, DatasetUnavailableError,
+from flatflower.common.datasets import (DATASETS, SYSTEM_PACKAGES, TORCHVISION_FOLDER, DatasetUnavailableError,
                              default_data_dir, load_dataset, sources)
 
 HOW = {  # where each dataset comes from

@@ -19,9 +19,9 @@ import math
 import sys
 from typing import Any
 
-from common.flatness import measure
-from tools.parsers import flatness as build_parser
-from tools.saved import SavedRun, check_device
+from flatflower.common.flatness import measure
+from flatflower.tools.parsers import flatness as build_parser
+from flatflower.tools.saved import SavedRun, check_device
 
 EXIT_USAGE = 2
 

@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.flatness import SplitLoss, perturbed
-from tools.parsers import DEFAULT_SPAN, INTERPOLATE_SPAN
-from tools.parsers import landscape as build_parser
-from tools.saved import SavedRun, SavedRunError, check_device
+from flatflower.common.flatness import SplitLoss, perturbed
+from flatflower.tools.parsers import DEFAULT_SPAN, INTERPOLATE_SPAN
+from flatflower.tools.parsers import landscape as build_parser
+from flatflower.tools.saved import SavedRun, SavedRunError, check_device
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Progress:
         self.start = time.monotonic()
 
     def step(self) -> None:
-        from tools.progress import duration
+        from flatflower.tools.progress import duration
 
         self.done += 1
         if self.silent:
@@ -312,7 +312,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def default_out(run_dirs: Sequence[str | Path]) -> Path:
     """landscape.png where ``flatflower report`` puts report.png (tools/report.py: default_out)."""
-    from tools.report import default_out as report_out
+    from flatflower.tools.report import default_out as report_out
 
     return report_out(run_dirs).with_name("landscape.png")
 

@@ -5,7 +5,7 @@ This is how the authors' code simulates a federation (FL-Simulator, FedSMOO's an
 repositories: a ``for`` loop over the round's clients around ``optimizer.step()``). It does the
 same passes as a flatflower run of FedAvg or FedSAM with the same run config: the same
 partition, the same clients each round (``Participation.sample``'s rule), the same mini-batches
-(the clients' own shuffling: client.train's ``round_generator`` and ``batch_indices``), SGD with
+(the clients' own shuffling: flatflower.client.train's ``round_generator`` and ``batch_indices``), SGD with
 the round's lr, momentum and weight decay, gradient clipping at ``clip-norm``, FedSAM's second
 gradient at w + rho g/||g||, the example-weighted average and the central evaluation of the new
 global model on the test split. Its global models are therefore an engine's, to float rounding
@@ -38,13 +38,13 @@ def measure_loop(config: dict[str, Any], clients: int) -> list[dict[str, Any]]:
 
 def run_loop(config: dict[str, Any], clients: int) -> Iterator[tuple[dict[str, Any], list[torch.Tensor]]]:
     """Each round of the loop: (its timing row, the new global model's trainable parameters)."""
-    from client.train import batch_indices, round_generator
-    from common.augment import train_augment
-    from common.config import RunConfig
-    from common.data import dataset_for, partitions_for
-    from common.evaluate import evaluate
-    from common.models import build_model
-    from strategies.participation import Participation
+    from flatflower.client.train import batch_indices, round_generator
+    from flatflower.common.augment import train_augment
+    from flatflower.common.config import RunConfig
+    from flatflower.common.data import dataset_for, partitions_for
+    from flatflower.common.evaluate import evaluate
+    from flatflower.common.models import build_model
+    from flatflower.strategies.participation import Participation
 
     cfg = RunConfig.from_mapping({**config, "num-partitions": clients})
     participation = Participation(cfg)  # the server's sampling rule

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.config import cli_float, cli_int
-from common.flatness_settings import DEFAULT_RHO, HVP_METHODS, TOLERANCE
-from tools.prepare import Parser, add_run_arguments, add_simulate_arguments
+from flatflower.common.config import cli_float, cli_int
+from flatflower.common.flatness_settings import DEFAULT_RHO, HVP_METHODS, TOLERANCE
+from flatflower.tools.prepare import Parser, add_run_arguments, add_simulate_arguments
 
 # flatflower flatness / landscape: which saved model (its file in the run directory), which split
 MODEL_FILES = {"final": "model_final.pt", "init": "model_init.pt", "checkpoint": "checkpoint.pt"}

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.config import (MAX_SECONDS, ConfigError, RunConfig, check_types, cli_float, cli_int,
+from flatflower.common.config import (MAX_SECONDS, ConfigError, RunConfig, check_types, cli_float, cli_int,
                            parse_assignments, user_path)
-from runtime.args import Parser  # noqa: F401 - the commands' parser, here with their arguments
-from tools.presets import load_preset
+from flatflower.runtime.args import Parser  # noqa: F401 - the commands' parser, here with their arguments
+from flatflower.tools.presets import load_preset
 
 DEFAULT_CLIENTS = 4
 CLIENT_STATE = "client-state"  # the clients' state mirror, inside the run directory
@@ -110,7 +110,7 @@ def apply_preset(args: argparse.Namespace) -> dict[str, Any]:
 
     Idempotent: the preset is read once and kept on ``args``."""
     if not hasattr(args, "preset_values"):
-        from common.schema import printable
+        from flatflower.common.schema import printable
 
         preset = load_preset(args.preset) if args.preset else None
         args.preset_values = dict(preset.config) if preset else {}
@@ -172,7 +172,7 @@ def place_run(cfg: RunConfig, run_dir: str | None = None) -> RunConfig:
                          "(or continue it with --resume)")
     _check_writable(run_dir)
     if run_dir.is_dir():
-        from server.rundir import refuse_links
+        from flatflower.server.rundir import refuse_links
 
         refuse_links(run_dir)
     # clients mirror their state into the run directory (a relative client-state-dir is inside
@@ -213,7 +213,7 @@ def _check_writable(run_dir: Path) -> None:
 def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> RunConfig:
     """The config of the run in ``--resume RUN_DIR``, checked against its checkpoint. The
     directory stays claimed by this command (a second resume of it is refused at once)."""
-    from server.rundir import check_resumable, claim, load_checkpoint, refuse_links
+    from flatflower.server.rundir import check_resumable, claim, load_checkpoint, refuse_links
 
     run_dir = user_path(args.resume, "--resume").resolve()
     given = [flag for flag, value in (
@@ -252,7 +252,7 @@ def _resume_config(args: argparse.Namespace, extra: dict[str, Any] | None) -> Ru
 
 def _saved_config(run_dir: Path) -> dict[str, Any]:
     """config.json's run config of a run directory (UsageError when there is none)."""
-    from server.rundir import open_file
+    from flatflower.server.rundir import open_file
 
     path = run_dir / "config.json"
     if not run_dir.is_dir():
@@ -310,7 +310,7 @@ def check_device(text: str) -> None:
     that is not here is refused at once, not after the federation started."""
     import re
 
-    from client.node import DEVICES, device_missing
+    from flatflower.client.node import DEVICES, device_missing
 
     if not re.fullmatch(DEVICES, text):
         raise UsageError(f"--device {text!r} is not one of: auto, cpu, cuda, cuda:<i>, mps")
@@ -336,7 +336,7 @@ def cuda_gpu_count() -> int:
 def recorded_engine(run_dir: str) -> str | None:
     """The simulation engine that ran ``run_dir`` (its config.json), so that its resume
     continues on it; None for a deployment's run or an unreadable record."""
-    from server.rundir import open_file
+    from flatflower.server.rundir import open_file
 
     try:
         with open_file(Path(run_dir) / "config.json") as f:
@@ -348,7 +348,7 @@ def recorded_engine(run_dir: str) -> str | None:
 
 def resume_clients(run_dir: str) -> int | None:
     """Number of clients of the run in ``run_dir`` (partition.json, else its checkpoint)."""
-    from server.rundir import RunDirError, load_checkpoint, open_file
+    from flatflower.server.rundir import RunDirError, load_checkpoint, open_file
 
     try:
         with open_file(Path(run_dir) / "partition.json") as f:
@@ -374,7 +374,7 @@ def log_dir(cfg: RunConfig) -> Path:
 
 
 def _default_run_dir(cfg: RunConfig) -> Path:
-    from server.rundir import default_run_dir
+    from flatflower.server.rundir import default_run_dir
 
     return default_run_dir(cfg)
 
@@ -386,8 +386,8 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
     this command knows: every client's partition is non-empty, each node's folder (``nodes``:
     --node-data, partition = local) loads and fits, the vectorised engine can batch the model,
     the aggregator gets enough clients per round."""
-    from common.data import partitions_for
-    from server.setup import prepare_run
+    from flatflower.common.data import partitions_for
+    from flatflower.server.setup import prepare_run
 
     if cfg.local_data():
         check_node_folders(cfg, nodes)
@@ -404,7 +404,7 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
     if setup.note:
         print(f"note: {setup.note}", flush=True)
     if engine == "vectorized":
-        from runtime.vectorized import check_batchable
+        from flatflower.runtime.vectorized import check_batchable
 
         try:
             check_batchable(model, cfg.resolved_model())
@@ -412,7 +412,7 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
             raise UsageError(str(err)) from None
     per_round = num_clients if cfg.sampling == "bernoulli" else max(
         1, min(num_clients, math.floor(cfg.fraction_train * num_clients + 0.5)))
-    from strategies.aggregate import Aggregator
+    from flatflower.strategies.aggregate import Aggregator
 
     need = Aggregator.from_config(cfg).required()
     if need > per_round:
@@ -429,8 +429,8 @@ def check_node_folders(cfg: RunConfig, nodes: dict[int, dict[str, str]] | None) 
     """partition = local: every node's folder (else the run config's data-dir, which nodes
     without one read) exists, loads and fits the run's model; the server's own data-dir, its
     evaluation set, too. UsageError naming the first that does not."""
-    from common.augment import check_train_transform
-    from common.data import check_local_data
+    from flatflower.common.augment import check_train_transform
+    from flatflower.common.data import check_local_data
 
     folders = [(f"--node-data {c['data-dir']}", c["data-dir"], True) for _, c in sorted((nodes or {}).items())]
     if cfg.data_dir or not folders:  # the server's evaluation set; the nodes' data when they have none

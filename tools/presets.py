@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig, did_you_mean, flat_keys, user_path
+from flatflower.common.config import ConfigError, RunConfig, did_you_mean, flat_keys, user_path
 
 try:
     import tomllib
@@ -151,7 +151,7 @@ def _algorithm_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
     """[algorithms.<name>] tables: known algorithm names, each a table of run-config keys
     (flattened: a nested ``sam.rho`` or a quoted ``"sam.rho"``); ``algorithm`` itself is not
     one of them."""
-    from strategies.registry import ALGORITHMS
+    from flatflower.strategies.registry import ALGORITHMS
 
     if not isinstance(tables, dict):
         raise PresetError(f"{path}: algorithms must be tables ([algorithms.<name>])")

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from common.config import RunConfig
-from common.schema import printable
-from server.progress import read_progress
-from server.rundir import open_file
+from flatflower.common.config import RunConfig
+from flatflower.common.schema import printable
+from flatflower.server.progress import read_progress
+from flatflower.server.rundir import open_file
 
 EXIT_OK, EXIT_FAILED = 0, 1
 STAGES = {"handshake": "nodes answered the partition handshake", "train": "clients replied"}

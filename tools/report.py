@@ -31,10 +31,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from common.schema import printable
-from tools.parsers import FLATNESS_FILE
-from tools.parsers import report as build_parser  # noqa: F401 (tools.cli, tests)
-from tools.runfiles import RunFileError, number, read_json, read_jsonl, table, whole
+from flatflower.common.schema import printable
+from flatflower.tools.parsers import FLATNESS_FILE
+from flatflower.tools.parsers import report as build_parser  # noqa: F401 (flatflower.tools.cli, tests)
+from flatflower.tools.runfiles import RunFileError, number, read_json, read_jsonl, table, whole
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -121,7 +121,7 @@ def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], str]:
 
 def _read_drift(path: Path) -> dict[int, dict[str, float]]:
     """Round -> client drift of that round (server/tensorboard.py: drift) from clients.jsonl."""
-    from server.tensorboard import drift
+    from flatflower.server.tensorboard import drift
 
     if not path.is_file():
         return {}

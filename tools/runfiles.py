@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from common.schema import printable
+from flatflower.common.schema import printable
 
 MAX_WHOLE = 2**53  # beyond this an int is no count flatflower wrote (and no float holds it exactly)
 
@@ -56,7 +56,7 @@ def parse(text: str, infinity: bool = False) -> Any:
 
 def read_text(path: Path) -> str:
     """The file's text (RunFileError: unreadable, or not UTF-8 text), never through a link."""
-    from server.rundir import open_file
+    from flatflower.server.rundir import open_file
 
     try:
         with open_file(path, "rb") as f:

@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.config import ConfigError, RunConfig
-from common.schema import printable
-from common.datasets import DatasetUnavailableError, FederatedDataset, Split
-from common.models import build_model
-from server.rundir import RunDirError, load_checkpoint, load_tensors
-from tools.parsers import MODEL_FILES, SPLITS
-from tools.runfiles import RunFileError, read_json, table
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.schema import printable
+from flatflower.common.datasets import DatasetUnavailableError, FederatedDataset, Split
+from flatflower.common.models import build_model
+from flatflower.server.rundir import RunDirError, load_checkpoint, load_tensors
+from flatflower.tools.parsers import MODEL_FILES, SPLITS
+from flatflower.tools.runfiles import RunFileError, read_json, table
 
 
 
@@ -80,7 +80,7 @@ class SavedRun:
         return f"{self.cfg.algorithm} (seed {self.cfg.seed}, {self.path.name})"
 
     def dataset(self) -> FederatedDataset:
-        from common.data import dataset_for
+        from flatflower.common.data import dataset_for
 
         try:
             return dataset_for(self.cfg)
@@ -111,7 +111,7 @@ class SavedRun:
     def weights(self, which: str, model: nn.Module) -> OrderedDict:
         """The saved model ``which``, checked against ``model``: the same names, shapes and
         dtypes, finite values (a damaged or edited file is refused, never measured)."""
-        from common import schema
+        from flatflower.common import schema
 
         state = self.state_dict(which)
         layout = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.state_dict().items()}

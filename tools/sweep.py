@@ -1,7 +1,7 @@
 """``flatflower sweep``: several algorithms x seeds on one partition, then one report.
 
 Each (algorithm, seed) is exactly ``flatflower simulate --algorithm A --seed S --run-dir
-OUT/A-sS [the other options]`` (tools.commands.simulate), so every option of ``simulate``
+OUT/A-sS [the other options]`` (flatflower.tools.commands.simulate), so every option of ``simulate``
 (presets, ``--set``, ``--engine``, ...) works here too. All runs share one data partition, so
 seeds vary the model init, sampling and shuffling only: ``partition-seed`` is the one given
 (``--set``, else the preset's), else that of the runs already in OUT (a sweep run in pieces,
@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.config import did_you_mean
-from common.schema import printable
-from strategies.registry import ALGORITHMS
-from tools import commands
-from tools.parsers import sweep as build_parser
-from tools.prepare import UsageError, check_engine_options, engine_of
+from flatflower.common.config import did_you_mean
+from flatflower.common.schema import printable
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.tools import commands
+from flatflower.tools.parsers import sweep as build_parser
+from flatflower.tools.prepare import UsageError, check_engine_options, engine_of
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -98,7 +98,7 @@ def finished(run_dir: Path) -> bool:
 def resumed(args: argparse.Namespace, run_dir: Path, engine: str) -> argparse.Namespace:
     """``flatflower simulate --resume RUN_DIR`` for an interrupted run of the sweep (its own
     config.json and checkpoint say the rest)."""
-    from tools.prepare import resume_clients
+    from flatflower.tools.prepare import resume_clients
 
     one = copy.copy(args)
     for name in ("algorithm", "seed", "run_dir", "preset", "dataset", "model", "partition", "fraction"):
@@ -123,7 +123,7 @@ def set_aside(run_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.report import main as report
+    from flatflower.tools.report import main as report
 
     args = build_parser().parse_args(argv)
     try:
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        from tools.presets import PresetError, load_preset
+        from flatflower.tools.presets import PresetError, load_preset
 
         preset = load_preset(args.preset) if args.preset else None
         if partition_seed_given(args, preset) is None:
@@ -245,7 +245,7 @@ def _status(run_dir: Path) -> str:
 def run_parallel(todo: list[argparse.Namespace], jobs: int, out: Path) -> tuple[list[Path], list[str]]:
     """Each run as its own ``flatflower simulate`` process, ``jobs`` at a time, output in
     OUT/<run>.log; (finished run directories, names of the failed runs)."""
-    from tools.progress import Steps
+    from flatflower.tools.progress import Steps
 
     out.mkdir(parents=True, exist_ok=True)
     waiting, running, runs, failed = list(todo), {}, [], []
@@ -256,7 +256,7 @@ def run_parallel(todo: list[argparse.Namespace], jobs: int, out: Path) -> tuple[
                 one = waiting.pop(0)
                 run_dir = directory(one)
                 log = open(out / f"{run_dir.name}.log", "a")  # a resumed run adds to its log
-                proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *simulate_argv(one)],
+                proc = subprocess.Popen([sys.executable, "-m", "flatflower.tools.cli", *simulate_argv(one)],
                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
                 running[proc] = (run_dir, log)
                 print(f"sweep: started {run_dir.name} ({len(todo) - len(waiting)}/{len(todo)}), "

@@ -72,7 +72,7 @@ class ThroughputSettings:
         bad = [e for e in self.engines if e not in ENGINES]
         if bad:
             raise ValueError(f"throughput engines: unknown {', '.join(bad)} (valid: {', '.join(ENGINES)})")
-        from strategies.registry import ALGORITHMS
+        from flatflower.strategies.registry import ALGORITHMS
 
         bad = [a for a in self.algorithms if a not in ALGORITHMS]
         if bad:
@@ -91,7 +91,7 @@ class ThroughputSettings:
         if self.local_epochs < 1 or self.batch_size < 1:
             raise ValueError("--throughput-epochs and --throughput-batch-size must be >= 1")
         if "loop" in self.engines:
-            from tools.loop import LOOP_ALGORITHMS
+            from flatflower.tools.loop import LOOP_ALGORITHMS
 
             bad = [a for a in self.algorithms if a not in LOOP_ALGORITHMS]
             if bad:
@@ -101,7 +101,7 @@ class ThroughputSettings:
 
 def run_config(algorithm: str, model: str, run_dir: Path, rounds: int,
                settings: ThroughputSettings | None = None) -> dict[str, Any]:
-    from strategies.registry import get as get_spec
+    from flatflower.strategies.registry import get as get_spec
 
     settings = settings or ThroughputSettings()
     return {**get_spec(algorithm).example_config(), "dataset": MODEL_DATA[model], "model": model, "partition": "iid",
@@ -194,8 +194,8 @@ def measure_inprocess(cfg: dict[str, Any], clients: int, vectorized: bool) -> li
     train push (as server/progress.py watches it), so nothing of the engines is changed."""
     from flwr.app import MessageType
 
-    from server.app import app as server_app
-    from runtime.engines.inprocess import run_inprocess
+    from flatflower.server.app import app as server_app
+    from flatflower.runtime.engines.inprocess import run_inprocess
 
     stamps: dict[int, tuple[float, float]] = {}
 
@@ -231,7 +231,7 @@ def measure_ray(cfg: dict[str, Any], clients: int, timeout: float) -> list[dict[
     run_dir = Path(cfg["run-dir"])
     rounds = int(cfg["num-server-rounds"])
     named = {"algorithm", "dataset", "model", "partition", "num-server-rounds", "run-dir"}
-    args = [sys.executable, "-m", "tools.cli", "simulate", "--engine", "ray", "--clients", str(clients),
+    args = [sys.executable, "-m", "flatflower.tools.cli", "simulate", "--engine", "ray", "--clients", str(clients),
             "--algorithm", cfg["algorithm"], "--dataset", cfg["dataset"], "--model", cfg["model"],
             "--partition", cfg["partition"], "--rounds", str(rounds), "--run-dir", str(run_dir),
             "--timeout", str(int(timeout))]
@@ -306,7 +306,7 @@ def _summary(engine: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
 
 def bench_throughput(settings: ThroughputSettings, workdir: Path, say=lambda text: None) -> dict[str, Any]:
     """Every (algorithm, model, N) with each engine, interleaved; the rows of the table."""
-    from runtime.engines import quiet_flower
+    from flatflower.runtime.engines import quiet_flower
 
     loads = [load_average()]  # before the section and before each run
     rows: list[dict[str, Any]] = []
@@ -335,7 +335,7 @@ def bench_throughput(settings: ThroughputSettings, workdir: Path, say=lambda tex
                     if engine == "ray":
                         measured[engine] += measure_ray(cfg, clients, settings.timeout)
                     elif engine == "loop":
-                        from tools.loop import measure_loop
+                        from flatflower.tools.loop import measure_loop
 
                         measured[engine] += measure_loop(cfg, clients)
                     else:
@@ -380,7 +380,7 @@ def bench_throughput(settings: ThroughputSettings, workdir: Path, say=lambda tex
 
 def render(section: dict[str, Any]) -> str:
     """The throughput table, what it ran on, and the load it ran under."""
-    from tools.report import render_table
+    from flatflower.tools.report import render_table
 
     def num(value, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)

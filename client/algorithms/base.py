@@ -1,7 +1,7 @@
 """What every client half provides, in one vocabulary.
 
 A rule sees parameter tensors (lists aligned with the model's trainable parameters) and a
-:class:`client.batch.Batch`, never a model; it takes its hyperparameters as ``params`` (an
+:class:`flatflower.client.batch.Batch`, never a model; it takes its hyperparameters as ``params`` (an
 instance of its own ``Params``: the keys this half reads), as a torch optimizer does. Per local step the loop calls
 :meth:`ClientRule.direction`; a family (FedDyn's duals, SCAFFOLD's control variates, FedCM's
 mixing, FedProx's prox term) writes ``direction`` once around :meth:`ClientRule.gradient`,
@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from client.batch import Batch
-from common.tensors import Tensors, clone
-from common.params import Params
+from flatflower.client.batch import Batch
+from flatflower.common.tensors import Tensors, clone
+from flatflower.common.params import Params
 
 
 class ClientRule:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.fedsam import FedSAMClient
-from client.sam import SAMParams, asam_gradient
-from common.params import key, one_of
+from flatflower.client.algorithms.fedsam import FedSAMClient
+from flatflower.client.sam import SAMParams, asam_gradient
+from flatflower.common.params import key, one_of
 
 
 @dataclass(frozen=True)

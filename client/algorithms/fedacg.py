@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.fedprox import FedProxClient
-from common.params import NONNEGATIVE, Params, key
+from flatflower.client.algorithms.fedprox import FedProxClient
+from flatflower.common.params import NONNEGATIVE, Params, key
 
 
 @dataclass(frozen=True)

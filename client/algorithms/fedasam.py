@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.base import ClientRule
-from client.sam import SAMParams, asam_gradient
-from common.params import NONNEGATIVE, key
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.sam import SAMParams, asam_gradient
+from flatflower.common.params import NONNEGATIVE, key
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from client.algorithms.base import ClientRule
+from flatflower.client.algorithms.base import ClientRule
 
 
 class FedAvgClient(ClientRule):

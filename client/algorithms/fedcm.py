@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.base import ClientRule
-from common.tensors import add, scale
-from common.params import UNIT, Params, key
-from common.protocol import GLOBAL_UPDATE
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.common.tensors import add, scale
+from flatflower.common.params import UNIT, Params, key
+from flatflower.common.protocol import GLOBAL_UPDATE
 
 
 @dataclass(frozen=True)

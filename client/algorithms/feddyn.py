@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.base import ClientRule
-from common.tensors import Tensors, add, scale, sub, zeros_like
-from common.params import POSITIVE, Params, key
-from common.protocol import DUAL
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.common.tensors import Tensors, add, scale, sub, zeros_like
+from flatflower.common.params import POSITIVE, Params, key
+from flatflower.common.protocol import DUAL
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ the perturbation from the raw local gradient, as in FL-Simulator's fedgamma.
 
 from __future__ import annotations
 
-from client.algorithms.scaffold import ScaffoldClient
-from client.sam import SAMParams, sam_gradient
+from flatflower.client.algorithms.scaffold import ScaffoldClient
+from flatflower.client.sam import SAMParams, sam_gradient
 
 
 class FedGAMMAClient(ScaffoldClient):

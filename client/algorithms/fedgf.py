@@ -14,10 +14,10 @@ ascent gradient is computed even at c = 1 (2 passes a step, as the code).
 
 from __future__ import annotations
 
-from client.algorithms.base import ClientRule
-from client.sam import SAMParams, sam_gradient, unit_scaled
-from common.protocol import MIX_WEIGHT, PERTURBED_GLOBAL
-from common.tensors import add, scale, sub
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.sam import SAMParams, sam_gradient, unit_scaled
+from flatflower.common.protocol import MIX_WEIGHT, PERTURBED_GLOBAL
+from flatflower.common.tensors import add, scale, sub
 
 
 class FedGFClient(ClientRule):

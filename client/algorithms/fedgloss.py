@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.feddyn import DualClient
-from client.sam import sam_gradient
-from common.params import POSITIVE, Params, key
-from common.protocol import LOCAL_RADIUS
+from flatflower.client.algorithms.feddyn import DualClient
+from flatflower.client.sam import sam_gradient
+from flatflower.common.params import POSITIVE, Params, key
+from flatflower.common.protocol import LOCAL_RADIUS
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from client.algorithms.feddyn import DualClient
-from client.batch import mean_cross_entropy, mean_kl
-from common.tensors import Tensors, add, scale
-from common.params import FRACTION, NONNEGATIVE, POSITIVE, Params, key, one_of
-from common.protocol import CLIENT_EMA, EMA_MODEL
+from flatflower.client.algorithms.feddyn import DualClient
+from flatflower.client.batch import mean_cross_entropy, mean_kl
+from flatflower.common.tensors import Tensors, add, scale
+from flatflower.common.params import FRACTION, NONNEGATIVE, POSITIVE, Params, key, one_of
+from flatflower.common.protocol import CLIENT_EMA, EMA_MODEL
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.base import ClientRule
-from client.algorithms.feddyn import DualClient, DualParams
-from client.algorithms.scaffold import ScaffoldClient
-from client.sam import SAMParams, unit_scaled
-from common.tensors import sub
-from common.params import key, one_of
-from common.protocol import PREVIOUS_GLOBAL
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.algorithms.feddyn import DualClient, DualParams
+from flatflower.client.algorithms.scaffold import ScaffoldClient
+from flatflower.client.sam import SAMParams, unit_scaled
+from flatflower.common.tensors import sub
+from flatflower.common.params import key, one_of
+from flatflower.common.protocol import PREVIOUS_GLOBAL
 
 
 @dataclass(frozen=True)

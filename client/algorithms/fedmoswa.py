@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.fedswa import FedSWAClient, FedSWAParams
-from client.algorithms.scaffold import ScaffoldClient
-from common.params import key, one_of
-from common.protocol import CONTROL_OFFSET, MOMENTUM_CONTROL
-from common.tensors import sub
+from flatflower.client.algorithms.fedswa import FedSWAClient, FedSWAParams
+from flatflower.client.algorithms.scaffold import ScaffoldClient
+from flatflower.common.params import key, one_of
+from flatflower.common.protocol import CONTROL_OFFSET, MOMENTUM_CONTROL
+from flatflower.common.tensors import sub
 
 
 @dataclass(frozen=True)

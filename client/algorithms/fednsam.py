@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.base import ClientRule
-from client.sam import SAMParams, unit_scaled
-from common.tensors import scale, sub
-from common.params import FRACTION, Params, key
-from common.protocol import MOMENTUM
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.sam import SAMParams, unit_scaled
+from flatflower.common.tensors import scale, sub
+from flatflower.common.params import FRACTION, Params, key
+from flatflower.common.protocol import MOMENTUM
 
 
 @dataclass(frozen=True)

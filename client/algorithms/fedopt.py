@@ -4,7 +4,7 @@ Their hyperparameters are the server's (strategies/fedopt.py).
 
 from __future__ import annotations
 
-from client.algorithms.fedavg import FedAvgClient
+from flatflower.client.algorithms.fedavg import FedAvgClient
 
 
 class FedOptClient(FedAvgClient):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.base import ClientRule
-from common.tensors import add, scale, sub
-from common.params import NONNEGATIVE, Params, key
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.common.tensors import add, scale, sub
+from flatflower.common.params import NONNEGATIVE, Params, key
 
 
 @dataclass(frozen=True)

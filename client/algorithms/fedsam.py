@@ -9,8 +9,8 @@ DP-FedSAM's client (client/algorithms/dp_fedsam.py) extends this one.
 
 from __future__ import annotations
 
-from client.algorithms.base import ClientRule
-from client.sam import SAMParams, sam_gradient
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.sam import SAMParams, sam_gradient
 
 
 class FedSAMClient(ClientRule):

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.feddyn import DualClient, DualParams
-from client.sam import SAMParams, unit_scaled
-from common.tensors import add, sub, zeros_like
-from common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION, PERTURBATION_DUAL
+from flatflower.client.algorithms.feddyn import DualClient, DualParams
+from flatflower.client.sam import SAMParams, unit_scaled
+from flatflower.common.tensors import add, sub, zeros_like
+from flatflower.common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION, PERTURBATION_DUAL
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from client.algorithms.base import ClientRule
-from client.batch import mean_cross_entropy, mean_kl
-from client.sam import unit_scaled
-from common.params import NONNEGATIVE, POSITIVE, Params, key, one_of
-from common.tensors import global_norm, sub
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.batch import mean_cross_entropy, mean_kl
+from flatflower.client.sam import unit_scaled
+from flatflower.common.params import NONNEGATIVE, POSITIVE, Params, key, one_of
+from flatflower.common.tensors import global_norm, sub
 
 
 @dataclass(frozen=True)

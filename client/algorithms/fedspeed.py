@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.feddyn import DualParams, FedDynClient
-from client.sam import SAMParams, unit_scaled
-from common.tensors import add, scale
-from common.params import UNIT, key
+from flatflower.client.algorithms.feddyn import DualParams, FedDynClient
+from flatflower.client.sam import SAMParams, unit_scaled
+from flatflower.common.tensors import add, scale
+from flatflower.common.params import UNIT, key
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.base import ClientRule
-from common.params import NONNEGATIVE, Params, key
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.common.params import NONNEGATIVE, Params, key
 
 
 @dataclass(frozen=True)

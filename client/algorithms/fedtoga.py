@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.feddyn import DualClient
-from client.sam import SAMParams, unit_scaled
-from common.tensors import add, scale
-from common.params import NONNEGATIVE, POSITIVE, Params, key, one_of
-from common.protocol import GLOBAL_UPDATE
+from flatflower.client.algorithms.feddyn import DualClient
+from flatflower.client.sam import SAMParams, unit_scaled
+from flatflower.common.tensors import add, scale
+from flatflower.common.params import NONNEGATIVE, POSITIVE, Params, key, one_of
+from flatflower.common.protocol import GLOBAL_UPDATE
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from client.algorithms.scaffold import ScaffoldClient
-from client.sam import SAMParams, unit_scaled
-from common.params import key, one_of
-from common.protocol import CLIENT_CONTROL, GLOBAL_UPDATE, LOCAL_WEIGHT
-from common.tensors import add, global_norm, scale, sub, zeros_like
+from flatflower.client.algorithms.scaffold import ScaffoldClient
+from flatflower.client.sam import SAMParams, unit_scaled
+from flatflower.common.params import key, one_of
+from flatflower.common.protocol import CLIENT_CONTROL, GLOBAL_UPDATE, LOCAL_WEIGHT
+from flatflower.common.tensors import add, global_norm, scale, sub, zeros_like
 
 CODE_EPS = 1e-7  # the authors' guard in WMSAM.first_step
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.algorithms.fedcm import FedCMClient
-from client.sam import SAMParams, sam_gradient
-from common.params import UNIT, key
+from flatflower.client.algorithms.fedcm import FedCMClient
+from flatflower.client.sam import SAMParams, sam_gradient
+from flatflower.common.params import UNIT, key
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from client.algorithms.base import ClientRule
-from common.tensors import Tensors, add, scale, sub, zeros_like
-from common.protocol import CLIENT_CONTROL, CONTROL, CONTROL_DELTA
+from flatflower.client.algorithms.base import ClientRule
+from flatflower.common.tensors import Tensors, add, scale, sub, zeros_like
+from flatflower.common.protocol import CLIENT_CONTROL, CONTROL, CONTROL_DELTA
 
 
 class ScaffoldClient(ClientRule):

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import RunConfig
-from common.references import BadReference, is_reference, module_roots, resolve, with_pythonpath
-from common.schema import printable
-from runtime.engines.federation import COMPLETED, LocalFederation
-from runtime.engines.inprocess import run_inprocess, stop_runs
+from flatflower.common.config import RunConfig
+from flatflower.common.references import BadReference, is_reference, module_roots, resolve, with_pythonpath
+from flatflower.common.schema import printable
+from flatflower.runtime.engines.federation import COMPLETED, LocalFederation
+from flatflower.runtime.engines.inprocess import run_inprocess, stop_runs
 
 OnPoll = Callable[[], None]
 

@@ -41,10 +41,10 @@ from typing import Any
 
 import tomli_w
 
-from common import fastpoll
-from common.fastpoll import FastPollError, check_version
-from runtime.certs import generate_certs
-from server.rundir import open_file  # never through a link planted in the run's logs
+from flatflower.common import fastpoll
+from flatflower.common.fastpoll import FastPollError, check_version
+from flatflower.runtime.certs import generate_certs
+from flatflower.server.rundir import open_file  # never through a link planted in the run's logs
 
 FINISHED = "finished"
 COMPLETED = "finished:completed"
@@ -172,7 +172,7 @@ def _marked(mark: str) -> list[int]:
 
 
 def reap(mark: str, owner: int) -> None:
-    """The reaper a federation starts (``python -m runtime.engines.federation MARK OWNER``): once the
+    """The reaper a federation starts (``python -m flatflower.runtime.engines.federation MARK OWNER``): once the
     process ``owner`` that started the federation is gone without stopping it (``kill -9``,
     the OOM killer), SIGKILL every process of it, the runs' ServerApps first (never a round
     against no SuperNodes). A federation its owner stops ends its reaper with the rest."""
@@ -277,7 +277,7 @@ class LocalFederation:
         dial = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         self.dial_host = f"[{dial}]" if ":" in dial else dial
         self.bind_host = f"[{self.host}]" if ":" in self.host else self.host
-        self.certs = None  # runtime.certs.CertFiles once started with tls
+        self.certs = None  # flatflower.runtime.certs.CertFiles once started with tls
         self.node_ids: dict[str, int] = {}  # registered node name -> node id (tls)
         self.node_config = dict(node_config or {})  # every SuperNode's extra --node-config
         self.node_configs = {int(i): dict(c) for i, c in (node_configs or {}).items()}  # per partition
@@ -338,7 +338,7 @@ class LocalFederation:
     def start(self, timeout: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.flwr_home.mkdir(parents=True, exist_ok=True)
-        self._spawn("reaper", [sys.executable, "-m", "runtime.engines.federation", self.mark, str(os.getpid())])
+        self._spawn("reaper", [sys.executable, "-m", "flatflower.runtime.engines.federation", self.mark, str(os.getpid())])
         cmd = [flower_command("flower-superlink"), *self._superlink_security(),
                "--isolation", "subprocess", "--disable-runtime-dependency-installation",
                # Flower's in-memory state, not an SQLite file: a federation lives as long as
@@ -414,7 +414,7 @@ class LocalFederation:
         else:
             security = ["--insecure"]
         port = free_port()
-        supernode = ([sys.executable, "-m", "common.fastpoll", "supernode"] if self.fast_poll
+        supernode = ([sys.executable, "-m", "flatflower.common.fastpoll", "supernode"] if self.fast_poll
                      else [flower_command("flower-supernode")])
         isolation = ["--isolation", "process"] if self.clientapps == "warm" else []
         proc = self._spawn(name, [

@@ -33,14 +33,14 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
-from client.app import TrainCall
-from client.app import app as default_client_app
-from common.config import RunConfig
-from common.data import model_shape
-from common.models import build_model
-from runtime.vectorized import adopt_batching, batching_choices, check_batchable, train_together
-from server.app import app as default_server_app
-from server.rundir import RunWriteError, default_run_dir, write_recorded
+from flatflower.client.app import TrainCall
+from flatflower.client.app import app as default_client_app
+from flatflower.common.config import RunConfig
+from flatflower.common.data import model_shape
+from flatflower.common.models import build_model
+from flatflower.runtime.vectorized import adopt_batching, batching_choices, check_batchable, train_together
+from flatflower.server.app import app as default_server_app
+from flatflower.server.rundir import RunWriteError, default_run_dir, write_recorded
 
 log = logging.getLogger("flwr.flatflower.server")
 
@@ -226,7 +226,7 @@ class VectorizedGrid(InProcessGrid):
     (or its error reply). Other messages (query, evaluate) go to the ClientApp one by one.
     Messages are not deep-copied: the client side only reads them and builds new replies."""
 
-    CHOICES = "vectorized.json"  # in the run directory: which models it batched (runtime.vectorized)
+    CHOICES = "vectorized.json"  # in the run directory: which models it batched (flatflower.runtime.vectorized)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -360,7 +360,7 @@ def _run(outcome) -> Message:
 
 def check_vectorizable(cfg) -> None:
     """ValueError (one line) before any round when the run's model cannot be batched by the
-    vectorised engine (buffers such as BatchNorm's statistics, dropout: runtime.vectorized.
+    vectorised engine (buffers such as BatchNorm's statistics, dropout: flatflower.runtime.vectorized.
     check_batchable): the engine refuses it itself, not only the CLI."""
     input_shape, num_classes = model_shape(cfg)  # partition = local: from the run config, no data here
     check_batchable(build_model(cfg.resolved_model(), input_shape, num_classes, seed=0), cfg.resolved_model())

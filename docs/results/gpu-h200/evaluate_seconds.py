@@ -1,9 +1,9 @@
 import time, torch
-import strategies.registry  # noqa: F401
-from common.config import RunConfig
-from common.data import dataset_for
-from common.evaluate import evaluate
-from common.models import build_model
+import flatflower.strategies.registry  # noqa: F401
+from flatflower.common.config import RunConfig
+from flatflower.common.data import dataset_for
+from flatflower.common.evaluate import evaluate
+from flatflower.common.models import build_model
 cfg = RunConfig.from_mapping({"dataset": "fashion-mnist", "model": "lenet5"})
 data = dataset_for(cfg)
 for threads in (1, 16):
