@@ -21,7 +21,7 @@ from flatflower.client.algorithms.base import ClientRule
 from flatflower.client.faults import Fault
 from flatflower.client.layout import Layout
 from flatflower.client.node import NodeSettings
-from flatflower.client.state import ContextState, StateMirror
+from flatflower.client.state import ContextState, StateMirror, check_state
 from flatflower.client.train import LocalResult, build_rule, local_train, round_generator, rule_outputs
 from flatflower.common import codec
 from flatflower.common import protocol as P
@@ -197,6 +197,8 @@ class TrainCall:
             local = keeps_buffers(cfg, model)  # buffers = local: the state round is needed too
             accepted = _state_round(msg, server_round) if spec.state or local else 0
             state = store.load(accepted)
+            if isinstance(store, StateMirror) and state:  # a file: damaged or edited, never trained with
+                check_state(state, Layout.of(model), str(store.path(accepted)))
             own = state.pop(P.LOCAL_BUFFERS, None)  # never seen by the client rule
             if own is not None and local:  # this client's own statistics over the received ones
                 Layout.of(model).load_buffers(own)

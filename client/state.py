@@ -157,6 +157,21 @@ def read_state_file(path: Path) -> dict:
     return {name: OrderedDict(tensors) for name, tensors in state.items()}
 
 
+def check_state(state: dict, layout, where: str) -> None:
+    """ValueError (one line naming ``where`` and the tensor) unless every record of a client's
+    ``state`` holds exactly the model's trainable parameters (``local_buffers``: its buffers),
+    each of the model's shape and dtype, with finite values: a damaged or edited state file
+    (float64, another shape, NaN) is refused, never trained with."""
+    from flatflower.common import protocol as P
+    from flatflower.common import schema
+
+    params = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in zip(layout.names, layout.params)}
+    buffers = {k: (tuple(layout.state[k].shape), str(layout.state[k].dtype).removeprefix("torch."))
+               for k in layout.buffers}
+    for name, tensors in state.items():
+        schema.tensors(buffers if name == P.LOCAL_BUFFERS else params)(tensors, f"{where}: {name}")
+
+
 def latest(context: Context) -> dict:
     """The newest state staged in ``context.state`` (for inspection and tests)."""
     store = ContextState(context)

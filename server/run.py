@@ -33,7 +33,7 @@ from flatflower.common.flatness import flatness_distance, measure, seed_of
 from flatflower.common.privacy import PrivacyLedger
 from flatflower.server.clients import client_rows
 from flatflower.server.progress import RoundProgress
-from flatflower.server.rundir import RunDir, default_run_dir
+from flatflower.server.rundir import RunDir, RunDirError, default_run_dir
 from flatflower.server.setup import prepare_run
 from flatflower.server.tensorboard import Board
 from flatflower.strategies.base import all_finite
@@ -49,11 +49,15 @@ class RunFailed(RuntimeError):
 def run_server(grid: Grid, cfg: RunConfig) -> Path:
     """Run ``cfg`` to completion over ``grid`` (from its checkpoint when ``resume``);
     returns the run directory. The directory is locked for the run's duration; a failure
-    after it is claimed is written to summary.json (``status``, ``error``) and raised."""
+    after it is claimed is written to summary.json (``status``, ``error``) and raised, except
+    a refusal of the directory's files (RunDirError, e.g. a damaged resume input): nothing
+    has run, and nothing in the directory is changed."""
     run_dir = RunDir(cfg.run_dir or default_run_dir(cfg), resume=cfg.resume)
     with run_dir.locked():
         try:
             return _run(grid, cfg, run_dir)
+        except RunDirError:  # refused before anything ran (a damaged resume input): nothing written
+            raise
         except BaseException as err:
             run_dir.record_failure(err)
             raise

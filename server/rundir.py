@@ -14,6 +14,7 @@
     summary.json     final accuracy, rounds, wall time (written when the run ends)
     checkpoint.pt    the latest checkpoint: round, global model, all strategy state
     client-state/    (when clients mirror their state here) partition-<i>/round-<r>.pt
+    manifest.json    sha256 and size of every file a resume reads (server/manifest.py)
     .lock            held (flock) by the process running or resuming the run
 
 JSON files, models and checkpoints are written atomically (temporary file + rename), so a
@@ -31,6 +32,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import io
 import json
 import os
 import platform
@@ -45,6 +47,7 @@ import torch
 from flatflower.common import protocol as P
 from flatflower.common import schema
 from flatflower.common.config import RunConfig, defaults, user_path
+from flatflower.server.manifest import Manifest, digest
 
 
 class RunDirError(RuntimeError):
@@ -174,6 +177,18 @@ def write_json(path: Path, data: Any) -> None:
         f.write(json.dumps(data, indent=1))
 
 
+def write_recorded(path: Path, data: Any) -> None:
+    """:func:`write_json` of a file a resume reads (config.json, partition.json,
+    vectorized.json), recorded in its run directory's manifest (server/manifest.py)."""
+    text = json.dumps(data, indent=1).encode()
+    with contextlib.suppress(OSError):
+        with open_file(path, "rb") as f:
+            if f.read(len(text) + 1) == text:  # as it is (vectorized.json, every round): no write at all
+                return
+    with Manifest(path.parent).replacing(path.name, digest(text)), writing(path, "xb") as f:
+        f.write(text)
+
+
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_FORMAT = 3  # 3: the clients' last accepted rounds in the participation state
 # Run-config keys a resumed run may change; every other key must equal the checkpoint's (the
@@ -230,13 +245,16 @@ def check_resumable(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
                           f"round {ckpt['round']}")
 
 
-def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
+def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any], model: torch.nn.Module | None = None) -> None:
     """RunDirError unless the clients' state that the checkpoint's accepted rounds need is in
     this run directory's ``client-state-dir``: each client resumes from its state after its
     last accepted round (client/state.py), and a run that went on without it would be another
     run. A relative ``client-state-dir`` is inside the run directory, where the server sees it;
-    an absolute one (e.g. node-local) is checked by each client when it trains."""
-    from flatflower.client.state import MissingState, StateMirror
+    an absolute one (e.g. node-local) is checked by each client when it trains. With
+    ``model``, every tensor is checked too: the model's names, shapes and dtypes, finite
+    values (client/state.py: check_state)."""
+    from flatflower.client.layout import Layout
+    from flatflower.client.state import MissingState, StateMirror, check_state
     from flatflower.strategies.registry import get as get_spec
 
     needed = set(get_spec(cfg.algorithm).state)
@@ -251,10 +269,12 @@ def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
                               "moved or copied run directory of an older flatflower cannot resume")
         return
     accepted = ckpt["strategy"]["participation"]["accepted"]  # checked by load_state_dict
+    layout = Layout(model) if model is not None else None
     for pid, rnd in sorted((int(p), int(r)) for p, r in accepted.items()):
         mirror = StateMirror(cfg.client_state_path(), pid, cfg.checkpoint_every)
         try:
-            names = set(mirror.read(rnd))
+            state = mirror.read(rnd)
+            names = set(state)
         except MissingState as err:
             raise RunDirError(f"cannot resume: client {pid}'s state after round {rnd} is not usable "
                               f"({err}); the run needs every client's state of its checkpoint") from None
@@ -262,6 +282,27 @@ def check_client_state(cfg: RunConfig, ckpt: Mapping[str, Any]) -> None:
             raise RunDirError(f"cannot resume: client {pid}'s state after round {rnd} "
                               f"({mirror.path(rnd)}) holds {sorted(names)}, not the {cfg.algorithm} "
                               f"client state {sorted(needed)}")
+        if layout is not None:
+            try:
+                check_state(state, layout, str(mirror.path(rnd)))
+            except ValueError as err:
+                raise RunDirError(f"cannot resume: {err}") from None
+
+
+def client_state_files(cfg: RunConfig, accepted: Mapping[Any, Any]) -> list[Path]:
+    """The clients' state files a resume from a checkpoint with these ``accepted`` rounds
+    reads, where the server sees them: inside the run directory (a relative
+    ``client-state-dir``); [] for node-local state (each client checks its own)."""
+    from flatflower.client.state import StateMirror
+
+    if not cfg.client_state_dir or cfg.client_state_dir.startswith(("/", "~")):
+        return []
+    out = []
+    for pid, rnd in accepted.items():
+        with contextlib.suppress(TypeError, ValueError):
+            if int(rnd) > 0:
+                out.append(StateMirror(cfg.client_state_path(), int(pid), cfg.checkpoint_every).path(int(rnd)))
+    return sorted(out)
 
 
 class RunDir:
@@ -276,6 +317,7 @@ class RunDir:
         except OSError as err:
             raise RunDirError(f"cannot create run directory {self.path}: {err}") from None
         refuse_links(self.path)
+        self.manifest = Manifest(self.path)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[RunDir]:
@@ -291,12 +333,12 @@ class RunDir:
             write_json(self.path / "summary.json", {"status": "failed", "error": reason[:500]})
 
     def write_config(self, cfg: RunConfig, **extra: Any) -> None:
-        write_json(self.path / "config.json",
+        write_recorded(self.path / "config.json",
                    {"config": cfg.to_dict(), "seed": cfg.seed, "algorithm": cfg.algorithm,
                     "versions": versions(), **extra})
 
     def write_partition(self, cfg: RunConfig, parts: Sequence[np.ndarray]) -> None:
-        write_json(self.path / "partition.json", {
+        write_recorded(self.path / "partition.json", {
             "dataset": cfg.dataset, "scheme": cfg.partition, "num_partitions": len(parts),
             "seed": cfg.data_seed(), "dirichlet_alpha": cfg.dirichlet_alpha,
             "classes_per_client": cfg.classes_per_client,
@@ -318,7 +360,7 @@ class RunDir:
             with open_file(path) as f:
                 if json.load(f) == table:
                     return
-        write_json(path, table)
+        write_recorded(path, table)
 
     def append_metrics(self, row: Mapping[str, Any]) -> None:
         self.append_rows("metrics.jsonl", [row])
@@ -351,12 +393,15 @@ class RunDir:
         for line in self.read_lines(name):
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 continue  # a row cut short by the kill
-            if row.get("round", last_round + 1) <= last_round:
+            rnd = row.get("round") if isinstance(row, dict) else None
+            if type(rnd) is int and rnd <= last_round:
                 rows.append(line)
-        with writing(path) as f:
-            f.write("".join(r + "\n" for r in rows))
+        text = "".join(r + "\n" for r in rows).encode()
+        self.manifest.forget_log(name)
+        with self.manifest.replacing(name, digest(text), key="prefixes"), writing(path, "xb") as f:
+            f.write(text)
 
     def save_model(self, name: str, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.save(name, dict(state_dict))
@@ -367,14 +412,21 @@ class RunDir:
             torch.save(obj, f)  # through a Python file: a failed write is an OSError with errno
 
     def save_checkpoint(self, cfg: RunConfig, server_round: int, strategy_state: Mapping[str, Any]) -> None:
-        self.save(CHECKPOINT, {
+        """The checkpoint, atomically, with its generation in manifest.json: its digest, the
+        clients' state files it needs, the logs' prefixes (server/manifest.py)."""
+        buffer = io.BytesIO()
+        torch.save({
             "format": CHECKPOINT_FORMAT, "round": server_round, "config": cfg.to_dict(),
             "strategy": dict(strategy_state),
             "num_partitions": strategy_state["participation"]["num_partitions"],
             # client sampling and client shuffling are pure functions of (seed, round[, partition]):
             # there is no RNG state to carry over
             "sampling": {"seed": cfg.seed, "scheme": cfg.sampling},
-        })
+        }, buffer)
+        data = buffer.getvalue()
+        clients = client_state_files(cfg, strategy_state["participation"]["accepted"])
+        with self.manifest.checkpoint(server_round, data, clients), writing(self.path / CHECKPOINT, "xb") as f:
+            f.write(data)
 
     def write_summary(self, data: Mapping[str, Any]) -> None:
         write_json(self.path / "summary.json", dict(data))

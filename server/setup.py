@@ -22,7 +22,9 @@ from flatflower.common.config import RunConfig
 from flatflower.common.data import check_local_data, dataset_for, model_shape, partitions_for
 from flatflower.common.models import buffer_names, build_model
 from flatflower.common.references import BadReference
-from flatflower.server.rundir import CHECKPOINT, check_client_state, check_resumable, load_checkpoint
+from flatflower.server import manifest
+from flatflower.server.rundir import (CHECKPOINT, RunDirError, check_client_state, check_resumable, client_state_files,
+                           load_checkpoint)
 from flatflower.strategies.registry import get as get_spec
 from flatflower.strategies.strategy import FlatStrategy
 
@@ -37,13 +39,16 @@ class RunSetup:
     model: nn.Module  # the run's model, with its initial weights (cfg.seed)
     strategy: FlatStrategy  # the algorithm's strategy, its state loaded from the checkpoint when resuming
     first: int  # the first round to play (1, or the checkpoint's round + 1)
+    note: str | None = None  # a resume of a run directory without manifest.json: its files are unchecked
 
 
 def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
     """The run of ``cfg`` set up: its data loaded and checked, its model built, its strategy
     allocated and, when ``cfg.resume``, loaded from the checkpoint of its run directory
     (``run_dir``, default ``cfg.run_dir``), with the client state that checkpoint needs
-    checked. Writes nothing. A ValueError (or RunDirError) with one line for what does not fit."""
+    checked, and every file the resume reads verified against the run directory's manifest
+    (server/manifest.py). Writes nothing. A ValueError (or RunDirError) with one line for
+    what does not fit."""
     data = server_data(cfg)
     if data is not None:  # partition = local: each node checks its own data (common/data.py)
         check_train_transform(cfg.train_transform, data)
@@ -66,9 +71,29 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
             strategy.load_state_dict(ckpt["strategy"])
         except ValueError as err:
             raise ValueError(f"checkpoint {run_dir / CHECKPOINT} is damaged: {err}") from None
-        check_client_state(cfg, ckpt)  # after the checkpoint's accepted rounds were checked
+        check_client_state(cfg, ckpt, model)  # after the checkpoint's accepted rounds were checked
+        note = verify_files(cfg, ckpt, run_dir)
         first = ckpt["round"] + 1
+        return RunSetup(data, model, strategy, first, note)
     return RunSetup(data, model, strategy, first)
+
+
+def verify_files(cfg: RunConfig, ckpt: dict, run_dir: Path) -> str | None:
+    """RunDirError (one line naming the file) unless every file the resume reads is as the
+    run wrote it (manifest.json); after the checks of what the files mean, which name the
+    field or tensor that is wrong. A note when the run directory has no manifest (written by
+    a flatflower before it kept one): its files are then resumed as they are."""
+    path = Path(run_dir).expanduser().resolve()
+    try:
+        verified = manifest.verify(path, client_state_files(cfg, ckpt["strategy"]["participation"]["accepted"]))
+    except manifest.ManifestError as err:
+        raise RunDirError(str(err)) from None
+    if verified is not None:
+        return None
+    note = (f"{path} has no {manifest.MANIFEST} (written by a flatflower before run files were "
+            "recorded): its files are resumed unchecked; the resume records them from its first checkpoint")
+    log.info(note)
+    return note
 
 
 def partition_sizes(cfg: RunConfig):

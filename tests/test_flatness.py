@@ -335,10 +335,10 @@ def test_the_documented_defaults(run_dir):
 
 @pytest.mark.parametrize("content, message", [
     (None, "no partition.json"),
-    ("{", "unreadable or damaged"),
+    ("{", "is not valid JSON"),
     ('{"partitions": {"0": [1, 99999]}}', "outside the training split"),
     ('{"partitions": {"0": [-1, 2]}}', "outside the training split"),
-    ('{"partitions": []}', "unreadable or damaged"),
+    ('{"partitions": []}', "is not a table of lists of indices"),
 ])
 def test_split_train_needs_a_sound_partition_json(run_dir, tmp_path, capsys, content, message):
     """--split train reads the clients' indices from partition.json: a missing or damaged one

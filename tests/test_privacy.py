@@ -236,6 +236,9 @@ def test_the_privacy_ledger_outlives_a_resume_and_a_damaged_one_is_refused(tmp_p
 
     kept = (run_dir / "metrics.jsonl").read_text()
     (run_dir / "privacy.jsonl").write_text("\n".join(json.dumps(e) for e in _ledger(run_dir)[1:]) + "\n")
+    with pytest.raises(Exception, match=r"privacy.jsonl \(its rows up to the checkpoint\) is shorter than"):
+        run_inprocess({**config, "num-server-rounds": 4, "resume": True}, 3)  # manifest.json's record first
+    (run_dir / "manifest.json").unlink()  # the ledger's own check (a run directory without a manifest)
     with pytest.raises(Exception, match=r"lacks rounds \[1\] of the checkpoint's 1-3"):
         run_inprocess({**config, "num-server-rounds": 4, "resume": True}, 3)
     (run_dir / "privacy.jsonl").unlink()

@@ -166,7 +166,7 @@ def surface(run: SavedRun, args: argparse.Namespace, coords: np.ndarray, progres
     model = run.model("final" if args.interpolate else args.model, data).to(args.device)
     params = trainable(model)
     if args.interpolate:
-        init = run.state_dict("init")
+        init = run.weights("init", model)
         directions = [OrderedDict((n, p.detach().double().cpu() - init[n].double()) for n, p in params.items())]
         offset = 1.0  # a = 1 is w (model_final.pt) itself
     else:
@@ -326,6 +326,9 @@ def open_runs(args: argparse.Namespace) -> list[SavedRun]:
             shapes = [(n, tuple(t.shape)) for n, t in run.state_dict(which).items()]
             if first is None:
                 first = (run, shapes)
+            elif shapes != first[1] and first[0] is run:  # its own init and final models differ
+                raise SavedRunError(f"{run.path}: model_init.pt and model_final.pt differ in names or "
+                                    "shapes (one does not fit the other): one is damaged or edited")
             elif shapes != first[1]:
                 raise SavedRunError(f"{run.path}: another architecture ({run.model_name!r}) than "
                                     f"{first[0].path} ({first[0].model_name!r}): one figure compares "

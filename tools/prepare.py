@@ -397,9 +397,12 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
         if empty:
             raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
     try:
-        model = prepare_run(cfg).model
+        setup = prepare_run(cfg)
+        model = setup.model
     except ValueError as err:  # BadReference, TransformError, a model that does not fit, a damaged checkpoint
         raise UsageError(str(err)) from None
+    if setup.note:
+        print(f"note: {setup.note}", flush=True)
     if engine == "vectorized":
         from flatflower.runtime.vectorized import check_batchable
 

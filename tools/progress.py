@@ -52,8 +52,11 @@ def round_line(row: dict[str, Any], rounds: int, eta: float | None) -> str:
     """The plain line of one metrics.jsonl row."""
     extra = ""
     if row["round"] > 0:
-        ok = row["clients_replied"] - row["clients_rejected"]
-        extra = f"  clients {ok}/{row['clients_sampled']}  {row['seconds']:.1f}s"
+        try:
+            ok = row["clients_replied"] - row["clients_rejected"]
+            extra = f"  clients {ok}/{row['clients_sampled']}  {row['seconds']:.1f}s"
+        except (KeyError, TypeError, ValueError):  # a row a killed run's file holds past its checkpoint
+            extra = "  (incomplete row)"
         if eta is not None and row["round"] < rounds:
             extra += f"  ETA {duration(eta)}"
     return f"round {row['round']:>3}/{rounds}  {accuracy_text(row, loss=True)}{extra}"
@@ -117,10 +120,11 @@ class Progress:
         for line in lines[self.seen:]:
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 break  # being written
             self.seen += 1
-            rows.append(row)
+            if isinstance(row, dict) and type(row.get("round")) is int:  # else damaged: not shown
+                rows.append(row)
         return rows
 
     def _in_round(self, state: dict[str, Any] | None) -> None:

@@ -29,9 +29,12 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from flatflower.common.schema import printable
 from flatflower.tools.parsers import FLATNESS_FILE
 from flatflower.tools.parsers import report as build_parser  # noqa: F401 (flatflower.tools.cli, tests)
+from flatflower.tools.runfiles import RunFileError, number, read_json, read_jsonl, table, whole
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -39,8 +42,9 @@ CLIENTS_FILE = "clients.jsonl"
 SETTING = ("clients", "rounds", "dataset", "partition")  # what makes two runs comparable
 
 
-class ReportError(ValueError):
-    """A run directory is missing, unreadable or holds no rounds."""
+class ReportError(RunFileError):
+    """A run directory is missing, unreadable or holds no rounds (tools/runfiles.py: a damaged
+    file is one of these too, one line naming it)."""
 
 
 @dataclass
@@ -77,30 +81,39 @@ def _read_config(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         return {}, {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ReportError(f"{path}: not valid JSON ({exc})") from exc
-    data = data if isinstance(data, dict) else {}
+    data = table(read_json(path, infinity=True), str(path))
     section = data.get("config", {})
     return (section if isinstance(section, dict) else {}), data
+
+
+# metrics.jsonl fields the report reads, and their range (accuracies are fractions)
+FRACTIONS = ("test_accuracy", "federated_accuracy")
+NUMBERS = ("test_loss", "federated_loss", "seconds", "flatness_seconds", "flatness_distance", "sharpness",
+           "hessian_max_eig", "hessian_trace", "dp_epsilon", "train_loss")
+COUNTS = ("bytes_down", "bytes_up")
+
+
+def _checked_row(row: Any, where: str) -> dict[str, Any]:
+    """A metrics.jsonl row whose fields the report reads are what flatflower writes
+    (RunFileError naming the line and the field otherwise)."""
+    row = table(row, where)
+    if "round" not in row:
+        raise RunFileError(f"{where}: no round")
+    whole(row, "round", where)
+    for key in FRACTIONS:
+        number(row, key, where, 0.0, 1.0)
+    for key in NUMBERS:
+        number(row, key, where)
+    for key in COUNTS:
+        whole(row, key, where)
+    return row
 
 
 def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], str]:
     """(one dict per round line that holds the run's accuracy, sorted by round; the measure:
     "test", or "federated" for a run whose lines hold no test_accuracy at all). A truncated or
     blank line is skipped."""
-    rows = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a run still writing its last line
-        if isinstance(row, dict) and "round" in row:
-            rows.append(row)
+    rows = [_checked_row(row, f"{path}, line {n}") for n, row in read_jsonl(path)]
     measure = "test" if any("test_accuracy" in row for row in rows) or not rows else "federated"
     rows = [row for row in rows if isinstance(row.get(f"{measure}_accuracy"), (int, float))]
     return sorted(rows, key=lambda row: int(row["round"])), measure
@@ -113,13 +126,12 @@ def _read_drift(path: Path) -> dict[int, dict[str, float]]:
     if not path.is_file():
         return {}
     by_round: dict[int, list[dict[str, Any]]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and "round" in row:
-            by_round.setdefault(int(row["round"]), []).append(row)
+    for n, row in read_jsonl(path):
+        where = f"{path}, line {n}"
+        rnd = whole(table(row, where), "round", where)
+        if rnd is None:
+            raise RunFileError(f"{where}: no round")
+        by_round.setdefault(rnd, []).append(row)
     return {r: d for r, rows in sorted(by_round.items()) if (d := drift(rows))}
 
 
@@ -156,7 +168,7 @@ def setting_differences(runs: Sequence[RunSummary]) -> list[str]:
         for run, s in zip(runs, settings):
             values.setdefault(s[key], []).append(run.run_dir.name)
         if len(values) > 1:
-            out.append(f"{key}: " + "; ".join(f"{v} ({', '.join(names[:3])}"
+            out.append(f"{key}: " + "; ".join(f"{printable(v, 200)} ({', '.join(names[:3])}"
                                                f"{', ...' if len(names) > 3 else ''})"
                                                for v, names in values.items()))
     return out
@@ -170,7 +182,7 @@ def code_differences(runs: Sequence[RunSummary]) -> str | None:
         versions = run.record.get("versions")
         code = versions.get("flatflower-code") if isinstance(versions, dict) else None
         if code is not None:
-            codes.setdefault(str(code)[:60], []).append(run.run_dir.name)
+            codes.setdefault(printable(code, 60), []).append(run.run_dir.name)
     if len(codes) < 2 and not any(code.endswith("+modified") for code in codes):
         return None
     return "; ".join(f"{code} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
@@ -181,8 +193,8 @@ def _make_label(config: dict[str, Any], run_dir: Path) -> str:
     """``"<algorithm> seed<seed>"`` from the config, else the directory name."""
     algorithm, seed = config.get("algorithm"), config.get("seed")
     if algorithm is None:
-        return run_dir.name
-    return f"{algorithm} seed{seed}" if seed is not None else str(algorithm)
+        return printable(run_dir.name, 200)
+    return printable(f"{algorithm} seed{seed}" if seed is not None else str(algorithm), 200)
 
 
 def load_run(run_dir: str | Path) -> RunSummary:
@@ -201,8 +213,8 @@ def load_run(run_dir: str | Path) -> RunSummary:
         config=config, record=record, rows=rows, drift=_read_drift(run_dir / CLIENTS_FILE),
         run_dir=run_dir,
         label=_make_label(config, run_dir),
-        algorithm=str(config.get("algorithm", run_dir.name)),
-        seed=config.get("seed"),
+        algorithm=printable(config.get("algorithm", run_dir.name), 200),
+        seed=config.get("seed") if type(config.get("seed")) is int else None,
         rounds=[int(row["round"]) for row in rows],
         accuracy=[float(row[f"{measure}_accuracy"]) for row in rows],
         loss=[float(row.get(f"{measure}_loss") if row.get(f"{measure}_loss") is not None else float("nan"))
@@ -569,7 +581,8 @@ def render_table(rows: Sequence[dict[str, Any]], title: str, width: int = 160) -
     for column in columns:
         table.add_column(column.replace("_", " "), justify="left" if column in ("label", "algorithm") else "right")
     for cells in formatted:
-        table.add_row(*(cells.get(column, "-") for column in columns))
+        # Text: a cell is never rich markup ("[/]" in a run's algorithm name would raise)
+        table.add_row(*(Text(cells.get(column, "-")) for column in columns))
     buffer = io.StringIO()
     Console(file=buffer, width=width, color_system=None, force_terminal=False).print(table)
     return buffer.getvalue()
@@ -602,9 +615,9 @@ def run_row(run: RunSummary, last_k: int, target: float | None) -> dict[str, Any
     best = max(range(len(run.accuracy)), key=lambda i: run.accuracy[i])
     saved: dict[str, Any] = {}
     try:
-        saved = json.loads((run.run_dir / FLATNESS_FILE).read_text())
+        saved = read_json(run.run_dir / FLATNESS_FILE)
         saved = saved if isinstance(saved, dict) else {}
-    except (OSError, ValueError):
+    except RunFileError:  # none, or not one (a column left empty, as without it)
         pass
     engine = run.record.get("engine")
     return {
@@ -663,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         runs = [load_run(run_dir) for run_dir in args.run_dirs]
-    except ReportError as exc:
+    except RunFileError as exc:  # ReportError, or a damaged file (tools/runfiles.py)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     differences = setting_differences(runs)

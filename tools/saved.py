@@ -10,19 +10,21 @@ partition.json records it: the papers' "global training loss").
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
 
 from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.schema import printable
 from flatflower.common.datasets import DatasetUnavailableError, FederatedDataset, Split
 from flatflower.common.models import build_model
-from flatflower.server.rundir import RunDirError, load_checkpoint, load_tensors, open_file
+from flatflower.server.rundir import RunDirError, load_checkpoint, load_tensors
 from flatflower.tools.parsers import MODEL_FILES, SPLITS
+from flatflower.tools.runfiles import RunFileError, read_json, table
 
 
 
@@ -57,15 +59,21 @@ class SavedRun:
         path = Path(run_dir).expanduser()
         if not path.is_dir():
             raise SavedRunError(f"{run_dir}: no such run directory")
+        if not (path / "config.json").is_file():
+            raise SavedRunError(f"{path}: no config.json, not a flatflower run directory")
         try:
-            with open_file(path / "config.json") as f:
-                saved = json.load(f)
-            cfg = RunConfig.from_mapping({**saved["config"], "resume": False})
-        except FileNotFoundError:
-            raise SavedRunError(f"{path}: no config.json, not a flatflower run directory") from None
-        except (OSError, ValueError, KeyError, TypeError, ConfigError) as err:
-            raise SavedRunError(f"{path / 'config.json'} is unreadable or damaged: {str(err)[:200]}") from None
-        return cls(path, cfg, str(saved.get("model") or cfg.resolved_model()))
+            saved = table(read_json(path / "config.json", infinity=True), str(path / "config.json"))
+            config = saved.get("config")
+            if not isinstance(config, dict):
+                raise TypeError("its 'config' is not a JSON object")
+            cfg = RunConfig.from_mapping({**config, "resume": False})
+        except RunFileError as err:
+            raise SavedRunError(str(err)) from None
+        except (ValueError, KeyError, TypeError, ConfigError) as err:
+            raise SavedRunError(f"{path / 'config.json'} is unreadable or damaged: "
+                                f"{printable(err, 200)}") from None
+        model = saved.get("model")
+        return cls(path, cfg, model if isinstance(model, str) and model else cfg.resolved_model())
 
     @property
     def label(self) -> str:
@@ -95,9 +103,24 @@ class SavedRun:
                      else load_tensors(file, "model"))
         except RunDirError as err:
             raise SavedRunError(str(err)) from None
-        if not isinstance(state, dict):
-            raise SavedRunError(f"{file} holds no model state dict")
+        if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                  for k, v in state.items()):
+            raise SavedRunError(f"{file} holds no model state dict (names -> tensors)")
         return OrderedDict(state)
+
+    def weights(self, which: str, model: nn.Module) -> OrderedDict:
+        """The saved model ``which``, checked against ``model``: the same names, shapes and
+        dtypes, finite values (a damaged or edited file is refused, never measured)."""
+        from flatflower.common import schema
+
+        state = self.state_dict(which)
+        layout = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in model.state_dict().items()}
+        try:
+            schema.tensors(layout)(state, MODEL_FILES[which])
+        except ValueError as err:
+            raise SavedRunError(f"{self.path}: {MODEL_FILES[which]} does not fit the run's model "
+                                f"{self.model_name!r}: {printable(err, 300)}") from None
+        return state
 
     def model(self, which: str = "final", data: FederatedDataset | None = None) -> nn.Module:
         """The run's architecture with the weights of ``which`` loaded."""
@@ -106,7 +129,7 @@ class SavedRun:
             model = build_model(self.model_name, data.input_shape, data.num_classes, seed=self.cfg.seed)
         except ValueError as err:  # config.json names a model this flatflower lacks, or one unfit
             raise SavedRunError(f"{self.path / 'config.json'}: {err}") from None
-        state = self.state_dict(which)
+        state = self.weights(which, model)
         try:
             model.load_state_dict(state)
         except RuntimeError as err:
@@ -126,15 +149,17 @@ class SavedRun:
     def training_indices(self, size: int) -> np.ndarray:
         """The sorted indices every client trained on, from partition.json."""
         file = self.path / "partition.json"
-        try:
-            with open_file(file) as f:
-                parts = json.load(f)["partitions"]
-            indices = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts.values()]))
-        except FileNotFoundError:
+        if not file.is_file():
             raise SavedRunError(f"{self.path}: no partition.json (written after round 1), so the "
-                                "clients' training data is unknown: use --split test") from None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise SavedRunError(f"{file} is unreadable or damaged: {str(err)[:200]}") from None
+                                "clients' training data is unknown: use --split test")
+        try:
+            parts = table(read_json(file), str(file)).get("partitions")
+            if not isinstance(parts, dict) or not parts or not all(
+                    isinstance(p, list) and all(type(i) is int and abs(i) < 2**62 for i in p) for p in parts.values()):
+                raise RunFileError(f"{file}: 'partitions' is not a table of lists of indices")
+            indices = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts.values()]))
+        except RunFileError as err:
+            raise SavedRunError(str(err)) from None
         if indices.size == 0 or indices[0] < 0 or indices[-1] >= size:
             raise SavedRunError(f"{file} holds indices outside the training split (size {size})")
         return indices

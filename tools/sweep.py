@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from flatflower.common.config import did_you_mean
+from flatflower.common.schema import printable
 from flatflower.strategies.registry import ALGORITHMS
 from flatflower.tools import commands
 from flatflower.tools.parsers import sweep as build_parser
@@ -78,7 +79,7 @@ def existing_partition_seed(out: Path, first_seed: int) -> int:
     for config in sorted(out.glob("*/config.json")) if out.is_dir() else []:
         try:
             value = json.loads(config.read_text())["config"]["partition-seed"]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue
         if type(value) is int and value >= 0:
             found.setdefault(value, []).append(config.parent.name)
@@ -236,8 +237,8 @@ def _status(run_dir: Path) -> str:
         last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
         rounds = json.loads((run_dir / "config.json").read_text())["config"]["num-server-rounds"]
         accuracy = last.get("test_accuracy", last.get("federated_accuracy"))
-        return f"{run_dir.name} {last['round']}/{rounds} {100 * accuracy:.1f}%"
-    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return printable(f"{run_dir.name} {last['round']}/{rounds} {100 * accuracy:.1f}%", 200)
+    except (OSError, ValueError, IndexError, KeyError, TypeError, AttributeError, RecursionError):
         return f"{run_dir.name} starting"
 
 

@@ -40,7 +40,7 @@ from flatflower.common.data import model_shape
 from flatflower.common.models import build_model
 from flatflower.runtime.vectorized import adopt_batching, batching_choices, check_batchable, train_together
 from flatflower.server.app import app as default_server_app
-from flatflower.server.rundir import default_run_dir, write_json
+from flatflower.server.rundir import RunWriteError, default_run_dir, write_recorded
 
 log = logging.getLogger("flwr.flatflower.server")
 
@@ -241,8 +241,8 @@ class VectorizedGrid(InProcessGrid):
     def _record_choices(self) -> None:
         choices = batching_choices()
         if self.choices_file is not None and choices:
-            with contextlib.suppress(OSError):  # a record, never the run's end
-                write_json(self.choices_file, choices)
+            with contextlib.suppress(OSError, RunWriteError):  # a record, never the run's end
+                write_recorded(self.choices_file, choices)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
