@@ -40,6 +40,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from flatflower.server.files import open_file, write_json
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 WHOLE = ("config.json", "partition.json", "vectorized.json")  # recorded as written, besides the checkpoint's
@@ -59,8 +61,6 @@ def digest(data: bytes) -> dict[str, Any]:
 def file_digest(path: Path, size: int | None = None) -> dict[str, Any]:
     """sha256 and size of ``path``'s first ``size`` bytes (all of it when None), never
     through a link."""
-    from flatflower.server.rundir import open_file
-
     h, n = hashlib.sha256(), 0
     with open_file(path, "rb") as f:
         while size is None or n < size:
@@ -88,8 +88,6 @@ class Manifest:
         return read(self.run_dir)
 
     def _write(self, data: Mapping[str, Any]) -> None:
-        from flatflower.server.rundir import write_json
-
         write_json(self.path, {"format": FORMAT, "what": "sha256 and size of the files a resume reads "
                                "(docs/run-directory.md)", **data})
 
@@ -129,8 +127,6 @@ class Manifest:
         done, h = self._logs.get(name, (0, None))
         if h is None or size < done:
             done, h = 0, hashlib.sha256()
-        from flatflower.server.rundir import open_file
-
         with open_file(path, "rb") as f:
             f.seek(done)
             while done < size:
@@ -182,8 +178,6 @@ def _versions(new: list, old: list) -> list:
 # ---------------------------------------------------------------------------- verifying
 def read(run_dir: Path) -> dict[str, Any] | None:
     """The manifest of ``run_dir`` (None: it has none); ManifestError when it is not one."""
-    from flatflower.server.rundir import open_file
-
     path = run_dir / MANIFEST
     try:
         with open_file(path) as f:

@@ -29,7 +29,6 @@ objects is refused, never run.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import functools
 import io
@@ -39,7 +38,7 @@ import platform
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +46,7 @@ import torch
 from flatflower.common import protocol as P
 from flatflower.common import schema
 from flatflower.common.config import RunConfig, defaults, user_path
+from flatflower.server.files import RunWriteError, open_file, write_json, writing  # noqa: F401 - used through rundir too
 from flatflower.server.manifest import Manifest, digest
 
 
@@ -54,26 +54,6 @@ class RunDirError(RuntimeError):
     """The run directory cannot be used (exists with a run in it, in use, not writable...)."""
 
 
-class RunWriteError(RuntimeError):
-    """Writing into the run directory failed during the run (full disk, read-only...)."""
-
-
-_OPEN_FLAGS = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-               "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}
-
-
-def open_file(path: str | Path, mode: str = "r", **kwargs: Any) -> IO:
-    """``open(path, mode)`` that never follows a symbolic link at ``path``: one planted in a run
-    directory would have flatflower read, append to or truncate another file. A link is an
-    OSError whose strerror says so."""
-    try:
-        fd = os.open(path, _OPEN_FLAGS[mode[0]] | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as err:
-        if err.errno == errno.ELOOP or (err.errno == errno.EEXIST and os.path.islink(path)):
-            raise OSError(errno.ELOOP, "it is a symbolic link, which flatflower never follows "
-                                       "in a run directory", str(path)) from None
-        raise
-    return os.fdopen(fd, mode, **kwargs)
 
 
 def refuse_links(run_dir: Path) -> None:
@@ -149,32 +129,6 @@ def code_version() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{commit}{'+modified' if changed else ''}" if commit else None
-
-
-@contextlib.contextmanager
-def writing(path: Path, mode: str = "x") -> Iterator[IO]:
-    """Yield a new temporary file (``mode`` "x" text, "xb" binary) for ``path``'s new content;
-    it replaces ``path`` when the block succeeds. Any failure (ENOSPC, EROFS, a torch writer
-    error, a link planted at the temporary name) is one RunWriteError and leaves ``path`` as it
-    was. The file is created, never opened through a link; the rename replaces a link at
-    ``path`` itself, never its target."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()  # a previous attempt's, or a link: removed, never written through
-        with open_file(tmp, mode) as f:
-            yield f
-        tmp.replace(path)
-    except Exception as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[-1][:200]
-        raise RunWriteError(f"cannot write {path}: {reason}") from None
-
-
-def write_json(path: Path, data: Any) -> None:
-    with writing(path) as f:
-        f.write(json.dumps(data, indent=1))
 
 
 def write_recorded(path: Path, data: Any) -> None:

@@ -280,17 +280,17 @@ def test_a_full_disk_is_one_error_line_and_the_last_checkpoint_resumes(tmp_path,
     """ENOSPC (writes into /dev/full) while saving the final model: exit 1, one line; the
     checkpoint of the last round is intact, and the resume finishes the run. (The final
     model's temporary file is /dev/full: a link planted there would never be written through.)"""
-    from flatflower.server import rundir
+    from flatflower.server import files
 
     run_dir = tmp_path / "run"
-    real_open = rundir.open_file
+    real_open = files.open_file
 
     def full_disk(path, mode="r", **kwargs):
         if Path(path) == run_dir / "model_final.pt.tmp":
             return open("/dev/full", "wb")
         return real_open(path, mode, **kwargs)
 
-    monkeypatch.setattr(rundir, "open_file", full_disk)
+    monkeypatch.setattr(files, "open_file", full_disk)
     assert cli([*QUICK, "--run-dir", str(run_dir)]) == 1
     monkeypatch.undo()
     line = one_error_line(capfd)
