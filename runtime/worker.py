@@ -24,17 +24,21 @@ ClientApp that calls ``os._exit``, a new FAB), and ends when the SuperNode it se
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from logging import ERROR, INFO
 
 from flatflower.runtime.args import Parser
+from flatflower.runtime.deadline import GaveUp, MovedOn, Watchdog, expired_reason, seconds_left
 
 WORKER_EXIT_NEW_FAB = 3  # the worker exits to load another FAB's code (not an error)
+WORKER_EXIT_ABANDONED = 4  # the worker exits to drop a task past its deadline (not an error)
 REASON_CHARS = 1000  # how much of an exception an error reply carries
 
 
@@ -74,7 +78,8 @@ class Worker:
 
     def serve(self) -> int:
         """Acquire and run tasks until a task of another FAB has run (then exit to reload)."""
-        from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
+        from flwr.proto.runtime_pb2 import (AcquireTaskRequest,  # pylint: disable=E0611
+                                            PullPendingTasksRequest)
         from flwr.supercore.constant import TaskType
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
@@ -90,7 +95,8 @@ class Worker:
                     if res.task.fab_hash and self.fab_hash not in (None, res.task.fab_hash):
                         self.cold(res.token)
                         return WORKER_EXIT_NEW_FAB
-                    self.run_task(res.token)
+                    self.run_task(res.token, MovedOn(res.task, lambda: list(
+                        client.PullPendingTasks(PullPendingTasksRequest()).tasks)))
                 else:
                     time.sleep(self.poll)
         finally:
@@ -103,8 +109,9 @@ class Worker:
         cmd += ["--insecure"] if self.insecure else []
         subprocess.run(cmd, check=False)
 
-    def run_task(self, token: str) -> None:
-        """One task: pull its input, run the ClientApp here, push the reply and the context."""
+    def run_task(self, token: str, moved_on: MovedOn | None = None) -> None:
+        """One task: pull its input, run the ClientApp here, push the reply and the context
+        (``moved_on``: drops the task if the SuperNode gave up its message, runtime/deadline.py)."""
         from flwr.app import Error, Message
         from flwr.common.constant import ErrorCode, SubStatus
         from flwr.supercore import log
@@ -120,9 +127,25 @@ class Worker:
         message = context = reply = None
         status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
         try:
-            message, context, run, fab = pull_task_input(client)
-            reply = self.load(run, fab)(message=message, context=context)
+            message, context, run, fab = pull_task_input(client, moved_on)
+            if (left := seconds_left(message)) <= 0:  # nobody waits for it: drop it at once
+                raise TaskExpired(expired_reason(message, left))
+            watchdog = Watchdog(left, lambda: self.abandon(token, message)).start()
+            try:
+                reply = self.load(run, fab)(message=message, context=context)
+            finally:
+                if not watchdog.claim():  # the deadline came first: the watchdog answers, exits
+                    threading.Event().wait()
             status, details = SubStatus.COMPLETED, ""
+        except GaveUp as err:  # nobody waits for a reply: none is sent
+            say(str(err))
+            details, context = str(err), None
+        except TaskExpired as err:
+            say(str(err))
+            details = str(err)
+            reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details),
+                            reply_to=message)
+            context = None  # the client's state stays as it was
         except Exception as err:  # noqa: BLE001 - as flwr-clientapp: an error reply
             log(ERROR, "ClientApp raised an exception", exc_info=err)
             details = error_reason(err)
@@ -131,13 +154,38 @@ class Worker:
                                 reply_to=message)
         finally:
             try:
-                if reply is not None and context is not None:
-                    push_message(client, reply, context)
+                if reply is not None:
+                    try:
+                        push_message(client, reply, context or _ReplyContext(message))
+                    except Exception as err:  # noqa: BLE001 - e.g. the SuperNode ended the task
+                        say(f"could not send the reply: {error_reason(err)[:200]}")
                 push_task_output(client=client, context=context, sub_status=status, details=details)
             finally:
                 heartbeat.stop()
                 client.close()
         log(INFO, "task done: %s", status)
+
+    def abandon(self, token: str, message) -> None:
+        """The deadline of the running task passed (runtime/deadline.py): answer it with an
+        error reply, leave the client's state as it was, and end this process (its supervisor
+        starts a fresh worker at once), so that the SuperNode takes its next message now."""
+        from flwr.app import Error, Message
+        from flwr.common.constant import ErrorCode, SubStatus
+        from flwr.supercore.interceptors import (RuntimeTokenHttpInterceptor,
+                                                 RuntimeVersionHttpInterceptor)
+        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
+
+        details = expired_reason(message, seconds_left(message)).replace("not run", "abandoned", 1)
+        say(details)
+        try:
+            client = self.client(RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                                 RuntimeTokenHttpInterceptor(token))
+            reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details),
+                            reply_to=message)
+            push_message(client, reply, _ReplyContext(message))
+            push_task_output(client=client, context=None, sub_status=SubStatus.FAILED, details=details)
+        finally:
+            os._exit(WORKER_EXIT_ABANDONED)
 
     def load(self, run, fab):
         """The ClientApp of ``fab``, installed and imported once per process."""
@@ -152,14 +200,27 @@ class Worker:
         return self.app
 
 
+class TaskExpired(Exception):
+    """The task's message expired before it ran (runtime/deadline.py)."""
+
+
+class _ReplyContext:
+    """What ``push_message`` reads of a context (its node and run), for a reply pushed
+    without the task's context (the client's state is not pushed with it)."""
+
+    def __init__(self, message):
+        self.node_id, self.run_id = message.metadata.dst_node_id, message.metadata.run_id
+
+
 def say(text: str) -> None:
     """One line of the worker's own on its standard error."""
     print(f"flatflower-worker: {text}", file=sys.stderr, flush=True)
 
 
-def pull_task_input(client):
+def pull_task_input(client, moved_on: MovedOn | None = None):
     """(message, context, run, fab) of the acquired task: Flower's ``pull_task_input`` with
-    short object-pull backoffs (a parameter of Flower's own pull function)."""
+    short object-pull backoffs (a parameter of Flower's own pull function); while an object is
+    missing, ``moved_on.check()`` may give up (runtime/deadline.py)."""
     from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
     from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
     from flwr.proto.runtime_pb2 import (PullAppMessagesRequest,  # pylint: disable=E0611
@@ -167,7 +228,8 @@ def pull_task_input(client):
     from flwr.app import Message
     from flwr.supercore.inflatable.inflatable_protobuf_utils import (
         make_confirm_message_received_fn_protobuf, make_pull_object_fn_protobuf)
-    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.inflatable.inflatable_utils import (ObjectUnavailableError,
+                                                            pull_and_inflate_object_from_tree)
     from flwr.supercore.task_identity import TaskIdentity
 
     res = client.PullTaskInput(PullTaskInputRequest())
@@ -179,8 +241,18 @@ def pull_task_input(client):
         raise RuntimeError("No messages received from Runtime API")
     node = Node(node_id=context.node_id)
     tree = pulled.message_object_trees[0]
+    pull = make_pull_object_fn_protobuf(client.PullObject, node, context.run_id)
+
+    def pull_or_give_up(object_id: str) -> bytes:
+        try:
+            return pull(object_id)
+        except ObjectUnavailableError:  # not (yet) received by the SuperNode
+            if moved_on is not None:
+                moved_on.check()
+            raise
+
     message = pull_and_inflate_object_from_tree(
-        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        tree, pull_or_give_up,
         make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
         return_type=Message, initial_backoff=0.05, backoff_cap=1.0)
     message.metadata.__dict__["_message_id"] = tree.object_id
@@ -222,6 +294,8 @@ def child(args: argparse.Namespace) -> int:
             start_parent_process_monitor(pid)
     import torch  # noqa: F401 - imported once, before the first task, as the point of the worker
 
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: where the worker is, on its stderr
+
     certificates = open(args.root_certificates, "rb").read() if args.root_certificates else None
     return Worker(args.runtime_api_address, args.insecure, certificates, args.poll).serve()
 
@@ -250,9 +324,10 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
         code = worker[-1].wait()
         if stopping or (args.parent_pid and not _alive(args.parent_pid)):
             return 0
-        failures = 0 if code == WORKER_EXIT_NEW_FAB or time.monotonic() - started > 60 else failures + 1
+        planned = code in (WORKER_EXIT_NEW_FAB, WORKER_EXIT_ABANDONED)
+        failures = 0 if planned or time.monotonic() - started > 60 else failures + 1
         say(f"worker exited with code {code}; restarting")
-        pause_until = time.monotonic() + min(10.0, 0.5 * 2 ** min(failures, 5))
+        pause_until = time.monotonic() + (0.0 if planned else min(10.0, 0.5 * 2 ** min(failures, 5)))
         while not stopping and time.monotonic() < pause_until:
             time.sleep(0.1)
     return 0

@@ -61,17 +61,36 @@ class NoNodesError(RuntimeError):
 POLL_FIRST, POLL_MAX = 0.01, 0.2  # seconds between pulls of replies: at least, at most
 POLL_SHARE = 0.05  # and otherwise this share of the time waited so far
 pause_between_pulls = time.sleep
+# seconds a message outlives the wait for its reply (the last pull after the deadline); the
+# message's TTL, which the SuperLink and the warm worker (runtime/deadline.py) enforce
+TTL_MARGIN = 5.0
 
 
-def exchange(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
+def expire_after(messages: Iterable[Message], timeout: float) -> None:
+    """Give each message a TTL that ends ``TTL_MARGIN`` s after ``timeout`` s from now: when the
+    server stops waiting for its reply. Flower's default is 12 hours, and a message nobody waits
+    for any more (its round is over, its run failed or was stopped) was still handed to its node
+    later, which ran it, and answered the next run's messages only after that (issue 44). With
+    the TTL, the SuperLink never delivers such a message, refuses a reply to it, and the warm
+    worker drops the task at once (or abandons it when the deadline passes while it runs)."""
+    for msg in messages:
+        msg.metadata.ttl = max(0.0, time.time() - msg.metadata.created_at) + timeout + TTL_MARGIN
+
+
+def exchange(grid: Grid, messages: Iterable[Message], timeout: float, expire: bool = True) -> list[Message]:
     """Send ``messages`` and return the replies that arrive within ``timeout`` seconds: Flower's
     ``Grid.send_and_receive`` through its public ``push_messages``/``pull_messages`` (whose
     own wait is 3 s between pulls). The pause between pulls is 5% of the time waited so far,
     between 10 ms and 0.2 s, so the poll adds at most about 5% to a round of any length. A grid
     that can say when a reply lands (``wait_for_replies(ids, timeout)``: the in-process grids)
     is waited on instead, with no pause at all.
+    ``expire``: the messages expire when the wait ends (:func:`expire_after`); the handshake's
+    queries do not (a slow node's late answer is taken at a later round).
     Replies come in the order of the messages they answer, whatever order they arrived in."""
     wait = getattr(grid, "wait_for_replies", None)
+    messages = list(messages)
+    if expire:
+        expire_after(messages, timeout)
     order = list(grid.push_messages(list(messages)))
     pending = set(order)
     start = time.monotonic()
@@ -281,7 +300,7 @@ class Participation:
             first = [n for n in new if n not in self.silent]
             if first:
                 msgs = self._queries(first)
-                replies = exchange(grid, msgs, self.cfg.node_wait_timeout)
+                replies = exchange(grid, msgs, self.cfg.node_wait_timeout, expire=False)
                 queries = _asked(msgs)
                 for reply in replies:
                     self._claim(reply, queries, refuse)
@@ -290,11 +309,14 @@ class Participation:
                     self.unanswered[message_id] = (node, nonce)
                     self.silent.add(node)
                     refuse(node, -1, f"no answer to the partition handshake within node-wait-timeout="
-                                     f"{self.cfg.node_wait_timeout:g}s; not waited for again (it "
-                                     "joins if it answers later)")
+                                     f"{self.cfg.node_wait_timeout:g}s, although the SuperLink sees it "
+                                     "connected: its ClientApp (worker) is not running, still busy with "
+                                     "earlier messages, or its link is too slow to fetch the app; not "
+                                     "waited for again (it joins if it answers later)")
         if not self.partition_of:
+            more = f"; and {len(refusals) - 4} more (the run log names each)" if len(refusals) > 4 else ""
             raise NoNodesError("no node passed the partition handshake: "
-                               + ("; ".join(refusals[:4]) or "no node answered"))
+                               + ("; ".join(refusals[:4]) or "no node answered") + more)
 
     def _queries(self, node_ids: list[int]) -> list[Message]:
         """One handshake ``query`` for each node, all with one fresh nonce."""

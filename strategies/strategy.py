@@ -322,8 +322,11 @@ class FlatStrategy(FlowerFedAvg):
         for msg in self._messages:
             if msg.metadata.message_id not in answered:
                 node = msg.metadata.dst_node_id
-                self._failed(server_round, self.participation.partition_of.get(node, -1), node,
-                             f"no reply within round-timeout={self.cfg.round_timeout:g}s (client lost)")
+                pid = self.participation.partition_of.get(node, -1)
+                last = self.participation.state_round(pid)
+                self._failed(server_round, pid, node,
+                             f"no reply within round-timeout={self.cfg.round_timeout:g}s (client lost); "
+                             + (f"its last accepted reply: round {last}" if last else "no accepted reply yet"))
         return [updates[p] for p in sorted(updates)]
 
     def reject_outliers(self, server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:

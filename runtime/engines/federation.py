@@ -256,7 +256,8 @@ class LocalFederation:
     def __init__(self, num_nodes: int, work_dir: Path, log_dir: Path, *, simulation: bool = False,
                  node_config: Mapping[str, Any] | None = None, tls: bool = False,
                  host: str = "127.0.0.1", node_configs: Mapping[int, Mapping[str, Any]] | None = None,
-                 clientapps: str = "warm", fast_poll: bool = False):
+                 clientapps: str = "warm", fast_poll: bool = False,
+                 node_prefix: Mapping[int, list[str]] | None = None):
         if not is_loopback(host) and not tls:
             raise FederationError(f"refusing to bind {host} without TLS: everything, models "
                                   "included, would cross the network in clear text; use tls=True")
@@ -281,6 +282,9 @@ class LocalFederation:
         self.node_ids: dict[str, int] = {}  # registered node name -> node id (tls)
         self.node_config = dict(node_config or {})  # every SuperNode's extra --node-config
         self.node_configs = {int(i): dict(c) for i, c in (node_configs or {}).items()}  # per partition
+        # per partition: a command prefix for its SuperNode and worker (``ip netns exec NS``: a
+        # node on its own network, as the network-partition tests put it)
+        self.node_prefix = {int(i): list(p) for i, p in (node_prefix or {}).items()}
         self.work_dir = Path(work_dir).resolve()
         self.log_dir = Path(log_dir).resolve()
         self.flwr_home = self.work_dir / "flwr_home"
@@ -417,13 +421,16 @@ class LocalFederation:
         supernode = ([sys.executable, "-m", "flatflower.common.fastpoll", "supernode"] if self.fast_poll
                      else [flower_command("flower-supernode")])
         isolation = ["--isolation", "process"] if self.clientapps == "warm" else []
+        prefix = self.node_prefix.get(partition_id, [])
         proc = self._spawn(name, [
-            *supernode, *security, *isolation, "--grpc-rere",
+            *prefix, *supernode, *security, *isolation, "--grpc-rere",
             "--superlink", f"{self.dial_host}:{self.fleet_port}", "--port", str(port),
             "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())])
         if self.clientapps == "warm":  # its ClientApps run in one long-lived worker (runtime/worker.py)
             self._spawn(f"{name}-worker", [
-                flower_command("flatflower-worker"), "--runtime-api-address", f"127.0.0.1:{port}",
+                # this interpreter's worker module, as its supervisor starts its child: never a
+                # `flatflower-worker` on PATH that belongs to another install of flatflower
+                *prefix, sys.executable, "-m", "flatflower.runtime.worker", "--runtime-api-address", f"127.0.0.1:{port}",
                 "--insecure", "--parent-pid", str(proc.pid)])
         return proc
 
