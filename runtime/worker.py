@@ -18,7 +18,12 @@ supervisor starts a fresh worker with the new code.
 ClientApp that calls ``os._exit``, a new FAB), and ends when the SuperNode it serves ends
 (``--parent-pid``). In docker compose the restart policy does the same for the container.
 
-    flatflower-worker --runtime-api-address 127.0.0.1:9094 [--insecure] [--parent-pid PID]
+    flatflower-worker --runtime-api-address 127.0.0.1:9094 [--insecure] [--parent-pid PID] \
+        [--superexec-auth-secret-file FILE]
+
+With ``--superexec-auth-secret-file`` (the file the SuperNode got under the same flag) the
+worker and its SuperNode authenticate each other, so that no other user of the machine can take
+the node's tasks or hand it false ones (runtime/appauth.py).
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from logging import ERROR, INFO
 
+from flatflower.runtime import appauth
 from flatflower.runtime.args import Parser
 from flatflower.runtime.deadline import GaveUp, MovedOn, Watchdog, expired_reason, seconds_left
 
@@ -52,9 +59,11 @@ def error_reason(err: BaseException) -> str:
 class Worker:
     """The task loop of one SuperNode (see the module docstring)."""
 
-    def __init__(self, address: str, insecure: bool, root_certificates: bytes | None, poll: float):
+    def __init__(self, address: str, insecure: bool, root_certificates: bytes | None, poll: float,
+                 secret: bytes | None = None):
         self.address, self.insecure, self.root_certificates = address, insecure, root_certificates
         self.poll = poll
+        self.secret = secret  # signs the requests that hand out tasks (runtime/appauth.py)
         self.fab_hash: str | None = None  # the FAB whose code this process hosts
         self.app = None
 
@@ -83,7 +92,8 @@ class Worker:
         from flwr.supercore.constant import TaskType
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
-        client = self.client(RuntimeVersionHttpInterceptor(component_name="SuperExec"))
+        auth = [appauth.interceptor(self.secret)] if self.secret else []
+        client = self.client(RuntimeVersionHttpInterceptor(component_name="SuperExec"), *auth)
         connected = False
         try:
             while True:
@@ -92,6 +102,7 @@ class Worker:
                     say(f"connected to the SuperNode's Runtime API at {self.address}")
                     connected = True
                 if res.HasField("task") and res.token:
+                    appauth.check_listener(self.address)  # the SuperNode is our user's
                     if res.task.fab_hash and self.fab_hash not in (None, res.task.fab_hash):
                         self.cold(res.token)
                         return WORKER_EXIT_NEW_FAB
@@ -103,11 +114,16 @@ class Worker:
             client.close()
 
     def cold(self, token: str) -> None:
-        """Run one task in a fresh ``flwr-clientapp`` process (another FAB's code)."""
-        cmd = ["flwr-clientapp", "--runtime-api-address", self.address, "--token", token,
-               "--parent-pid", str(os.getpid())]
-        cmd += ["--insecure"] if self.insecure else []
-        subprocess.run(cmd, check=False)
+        """Run one task in a fresh ``flwr-clientapp`` process (another FAB's code). Its token
+        goes in a private file, not on the command line, which every user can read in ``ps``."""
+        with tempfile.TemporaryDirectory(prefix="flatflower-token-") as private:  # mode 0700
+            token_file = os.path.join(private, "token")
+            with os.fdopen(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as out:
+                out.write(token)
+            cmd = ["flwr-clientapp", "--runtime-api-address", self.address, "--token-file",
+                   token_file, "--parent-pid", str(os.getpid())]
+            cmd += ["--insecure"] if self.insecure else []
+            subprocess.run(cmd, check=False)
 
     def run_task(self, token: str, moved_on: MovedOn | None = None) -> None:
         """One task: pull its input, run the ClientApp here, push the reply and the context
@@ -269,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API")
     tls.add_argument("--root-certificates", help="CA certificate of the Runtime API's TLS")
     p.add_argument("--parent-pid", type=int, help="end when this process (the SuperNode) ends")
+    p.add_argument("--superexec-auth-secret-file", metavar="FILE", help=(
+        "the secret the SuperNode got under the same flag (flower-supernode --isolation process "
+        "--superexec-auth-secret-file FILE): only a worker that knows it is handed tasks"))
+    p.add_argument("--create-secret", metavar="FILE", help=(
+        "write a new random secret to FILE (mode 0600; kept if FILE is already a private secret) "
+        "and exit"))
     p.add_argument("--supervisor-pid", type=int, help=argparse.SUPPRESS)  # set by the supervisor
     p.add_argument("--poll", type=float, default=0.1, help="seconds between task polls (default 0.1)")
     p.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # the supervised child
@@ -277,10 +299,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.create_secret:
+        try:
+            made = appauth.create_secret(args.create_secret)
+        except (OSError, appauth.AppAuthError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        say(f"{'wrote a new' if made else 'kept the'} secret {args.create_secret}")
+        return 0
     if not args.insecure and not args.root_certificates:
         print("error: give --insecure (plain HTTP on loopback) or --root-certificates",
               file=sys.stderr)
         return 2
+    if args.superexec_auth_secret_file:
+        try:
+            appauth.read_secret(args.superexec_auth_secret_file)
+        except appauth.AppAuthError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    elif not args.once:
+        say("no --superexec-auth-secret-file: any user of this machine who can reach the "
+            "Runtime API can take this node's tasks (see docs/deployment.md)")
     if args.once:
         return child(args)
     return supervise(args, sys.argv[1:] if argv is None else argv)
@@ -297,7 +336,13 @@ def child(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: where the worker is, on its stderr
 
     certificates = open(args.root_certificates, "rb").read() if args.root_certificates else None
-    return Worker(args.runtime_api_address, args.insecure, certificates, args.poll).serve()
+    secret = (appauth.read_secret(args.superexec_auth_secret_file)
+              if args.superexec_auth_secret_file else None)
+    try:
+        return Worker(args.runtime_api_address, args.insecure, certificates, args.poll, secret).serve()
+    except appauth.AppAuthError as err:  # an impostor on the Runtime API's port: no task taken
+        say(f"error: {err}")
+        return 1
 
 
 def supervise(args: argparse.Namespace, argv: list[str]) -> int:

@@ -282,8 +282,10 @@ def flower_help(tmp_path_factory):
         words = command.split()
         exe = bindir / words[0]
         assert exe.exists(), f"{words[0]} is not installed next to {sys.executable}"
-        proc = subprocess.run([str(exe), *words[1:], "--help"], capture_output=True, text=True,
-                              timeout=180, env=_help_env(home))
+        # flatflower's own worker: this checkout's (the installed script may be another's)
+        cmd = [sys.executable, "-m", "flatflower.runtime.worker"] if words[0] == WORKER else [str(exe)]
+        proc = subprocess.run([*cmd, *words[1:], "--help"], capture_output=True, text=True,
+                              timeout=180, env=_help_env(home), cwd=ROOT)
         text = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"`{command} --help` failed:\n{text}"
         return frozenset(re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", text))
@@ -338,7 +340,8 @@ def test_services_images_and_builds_exist():
     services = config["services"]
     names = supernodes(config)
     expected = {"superlink", "superexec-serverapp", "superlink-state-init", *names,
-                *(f"superexec-clientapp-{n.split('-')[1]}" for n in names)}
+                *(f"superexec-clientapp-{n.split('-')[1]}" for n in names),
+                *(f"app-secret-init-{n.split('-')[1]}" for n in names)}
     assert set(services) == expected
     for combo, files in COMBOS.items():
         for name, service in load_merged(files)["services"].items():
@@ -471,9 +474,20 @@ def test_supernodes_partitions_addresses_and_executors(combo):
         # data-dir and state-dir are read by the ClientApp: volumes of the executor
         assert named_volume(executor, settings.data_dir) == "data"
         assert named_volume(executor, settings.state_dir) == f"client-state-{i}"
-        assert not services[name].get("volumes") or all(
-            volume_target(v).startswith("/app/certs/") for v in services[name]["volumes"]), \
-            f"{name} needs no data or state of its own, only its certificates"
+        assert all(volume_target(v).startswith("/app/certs/") or volume_target(v) == "/app/secret"
+                   for v in services[name]["volumes"]), \
+            f"{name} needs no data or state of its own, only its certificates and its secret"
+
+        # the node's secret: made once, before the SuperNode starts, in a volume of the pair only
+        secret = opts["--superexec-auth-secret-file"]
+        assert secret == exe["--superexec-auth-secret-file"] == "/app/secret/app.secret"
+        assert named_volume(services[name], "/app/secret") == f"app-secret-{i}" == \
+            named_volume(executor, "/app/secret")
+        init = services[f"app-secret-init-{i}"]
+        assert argv(init) == [WORKER, "--create-secret", secret]
+        assert named_volume(init, "/app/secret") == f"app-secret-{i}" and init["restart"] == "no"
+        assert services[name]["depends_on"][f"app-secret-init-{i}"]["condition"] == \
+            "service_completed_successfully"
     assert sorted(partitions) == list(range(n)), "partition ids 0..N-1, each once"
 
 
@@ -496,7 +510,8 @@ def test_named_volumes_and_each_clients_state_is_its_own():
     config = load_merged(COMBOS["base"])
     names = supernodes(config)
     state = [f"client-state-{n.split('-')[1]}" for n in names]
-    assert set(config["volumes"]) == {"superlink-state", "runs", "data", *state}
+    secrets = [f"app-secret-{n.split('-')[1]}" for n in names]
+    assert set(config["volumes"]) == {"superlink-state", "runs", "data", *state, *secrets}
     users: dict[str, set[str]] = {}
     for name, service in config["services"].items():
         for volume in service.get("volumes") or []:
@@ -505,6 +520,9 @@ def test_named_volumes_and_each_clients_state_is_its_own():
                 users.setdefault(source, set()).add(name)
     for volume in state:
         assert users[volume] == {f"superexec-clientapp-{volume.rsplit('-', 1)[1]}"}, users[volume]
+    for volume in secrets:  # a node's secret: its SuperNode, its worker, the one-shot that made it
+        i = volume.rsplit("-", 1)[1]
+        assert users[volume] == {f"supernode-{i}", f"superexec-clientapp-{i}", f"app-secret-init-{i}"}
     assert users["runs"] == {"superexec-serverapp"}
     assert users["data"] == {"superexec-serverapp", *(f"superexec-clientapp-{n.split('-')[1]}"
                                                        for n in names)}
@@ -512,7 +530,8 @@ def test_named_volumes_and_each_clients_state_is_its_own():
 
 def test_insecure_only_in_the_base_file():
     base = flower_services(load_merged(COMBOS["base"]))
-    assert all("--insecure" in opts for _, opts in base.values()), \
+    assert all("--insecure" in opts for name, (_, opts) in base.items()
+               if not name.startswith("app-secret-init-")), \
         "the base file is the insecure trial setup: every component says so"
     assert "INSECURE" in BASE.read_text()
     assert "--insecure" not in GPU.read_text()

@@ -236,11 +236,17 @@ def test_the_documented_procedure_can_still_be_extracted(tmp_path):
         assert f"partition-id={i} " in config and "num-partitions=2" in config
         assert words[words.index("--isolation") + 1] == "process"  # served by a warm worker
 
-    workers = proc.commands("flatflower-worker")
-    assert [s.machine for s in workers] == ["B", "C"]
-    for worker, node in zip(workers, supernodes):  # each on its own SuperNode's runtime API
+    secrets = proc.commands("flatflower-worker", "--create-secret")
+    workers = [s for s in proc.commands("flatflower-worker") if s not in secrets]
+    assert [s.machine for s in workers] == ["B", "C"] == [s.machine for s in secrets]
+    for worker, node, secret in zip(workers, supernodes, secrets):  # each on its own SuperNode's runtime API
         port = node.argv[node.argv.index("--port") + 1]
         assert worker.argv[worker.argv.index("--runtime-api-address") + 1] == f"127.0.0.1:{port}"
+        # the two authenticate each other with the node's own secret, made before either starts
+        flag = "--superexec-auth-secret-file"
+        assert node.argv[node.argv.index(flag) + 1] == worker.argv[worker.argv.index(flag) + 1] \
+            == secret.argv[2]
+        assert proc.steps.index(secret) < proc.steps.index(node)
 
     run = proc.commands("flwr", "run", ".")
     assert len(run) == 1 and run[0].machine == "A" and run[0].argv[3] == proc.connection
@@ -409,6 +415,11 @@ def test_documented_server_on_a_clients_on_b_and_c_by_hand(tmp_path):
                 assert (key.stat().st_mode & 0o777) == 0o600
                 (home / "data").mkdir(exist_ok=True)  # the node's data-dir
                 spawn(f"supernode-{step.machine}", step)
+            elif words[:2] == ["flatflower-worker", "--create-secret"]:  # the node's secret
+                machines.run(step, cwd=lb.home(step.machine))
+                secret = Path(machines.argv(step)[2])
+                assert secret.is_relative_to(lb.home(step.machine))
+                assert (secret.stat().st_mode & 0o777) == 0o600
             elif words[0] == "flatflower-worker":  # the node's warm ClientApp worker
                 spawn(f"worker-{step.machine}", step)
             elif words[:3] == ["flwr", "supernode", "register"]:

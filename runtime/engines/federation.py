@@ -43,6 +43,7 @@ import tomli_w
 
 from flatflower.common import fastpoll
 from flatflower.common.fastpoll import FastPollError, check_version
+from flatflower.runtime.appauth import create_secret
 from flatflower.runtime.certs import generate_certs
 from flatflower.server.rundir import open_file  # never through a link planted in the run's logs
 
@@ -420,18 +421,25 @@ class LocalFederation:
         port = free_port()
         supernode = ([sys.executable, "-m", "flatflower.common.fastpoll", "supernode"] if self.fast_poll
                      else [flower_command("flower-supernode")])
-        isolation = ["--isolation", "process"] if self.clientapps == "warm" else []
-        prefix = self.node_prefix.get(partition_id, [])
+        # the node's Runtime API hands tasks only to who knows this node's secret (runtime/appauth.py):
+        # its executor, never another user of this machine. Flower ignores the secret under
+        # --isolation subprocess, so the stock mode starts Flower's SuperExec itself, as that does.
+        secret = self.work_dir / "node-secrets" / f"{name}.secret"  # directory 0700, file 0600
+        create_secret(secret)
+        auth = ["--superexec-auth-secret-file", str(secret)]
+        prefix = self.node_prefix.get(partition_id, [])  # `ip netns exec NS` in the tests
         proc = self._spawn(name, [
-            *prefix, *supernode, *security, *isolation, "--grpc-rere",
+            *prefix, *supernode, *security, "--isolation", "process", *auth, "--grpc-rere",
             "--superlink", f"{self.dial_host}:{self.fleet_port}", "--port", str(port),
             "--node-config", " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())])
-        if self.clientapps == "warm":  # its ClientApps run in one long-lived worker (runtime/worker.py)
-            self._spawn(f"{name}-worker", [
-                # this interpreter's worker module, as its supervisor starts its child: never a
-                # `flatflower-worker` on PATH that belongs to another install of flatflower
-                *prefix, sys.executable, "-m", "flatflower.runtime.worker", "--runtime-api-address", f"127.0.0.1:{port}",
-                "--insecure", "--parent-pid", str(proc.pid)])
+        # the warm worker of this very checkout (runtime/worker.py; its console script,
+        # flatflower-worker, may be another installation's), or Flower's SuperExec, which
+        # starts a flwr-clientapp per message
+        executor = ([sys.executable, "-m", "flatflower.runtime.worker"] if self.clientapps == "warm"
+                    else [flower_command("flower-superexec")])
+        self._spawn(f"{name}-worker", [
+            *prefix, *executor, "--runtime-api-address", f"127.0.0.1:{port}", "--insecure",
+            "--parent-pid", str(proc.pid), *auth])
         return proc
 
     def flower_exit_code(self, name: str) -> int | None:
