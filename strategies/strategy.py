@@ -43,7 +43,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flatflower.common import codec
 from flatflower.common import protocol as P
 from flatflower.common.config import RunConfig
-from flatflower.common.privacy import round_noise_multiplier
+from flatflower.common.privacy import honest_norm_range, round_noise_multiplier
 from flatflower.common.tensors import global_norm
 from flatflower.strategies import buffers as bufs
 from flatflower.strategies.aggregate import client_weights
@@ -349,6 +349,31 @@ class FlatStrategy(FlowerFedAvg):
                 kept.append(u)
         return kept
 
+    def reject_impossible_under_dp(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        """Under DP (``dp.clip`` > 0) refuse a client whose model update no honest clipped, noised
+        update could have: its norm outside :func:`honest_norm_range` (a client that did not
+        clip, or one that left out its noise; the false refusal of an honest client has
+        probability below 2e-13). Norms in float64, with slack for the float32 transport."""
+        if self.cfg.dp_clip <= 0 or not updates:
+            return updates
+        start = self.rule.start_point()
+        first = self.rule.uploads(updates[0])[0]  # w_i - start point, over the trainable tensors
+        dim, tensors = sum(t.numel() for t in first.values()), len(first)
+        lo, hi = honest_norm_range(self.cfg.dp_clip, self.cfg.dp_noise_multiplier, self.stats.clients_sampled,
+                                   dim, tensors, self.cfg.dp_clip_mode)
+        slack = 2.0 ** -22 * (float(global_norm(start, torch.float64)) + hi)  # rounding to float32, twice
+        kept = []
+        for u in updates:
+            norm = float(global_norm(self.rule.uploads(u)[0], torch.float64))
+            if not lo - slack <= norm <= hi + slack:
+                self._refused("train", u.partition_id, u.node_id,
+                              f"update norm {norm:.4g} is outside [{lo:.4g}, {hi:.4g}], the norms an honest "
+                              f"update clipped to dp.clip={self.cfg.dp_clip:g} and noised can have "
+                              "(docs/privacy.md)")
+            else:
+                kept.append(u)
+        return kept
+
     # ------------------------------------------------------------------ the round drivers
     def train_round(self, server_round: int, grid: Grid) -> RoundStats:
         """One training round, as the ServerApp runs it: sample and send (``configure_train``),
@@ -398,7 +423,7 @@ class FlatStrategy(FlowerFedAvg):
         (``min-replies``, and what the aggregator needs) and the result is finite; otherwise
         the round is skipped: model and server state stay as they were."""
         self.stats.clients_replied = len(updates) + self.stats.clients_rejected
-        updates = self.reject_outliers(server_round, updates)
+        updates = self.reject_impossible_under_dp(self.reject_outliers(server_round, updates))
         if self.cfg.dp_clip > 0:
             self.stats.privacy["dp_noise_multiplier"] = round_noise_multiplier(
                 self.cfg.dp_noise_multiplier, self.stats.clients_sampled, len(updates))

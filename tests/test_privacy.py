@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flatflower.common.config import ConfigError, RunConfig
-from flatflower.common.privacy import PrivacyLedger, privatize, round_noise_multiplier
+from flatflower.common.privacy import TAIL_X, PrivacyLedger, honest_norm_range, privatize, round_noise_multiplier
 from tests.helpers import PARTIAL, assert_differ, fast_config, finals_equal, metrics, run
 from flatflower.runtime.engines.inprocess import run_inprocess
 from flatflower.tools.report import main as report_main
@@ -280,3 +280,76 @@ def test_a_round_with_no_accepted_update_is_skipped_under_every_aggregation(tmp_
         assert rows[1]["dp_epsilon"] == ledger.epsilon(1e-5)
         ledger.add_round(1.0, 1.2)
         assert rows[2]["dp_epsilon"] == pytest.approx(ledger.epsilon(1e-5), rel=1e-12)
+
+
+# ---------------------------------------------------------------- updates no honest client sends
+def _honest_norms(rng, n, dim, tensors, clip, sigma, sampled, mode):
+    """Norms of n honest uploads: a clipped update of the largest norm allowed (a random
+    direction; per-tensor: each of ``tensors`` equal blocks at norm C) plus N(0, s^2 I)."""
+    c = rng.standard_normal((n, dim))
+    blocks = np.array_split(np.arange(dim), tensors) if mode == "per-tensor" else [np.arange(dim)]
+    for b in blocks:
+        c[:, b] *= clip / np.linalg.norm(c[:, b], axis=1, keepdims=True)
+    noise = rng.standard_normal((n, dim)) * sigma * clip / math.sqrt(sampled)
+    return np.linalg.norm(c + noise, axis=1)
+
+
+@pytest.mark.parametrize("mode", ["global", "per-tensor"])
+@pytest.mark.parametrize("dim, sigma", [(650, 1.2), (5000, 0.3), (50, 0.0)])
+def test_honest_updates_stay_in_the_norm_range_and_each_tail_is_below_its_probability(mode, dim, sigma):
+    """Laurent-Massart's chi-square tails: at x = 30 (e^-30 = 9.4e-14 per bound) no sampled
+    honest update falls outside [lo, hi]; at x = 2 each side's measured rate is below e^-2, so
+    the stated probability is an upper bound; and hi is at most 1.3 x the largest honest norm
+    seen (the bound is conservative, not loose enough to let a scaled update through)."""
+    rng = np.random.default_rng(0)
+    clip, sampled, tensors = 0.7, 4, 5
+    norms = _honest_norms(rng, 20_000, dim, tensors, clip, sigma, sampled, mode)
+    lo, hi = honest_norm_range(clip, sigma, sampled, dim, tensors, mode)
+    assert lo <= norms.min() and norms.max() <= hi * (1 + 1e-12)
+    assert hi <= 1.3 * norms.max() + 1e-12
+    lo2, hi2 = honest_norm_range(clip, sigma, sampled, dim, tensors, mode, x=2.0)
+    assert (norms > hi2 * (1 + 1e-12)).mean() <= math.exp(-2) and (norms < lo2).mean() <= math.exp(-2)
+    assert TAIL_X == 30.0 and 2 * math.exp(-TAIL_X) < 1e-9
+
+
+def test_the_lower_bound_catches_an_update_without_noise_only_when_the_noise_dominates():
+    lo, _ = honest_norm_range(1.0, 1.0, 4, 650)  # s = 0.5 over 650 coordinates: ||n|| ~ 12.7
+    assert lo > 1.0  # an un-noised update (norm <= C) is below it
+    assert honest_norm_range(1.0, 0.0, 4, 650)[0] == 0.0  # no noise: nothing to miss
+    assert honest_norm_range(1.0, 0.1, 4, 650)[0] == 0.0  # noise norm ~ 1.3 < 2C: no lower bound
+
+
+def test_under_dp_updates_no_honest_client_sends_are_refused_every_round(tmp_path):
+    """Issue 44: under DP the server never checked the clip bound, and a client that did not
+    clip (x1e4) was accepted every round. Now a x1e4 and a x1e30 client, and one that leaves out
+    its noise (x0: an update of norm 0), are refused in every round with the norm range in
+    the reason; the honest client is accepted every round, the run completes with a finite
+    model, and each round is accounted with the noise its mean of one update carries."""
+    from tests import malicious
+
+    keys = fast_config(algorithm="fedavg", dataset="digits", aggregation="uniform", num_server_rounds=3,
+                       **{"dp.clip": 1.0, "dp.noise-multiplier": 1.0, "fraction-train": 1.0,
+                          "run-dir": str(tmp_path / "r")})
+    attacks = {1: "scale:1e4", 2: "scale:1e30", 3: "scale:0"}
+    run_dir, _ = run_inprocess(keys, 4, client_app=malicious.malicious_app(attacks))
+    rows = metrics(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    for row in rows[1:]:
+        refused = {r["partition"]: r["reason"] for r in row["rejections"] if r["stage"] == "train"}
+        assert sorted(refused) == [1, 2, 3], row
+        assert all("the norms an honest update clipped to dp.clip=1 and noised can have" in why
+                   for why in refused.values())
+        assert row["skipped"] == 0 and row["dp_noise_multiplier"] == pytest.approx(1.0 * math.sqrt(1 / 4))
+    final = torch.load(run_dir / "model_final.pt")
+    assert all(torch.isfinite(t).all() for t in final.values())
+
+
+def test_honest_dp_runs_refuse_no_update(tmp_path):
+    """The range in practice: honest clients under both clip modes, small and large noise,
+    are never refused."""
+    for mode, sigma in (("global", 1.0), ("per-tensor", 0.3), ("global", 0.0)):
+        keys = fast_config(algorithm="fedavg", dataset="digits", aggregation="uniform", num_server_rounds=2,
+                           **{"dp.clip": 0.5, "dp.noise-multiplier": sigma, "dp.clip-mode": mode,
+                              "fraction-train": 1.0, "run-dir": str(tmp_path / f"{mode}-{sigma}")})
+        run_dir, _ = run_inprocess(keys, 4)
+        assert all(r["clients_rejected"] == 0 and r["skipped"] == 0 for r in metrics(run_dir)[1:]), (mode, sigma)
