@@ -215,6 +215,15 @@ def privacy_ledger(cfg: RunConfig, run_dir: RunDir, first: int) -> PrivacyLedger
             rnd, rate, sigma = int(entry["round"]), entry["dp_sampling_rate"], entry["dp_noise_multiplier"]
             if not (0.0 <= float(rate) <= 1.0 and (sigma is None or 0.0 <= float(sigma) < math.inf)):
                 raise ValueError(f"sampling rate {rate!r}, noise multiplier {sigma!r}")
+            if not 1 <= rnd < first + 1_000_000:
+                raise ValueError(f"round {rnd}")
+            # what this run's config can have written: a round's mean carries sigma sqrt(M'/M) <= sigma
+            # (a larger one, e.g. an edit to 1000, would lower epsilon), and a released round was
+            # sampled with a chance q > 0 (q = 0 would make it free)
+            if sigma is not None and (float(sigma) > cfg.dp_noise_multiplier * (1 + 1e-12) or float(rate) == 0.0):
+                raise ValueError(f"noise multiplier {sigma!r} at sampling rate {rate!r}, which no round of "
+                                 f"this run (dp.noise-multiplier = {cfg.dp_noise_multiplier:g}) releases; "
+                                 "epsilon would be lower than spent")
             ledger.add_round(float(rate), None if sigma is None else float(sigma))
             seen.add(rnd)
         except (ValueError, KeyError, TypeError) as err:

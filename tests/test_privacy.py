@@ -353,3 +353,46 @@ def test_honest_dp_runs_refuse_no_update(tmp_path):
                               "fraction-train": 1.0, "run-dir": str(tmp_path / f"{mode}-{sigma}")})
         run_dir, _ = run_inprocess(keys, 4)
         assert all(r["clients_rejected"] == 0 and r["skipped"] == 0 for r in metrics(run_dir)[1:]), (mode, sigma)
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    ({"dp_noise_multiplier": 1000.0}, "noise multiplier 1000.0 at sampling rate"),
+    ({"dp_sampling_rate": 0.0}, "at sampling rate 0.0, which no round of this run"),
+    ({"dp_noise_multiplier": "x"}, "not a privacy ledger entry"),
+    ({"round": 0}, "round 0"),
+])
+def test_a_ledger_edited_to_lower_epsilon_is_refused_even_without_a_manifest(tmp_path, edit, fragment):
+    """Issue 44: privacy.jsonl's noise edited to 1000 (or the sampling rate to 0) made a resume
+    report a smaller epsilon. manifest.json refuses any edit; a run directory without one (an
+    older run's) is checked against what this config can have written, and refused in one
+    line naming the file; nothing is changed."""
+    config = fast_config(algorithm="fedavg", aggregation="uniform", **{
+        "num-server-rounds": 2, "dp.clip": 1.0, "dp.noise-multiplier": 1.1, "run-dir": str(tmp_path / "r")})
+    run_dir, _ = run_inprocess(config, 3)
+    entries = _ledger(run_dir)
+    entries[0] = {**entries[0], **edit}
+    (run_dir / "privacy.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    with pytest.raises(Exception, match="privacy.jsonl"):  # the manifest's record first
+        run_inprocess({**config, "num-server-rounds": 3, "resume": True}, 3)
+    (run_dir / "manifest.json").unlink()
+    kept = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(Exception, match=r"privacy.jsonl, line 1: .*" + fragment):
+        run_inprocess({**config, "num-server-rounds": 3, "resume": True}, 3)
+    assert (run_dir / "metrics.jsonl").read_text() == kept
+
+
+def test_epsilon_never_decreases_across_rounds_and_resumes(tmp_path):
+    """Each round adds its privacy; a resume (which recounts the redone rounds) never lowers it;
+    rounds with failed clients raise it faster, never lower it."""
+    from tests.helpers import run_with_faults
+
+    keys = {"algorithm": "fedavg", "aggregation": "uniform", "num-server-rounds": 4,
+            "dp.clip": 1.0, "dp.noise-multiplier": 1.0, "checkpoint-every": 1}
+    rows, _ = run_with_faults(tmp_path, "f", faults={0: "raise@2-3"}, clients=3, **keys)
+    eps = [r["dp_epsilon"] for r in rows[1:]]
+    assert all(a < b for a, b in zip(eps, eps[1:])), eps
+    config = fast_config(**{**keys, "num-server-rounds": 2, "run-dir": str(tmp_path / "r")})
+    run_dir, _ = run_inprocess(config, 3)
+    run_inprocess({**config, "num-server-rounds": 4, "resume": True}, 3)
+    eps = [r["dp_epsilon"] for r in metrics(run_dir)[1:]]
+    assert len(eps) >= 4 and all(a <= b for a, b in zip(eps, eps[1:])), eps
