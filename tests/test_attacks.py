@@ -8,6 +8,7 @@ deployment shows the same over Flower's transport."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -346,3 +347,28 @@ def test_numbers_and_records_beyond_the_protocol_are_refused_over_the_real_trans
         (evaluation,) = refusals([row], "evaluate")
         assert evaluation["partition"] == 2 and "unexpected metric records ['surprise']" in evaluation["reason"]
     assert list(run_dir.glob("events.out.tfevents.*"))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [True, False])
+def test_rounds_with_no_accepted_update_are_skipped_over_the_real_transport(tmp_path, dp):
+    """Issue 44: under aggregation = uniform (which DP needs) a round with no accepted update
+    ended the run. Over a loopback deployment, in round 1 one client fails and the other two
+    send NaN updates (refused): the round is skipped (the model does not move), round 2 runs,
+    the run completes, and under DP the ledger records round 1 as releasing nothing."""
+    config = {**DEPLOYED, "algorithm": "fedavg", "num-server-rounds": 2, "aggregation": "uniform",
+              "fraction-train": 1.0}
+    if dp:
+        config.update({"dp.clip": 1.0, "dp.noise-multiplier": 1.0})
+    faults = {0: "raise@1-1", 1: "nan@1-1", 2: "nan@1-1"}
+    _, run_dir = deployed(tmp_path, "dep", config, 3, node_configs={p: {"inject-fault": f} for p, f in faults.items()})
+    rows = metrics(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert [r["skipped"] for r in rows[1:]] == [1, 0]
+    assert [r["clients_rejected"] + r["clients_failed"] for r in rows[1:]] == [3, 0]
+    assert rows[1]["test_accuracy"] == rows[0]["test_accuracy"]  # round 1 left the model as it was
+    if dp:
+        ledger = [json.loads(line) for line in (run_dir / "privacy.jsonl").read_text().splitlines()]
+        assert [e["dp_noise_multiplier"] for e in ledger] == [None, 1.0]
+        assert rows[1]["dp_epsilon"] == 0.0 < rows[2]["dp_epsilon"]
