@@ -11,7 +11,7 @@ STAMP := $(VENV)/.flatflower-installed
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: install demo test test-slow test-all test-fast test-docker bench bench-quick clean
+.PHONY: install demo test test-slow test-all test-fast test-docker bench bench-quick bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,10 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/flatflower bench --quick --out bench-quick.json
+
+# issue 45's GPU figures (docs/benchmarks.md, "One GPU: the prepared benchmark"); no CUDA: one line, exit 0
+bench-gpu: $(STAMP)
+	PY=$(BIN)/python bash docs/results/run_gpu_bench.sh
 
 clean:
 	rm -rf .pytest_cache build *.egg-info

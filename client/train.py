@@ -10,7 +10,6 @@ exactly w <- w - lr * d.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -112,17 +111,30 @@ def local_train(
     params = trainable(model)
     buffers = None  # the momentum buffers (client/sgd.py)
     model.train()
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []  # each step's loss, left on the device (no host sync per step)
     steps = cfg.num_steps(len(data))
     for k, idx in enumerate(batch_indices(len(data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, generator)):
         x, y = batch(idx)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(cfg, device):
             loss, direction = rule.direction([p.detach() for p in params], ModelBatch(model, x, y))
-        loss = float(loss)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"local loss became {loss} at step {len(losses) + 1}")
         buffers = sgd_step(params, [d.detach() for d in direction], buffers, lr=lr * rule.lr_factor(k, steps),
                            momentum=cfg.momentum, weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
-        losses.append(loss)
-    return LocalResult(len(data), len(losses), float(np.mean(losses)))
+        losses.append(loss.detach())
+    return LocalResult(len(data), len(losses), round_loss(host_losses(losses)))
+
+
+def host_losses(losses: list[torch.Tensor]) -> np.ndarray:
+    """The round's step losses, copied to the host at once: the loop's one host synchronisation.
+    float64, as ``float(loss)`` per step gave them (the float32 values, exactly)."""
+    return torch.stack(losses).double().cpu().numpy() if losses else np.zeros(0)
+
+
+def round_loss(losses: np.ndarray) -> float:
+    """The mean step loss of a round (numpy's mean over float64, as when the losses were Python
+    floats), or the in-loop error a non-finite loss always raised: the step it first appeared
+    at. A step after it trained on, but the round fails all the same, so no model is reported."""
+    bad = np.flatnonzero(~np.isfinite(losses))
+    if len(bad):
+        raise FloatingPointError(f"local loss became {float(losses[bad[0]])} at step {bad[0] + 1}")
+    return float(np.mean(np.ascontiguousarray(losses)))

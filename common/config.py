@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -99,6 +100,10 @@ class RunConfig:
     amp: str = "off"
     batching: str = "auto"  # vectorised engine: auto (measured once, recorded) | on | off
     eval_batch_size: int = 512
+    # the server's own evaluation and flatness measurements (server/run.py): their device, and
+    # their CPU threads when it is the CPU (1: today's server, which leaves the cores to clients)
+    server_device: str = "cpu"
+    server_threads: int = 1
     train_transform: str = "none"  # augmentation of local training batches: none | crop-flip | module:callable
     client_eval: bool = True  # clients report loss/accuracy before and after training (clients.jsonl)
     # client-level differential privacy (common/privacy.py): each client clips its round update
@@ -273,6 +278,9 @@ class RunConfig:
         check(self.local_steps >= 0, "local-steps must be >= 0 (0 = use local-epochs)")
         check(self.batch_size >= 1, "batch-size must be >= 1")
         check(self.eval_batch_size >= 1, "eval-batch-size must be >= 1")
+        check(re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.server_device) is not None,
+              f"server-device must be cpu, cuda, cuda:N or mps (got {self.server_device!r})")
+        check(self.server_threads >= 1, f"server-threads must be >= 1 (got {self.server_threads})")
         check(_nonneg(self.weight_decay), "weight-decay must be a finite number >= 0")
         check(0.0 <= self.momentum < 1.0, "momentum must be in [0, 1)")
         check(_nonneg(self.clip_norm), "clip-norm must be a finite number >= 0 (0 = no clipping)")

@@ -52,9 +52,10 @@ def scale(a, s: float | torch.Tensor):
     """s * a (s a number, or a 0-dim tensor: no host synchronisation)."""
     if isinstance(a, Mapping):
         return _named(a, scale(list(a.values()), s))
-    if isinstance(s, torch.Tensor) or _transformed():
+    a = list(a)
+    if _transformed() or (isinstance(s, torch.Tensor) and (s.dim() or not a or s.device != a[0].device)):
         return [t * s for t in a]
-    return list(torch._foreach_mul(list(a), s))
+    return list(torch._foreach_mul(list(a), s))  # a 0-dim tensor s too: the same products, one call
 
 
 def add_scaled(a, s: float, b):

@@ -42,7 +42,7 @@ from flatflower.client.algorithms.base import ClientRule
 from flatflower.client.app import report_of
 from flatflower.client.batch import ModelBatch, Objective, cross_entropy
 from flatflower.client.sgd import masked, sgd_step
-from flatflower.client.train import LocalResult, autocast, batch_indices
+from flatflower.client.train import LocalResult, autocast, batch_indices, host_losses, round_loss
 from flatflower.common.tensors import Tensors, add
 
 log = logging.getLogger("flwr.flatflower.client")
@@ -306,7 +306,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     before = self_reports(calls, params, "before")
     model.train()
     failed: dict[int, Exception] = {}
-    losses: list[list[float]] = [[] for _ in calls]
+    losses: list[torch.Tensor] = []  # each step's losses (one per client), left on the device
     buffers = None
     empty = torch.zeros(0, dtype=torch.int64)
     for k in range(max(steps)):
@@ -319,14 +319,17 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
             loss, direction, changed = vmap(step, in_dims=(0, 0, 0, 0, None if weight is None else 0))(
                 rules.tensors(), params, x, y, weight)
         rules.update(changed, layouts, active, k + 1)
-        loss = loss.detach().double().cpu().numpy()
-        for i in np.flatnonzero(live):
-            if not np.isfinite(loss[i]):
-                failed.setdefault(int(i), FloatingPointError(f"local loss became {loss[i]} at step {k + 1}"))
-            losses[i].append(float(loss[i]))
+        losses.append(loss.detach())
         buffers = sgd_step(params, [d.detach() for d in direction], buffers, lr=step_lr(k), momentum=cfg.momentum,
                            weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm, clients=True, active=active)
     after = self_reports(calls, params, "after")
+    table = np.ascontiguousarray(host_losses(losses).T)  # client x step: the group's one host sync
+    mean_losses: dict[int, float] = {}
+    for i, n in enumerate(steps):
+        try:
+            mean_losses[i] = round_loss(table[i, :n])
+        except FloatingPointError as error:
+            failed[i] = error
     # each client's trained weights, rule and self-reports back into its own call
     results: list[LocalResult | Exception] = []
     for i, call in enumerate(calls):
@@ -335,7 +338,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
                 p.copy_(stacked[i])
         call.rule = rules.client(i)
         call.reported, call.after = before[i], after[i]
-        results.append(failed.get(i) or LocalResult(len(call.data), steps[i], float(np.mean(losses[i]))))
+        results.append(failed.get(i) or LocalResult(len(call.data), steps[i], mean_losses[i]))
     return results
 
 

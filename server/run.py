@@ -13,6 +13,7 @@ federated_accuracy, federated_loss) is how the run measures itself.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ from flwr.serverapp import Grid
 
 from flatflower.common import codec
 from flatflower.common import protocol as P
-from flatflower.common.config import RunConfig
+from flatflower.common.config import ConfigError, RunConfig
 from flatflower.common.data import partitions_for
 from flatflower.common.evaluate import evaluate
 from flatflower.common.flatness import flatness_distance, measure, seed_of
@@ -63,6 +64,17 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
             raise
 
 
+def server_device(cfg: RunConfig) -> torch.device:
+    """The device of the server's evaluation and flatness measurements (``server-device``),
+    refused in one line when this machine lacks it."""
+    from flatflower.client.node import device_missing
+
+    missing = device_missing(cfg.server_device)
+    if missing:
+        raise ConfigError(f"server-device={cfg.server_device!r} requested but {missing} on this machine")
+    return torch.device(cfg.server_device)
+
+
 def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
     t_start = time.monotonic()
     log.info("flatflower: %s on %s, run directory %s", cfg.algorithm, cfg.dataset, run_dir.path)
@@ -72,7 +84,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
                     "dp.noise-multiplier = 0.95")
     setup = prepare_run(cfg, run_dir.path)  # the one setup (server/setup.py), which the CLI's preflight runs too
     data, model, strategy, first = setup.data, setup.model, setup.strategy, setup.first
-    torch.set_num_threads(1)
+    torch.set_num_threads(cfg.server_threads)
+    device = server_device(cfg)
     ledger = privacy_ledger(cfg, run_dir, first) if cfg.dp_clip > 0 else None  # before any truncation
     if cfg.resume:
         run_dir.truncate_metrics(first - 1)
@@ -81,14 +94,19 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
     else:
         run_dir.save_model("model_init.pt", model.state_dict())
     run_dir.write_config(cfg, model=cfg.resolved_model(), engine=engine_of(grid))
+    test = None if data is None else data.test
+    if device.type != "cpu":  # a copy on the device (the strategy keeps the CPU model) and the test split, once
+        model = copy.deepcopy(model).to(device)
+        test = None if test is None else test.to(device)
 
     def central_eval() -> dict:
         """The global model's test_loss and test_accuracy on the server's test split ({}: the
         server has none, partition = local without data-dir)."""
-        if data is None:
+        if test is None:
             return {}
+        torch.set_num_threads(cfg.server_threads)  # an in-process client may have set its own since
         model.load_state_dict(strategy.model)
-        loss, acc = evaluate(model, data.test, cfg.eval_batch_size)
+        loss, acc = evaluate(model, test, cfg.eval_batch_size)
         return {"test_accuracy": acc, "test_loss": finite(loss)}
 
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -101,8 +119,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
                flatness_distance([u.model for u in strategy.round_record().updates], strategy.model, trainable)}
         if cfg.measures_flatness(rnd):
             t0 = time.monotonic()
+            torch.set_num_threads(cfg.server_threads)
             model.load_state_dict(strategy.model)
-            found = measure(model, data.test, batch_size=cfg.eval_batch_size, rho=cfg.flatness_rho,
+            found = measure(model, test, batch_size=cfg.eval_batch_size, rho=cfg.flatness_rho,
                             iters=cfg.flatness_iters, probes=cfg.flatness_probes, seed=seed_of(cfg.seed, rnd))
             row.update(sharpness=found["sharpness"], sharpness_rho=cfg.flatness_rho,
                        hessian_max_eig=found["hessian_max_eig"], hessian_trace=found["hessian_trace"],
