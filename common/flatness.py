@@ -215,7 +215,8 @@ class perturbed:
 
 def measure(model: nn.Module, data: Split, *, batch_size: int = 512, rho: float = DEFAULT_RHO,
             iters: int = DEFAULT_ITERS, probes: int = DEFAULT_PROBES, seed: int = 0,
-            hvp: str = "double-backward", tol: float = TOLERANCE) -> dict[str, float]:
+            hvp: str = "double-backward", tol: float = TOLERANCE, method: str = "power",
+            top_k: int = 1, density: dict | None = None) -> dict[str, float]:
     """Every flatness number of ``model`` on ``data``: ``loss``, ``accuracy``, ``sharpness``
     (with its ``rho``), ``hessian_max_eig`` (``iters`` power steps at most, fewer once the
     relative change is below ``tol``) and
@@ -224,10 +225,25 @@ def measure(model: nn.Module, data: Split, *, batch_size: int = 512, rho: float 
     split_loss = SplitLoss(model, data, batch_size, hvp)
     loss, accuracy, sharp = sharpness(split_loss, rho)
     like = split_loss.params
-    return {"loss": loss, "accuracy": accuracy, "sharpness": sharp, "rho": rho,
-            "hessian_max_eig": top_eigenvalue(split_loss.hvp, like, iters, seed_of(seed, 1), tol),
-            "hessian_trace": hessian_trace(split_loss.hvp, like, probes, seed_of(seed, 2)),
-            "examples": len(data)}
+    out = {"loss": loss, "accuracy": accuracy, "sharpness": sharp, "rho": rho}
+    if method == "lanczos":  # common/spectrum.py: converged, with its residual
+        from flatflower.common.spectrum import top_eigenvalues
+
+        top = top_eigenvalues(split_loss.hvp, like, top_k, tol, seed_of(seed, 1))
+        out.update({"hessian_max_eig": top[0]["eigenvalue"], "hessian_max_eig_residual": top[0]["residual"]})
+        if top_k > 1:
+            out["hessian_top_eigenvalues"] = top
+    elif method == "power":
+        out["hessian_max_eig"] = top_eigenvalue(split_loss.hvp, like, iters, seed_of(seed, 1), tol)
+    else:
+        raise ValueError(f"method must be power or lanczos, not {method!r}")
+    out.update({"hessian_trace": hessian_trace(split_loss.hvp, like, probes, seed_of(seed, 2)),
+                "examples": len(data)})
+    if density is not None:  # {"steps", "starts"}: the eigenvalue density by SLQ
+        from flatflower.common.spectrum import density as slq
+
+        out["hessian_density"] = slq(split_loss.hvp, like, seed=seed_of(seed, 3), **density)
+    return out
 
 
 def flatness_distance(client_models: Sequence[Mapping[str, torch.Tensor]],

@@ -15,6 +15,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,7 +223,7 @@ def test_the_command_writes_the_documented_keys_and_a_table(run_dir, saved, tmp_
     assert cli(["flatness", str(run_dir), "--split", "train", "--model", "init", "--iters", "5",
                 "--probes", "2", "--json", str(out)]) == 0
     numbers = json.loads(out.read_text())
-    assert set(numbers) == {"loss", "accuracy", "sharpness", "rho", "hessian_max_eig",
+    assert set(numbers) == {"loss", "accuracy", "sharpness", "rho", "hessian_max_eig", "hessian_max_eig_residual",
                             "hessian_trace", "split", "examples", "model", "run_dir"}
     parts = json.loads((run_dir / "partition.json").read_text())["partitions"]
     union = set().union(*map(set, parts.values()))
@@ -327,10 +328,16 @@ def test_an_existing_json_file_is_kept_without_force(run_dir, tmp_path, capsys):
 def test_the_documented_defaults(run_dir):
     from flatflower.tools.flatness_cmd import build_parser
 
+    from flatflower.tools.flatness_cmd import check
+
     args = build_parser().parse_args([str(run_dir)])
+    check(args)  # fills the method's tolerance
     assert (args.model, args.split, args.rho, args.iters, args.probes, args.tol, args.seed,
-            args.hvp, args.threads, args.batch_size) == (
-        "final", "test", 0.05, 100, 100, 1e-4, 0, "double-backward", 1, None)
+            args.hvp, args.threads, args.batch_size, args.method, args.top_k) == (
+        "final", "test", 0.05, 100, 100, 1e-8, 0, "double-backward", 1, None, "lanczos", 1)
+    args = build_parser().parse_args([str(run_dir), "--method", "power"])
+    check(args)
+    assert args.tol == 1e-4
 
 
 @pytest.mark.parametrize("content, message", [
@@ -350,3 +357,87 @@ def test_split_train_needs_a_sound_partition_json(run_dir, tmp_path, capsys, con
     assert cli(["flatness", str(damaged), "--split", "train", "--iters", "1", "--probes", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- Lanczos: exact top-k and the density
+@pytest.fixture(scope="module")
+def spectrum(logreg64):
+    """The exact eigenvalues (ascending) and Hessian of the float64 logreg on the test split."""
+    H = exact_hessian(*logreg64)
+    return torch.linalg.eigvalsh(H).numpy(), H.numpy()
+
+
+def test_lanczos_gives_the_exact_top_eigenvalues_and_says_how_exact(logreg64, spectrum):
+    """Issue 45: power iteration with the command's stopping rule reported 1.364 for 1.430.
+    ARPACK's Lanczos over Hessian-vector products gives the top 1 and top 3 to 1e-6, each
+    with a measured residual ||Hv - lambda v|| / |lambda| below 1e-6."""
+    from flatflower.common.spectrum import top_eigenvalues
+
+    eigenvalues, _ = spectrum
+    split_loss = SplitLoss(*logreg64)
+    for k in (1, 3):
+        found = top_eigenvalues(split_loss.hvp, split_loss.params, k=k, tol=1e-10, seed=1)
+        assert [f["eigenvalue"] for f in found] == pytest.approx(list(eigenvalues[::-1][:k]), rel=1e-6)
+        assert all(f["residual"] < 1e-6 for f in found)
+    # the old stopping rule on the same model, for the record of what this replaces
+    old = top_eigenvalue(split_loss.hvp, split_loss.params, 100, seed=0)
+    assert abs(old - eigenvalues[-1]) > 1e-4 * eigenvalues[-1]
+
+
+def test_lanczos_quadrature_is_exact_for_low_moments_and_finds_every_eigenvalue(logreg64, spectrum):
+    """Gauss quadrature from m Lanczos steps integrates polynomials of degree < 2m exactly:
+    weights sum to 1, the first and second moments are q^T H q and ||H q||^2. With as many
+    steps as the space needs, the nodes are eigenvalues of H (to 1e-6 of the largest)."""
+    from flatflower.common.spectrum import FlatOperator, lanczos, quadrature
+
+    eigenvalues, H = spectrum
+    split_loss = SplitLoss(*logreg64)
+    op = FlatOperator(split_loss.hvp, split_loss.params)
+    v = np.random.default_rng(0).integers(0, 2, op.dim).astype(np.float64) * 2 - 1
+    q = v / np.linalg.norm(v)
+    nodes, weights = quadrature(*lanczos(op, v, 10))
+    assert weights.sum() == pytest.approx(1.0, abs=1e-12)
+    assert weights @ nodes == pytest.approx(q @ H @ q, rel=1e-9)
+    assert weights @ nodes ** 2 == pytest.approx(np.sum((H @ q) ** 2), rel=1e-9)
+    nodes, _ = quadrature(*lanczos(op, v, op.dim))
+    top = abs(eigenvalues).max()
+    assert max(np.min(np.abs(eigenvalues - x)) for x in nodes) < 1e-6 * top
+    assert nodes.max() == pytest.approx(eigenvalues[-1], rel=1e-6)
+
+
+def test_the_slq_density_integrates_to_one_and_its_mean_is_the_mean_eigenvalue(logreg64, spectrum):
+    """The density's integral over its grid is 1, and its mean, a Hutchinson estimate of
+    tr(H)/d from the starts, is within five standard deviations of the exact mean eigenvalue."""
+    from flatflower.common.spectrum import density
+
+    eigenvalues, H = spectrum
+    split_loss = SplitLoss(*logreg64)
+    starts = 8
+    out = density(split_loss.hvp, split_loss.params, steps=30, starts=starts, seed=2)
+    grid, values = np.array(out["grid"]), np.array(out["density"])
+    assert np.trapezoid(values, grid) == pytest.approx(1.0, abs=1e-3)
+    d = len(eigenvalues)
+    mean = float(np.dot(out["weights"], out["nodes"]))
+    # a Rademacher probe's v^T H v / d has variance 2 (||H||_F^2 - sum diag^2) / d^2
+    sd = math.sqrt(2 * (np.sum(H ** 2) - np.sum(np.diag(H) ** 2)) / d ** 2 / starts)
+    assert abs(mean - eigenvalues.mean()) <= 5 * sd
+    assert max(out["nodes"]) == pytest.approx(eigenvalues[-1], rel=1e-6)  # 30 steps find the top one
+
+
+def test_the_command_gives_the_top_k_with_residuals_and_the_density(run_dir, logreg64, spectrum, tmp_path, capsys):
+    """`flatflower flatness --top-k 3 --density`: the float32 model's three top eigenvalues
+    equal the float64 exact ones to float32 precision, each with its residual in the table and
+    the JSON; the density's grid and values are in the JSON."""
+    eigenvalues, _ = spectrum
+    out = tmp_path / "f.json"
+    assert cli(["flatness", str(run_dir), "--top-k", "3", "--density", "--slq-steps", "20", "--slq-starts", "2",
+                "--probes", "2", "--json", str(out)]) == 0
+    numbers = json.loads(out.read_text())
+    top = [e["eigenvalue"] for e in numbers["hessian_top_eigenvalues"]]
+    assert top == pytest.approx(list(eigenvalues[::-1][:3]), rel=1e-5)
+    assert numbers["hessian_max_eig"] == top[0] and numbers["hessian_max_eig_residual"] < 1e-4
+    density = numbers["hessian_density"]
+    assert len(density["grid"]) == len(density["density"]) and sum(density["weights"]) == pytest.approx(1.0)
+    stdout = capsys.readouterr().out
+    assert "Lanczos (eigsh)" in stdout and "eigenvalue 3" in stdout and "hessian density" in stdout
+    assert exit_code(["flatness", str(run_dir), "--top-k", "2", "--method", "power"]) == 2

@@ -3,9 +3,10 @@
 The numbers of common/flatness.py (``measure``) for one model of a run directory (final, init
 or checkpoint) on the run's evaluation split (``test``) or on the union of its clients'
 training data (``train``): the loss and accuracy, the sharpness at radius rho, the Hessian's
-top eigenvalue (power iteration) and its trace (Hutchinson). The defaults spend more
-Hessian-vector products than the per-round metrics (100 power steps at most, 100 probes), as
-this command is for precise numbers (``--tol`` sets power iteration's stopping rule); a table on stdout, ``--json`` for a file.
+top eigenvalues (Lanczos, converged, each with its residual; ``--method power`` for the per-round
+metric's power iteration), its trace (Hutchinson, 100 probes) and, with ``--density``, its
+eigenvalue density (stochastic Lanczos quadrature; common/spectrum.py). This command is for
+precise numbers; a table on stdout, ``--json`` for a file.
 
 Bad input (a missing run directory or model, a damaged file, an out-of-range option, an
 existing --json file without --force) is one ``error:`` line and exit code 2.
@@ -21,6 +22,7 @@ from typing import Any
 
 from flatflower.common.flatness import measure
 from flatflower.tools.parsers import flatness as build_parser
+from flatflower.common.flatness_settings import TOLERANCE
 from flatflower.tools.saved import SavedRun, check_device
 
 EXIT_USAGE = 2
@@ -30,11 +32,15 @@ def check(args: argparse.Namespace) -> None:
     """ValueError for an option out of range, or a --json file that would be overwritten."""
     if args.rho <= 0:
         raise ValueError(f"--rho must be a finite number > 0, not {args.rho}")
+    if args.tol is None:
+        args.tol = 1e-8 if args.method == "lanczos" else TOLERANCE
     if not 0 <= args.tol < 1:
         raise ValueError(f"--tol must be in [0, 1), not {args.tol}")
-    for name in ("iters", "probes"):
+    if args.top_k > 1 and args.method != "lanczos":
+        raise ValueError("--top-k needs --method lanczos")
+    for name in ("iters", "probes", "top_k", "slq_steps", "slq_starts"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, not {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, not {args.seed}")
     if args.threads < 0:
@@ -62,7 +68,8 @@ def flatness(args: argparse.Namespace) -> dict[str, Any]:
     split = run.split(args.split, data)
     numbers = measure(model, split, batch_size=args.batch_size or run.cfg.eval_batch_size,
                       rho=args.rho, iters=args.iters, probes=args.probes, seed=args.seed,
-                      hvp=args.hvp, tol=args.tol)
+                      hvp=args.hvp, tol=args.tol, method=args.method, top_k=args.top_k,
+                      density={"steps": args.slq_steps, "starts": args.slq_starts} if args.density else None)
     return {**numbers, "split": args.split, "model": args.model, "run_dir": str(run.path)}
 
 
@@ -80,8 +87,14 @@ def render(numbers: dict[str, Any], args: argparse.Namespace) -> str:
             ("accuracy", f"{numbers['accuracy']:.2%}", ""),
             ("sharpness", f"{numbers['sharpness']:.6g}", f"L(w + rho g/|g|) - L(w), rho = {numbers['rho']:g}"),
             ("hessian max eig", f"{numbers['hessian_max_eig']:.6g}",
-             f"power iteration, at most {args.iters} steps, tol {args.tol:g}"),
-            ("hessian trace", f"{numbers['hessian_trace']:.6g}", f"Hutchinson, {args.probes} probes"))
+             f"Lanczos (eigsh), tol {args.tol:g}, residual {numbers['hessian_max_eig_residual']:.2g}"
+             if args.method == "lanczos" else f"power iteration, at most {args.iters} steps, tol {args.tol:g}"),
+            *((f"eigenvalue {i}", f"{e['eigenvalue']:.6g}", f"residual {e['residual']:.2g}")
+              for i, e in enumerate(numbers.get("hessian_top_eigenvalues", [])[1:], 2)),
+            ("hessian trace", f"{numbers['hessian_trace']:.6g}", f"Hutchinson, {args.probes} probes"),
+            *((("hessian density", f"{len(d['nodes'])} nodes",
+                f"SLQ, {args.slq_starts} starts x {args.slq_steps} steps, range [{min(d['nodes']):.4g}, "
+                f"{max(d['nodes']):.4g}] (--json)"),) if (d := numbers.get("hessian_density")) else ()))
     for row in rows:
         table.add_row(*row)
     buffer = io.StringIO()

@@ -172,11 +172,22 @@ def flatness() -> argparse.ArgumentParser:
                         "all clients' training data, partition.json)")
     p.add_argument("--rho", type=cli_float, default=DEFAULT_RHO,
                    help=f"radius of the sharpness perturbation (default {DEFAULT_RHO})")
+    p.add_argument("--method", choices=("lanczos", "power"), default="lanczos",
+                   help="top Hessian eigenvalue by Lanczos (default: SciPy's eigsh over Hessian-vector "
+                        "products, converged, with its residual |Hv - lambda v|/|lambda|) or by power "
+                        "iteration (the per-round metric's method)")
+    p.add_argument("--top-k", type=cli_int, default=1,
+                   help="the k largest Hessian eigenvalues, each with its residual (lanczos; default 1)")
+    p.add_argument("--density", action="store_true",
+                   help="also the Hessian's eigenvalue density by stochastic Lanczos quadrature "
+                        "(--json holds its grid, density, nodes and weights)")
+    p.add_argument("--slq-steps", type=cli_int, default=80, help="Lanczos steps per start of --density (default 80)")
+    p.add_argument("--slq-starts", type=cli_int, default=4, help="random starts of --density (default 4)")
     p.add_argument("--iters", type=cli_int, default=ITERS,
-                   help=f"power-iteration steps at most (default {ITERS})")
-    p.add_argument("--tol", type=cli_float, default=TOLERANCE,
-                   help=f"power iteration stops once the eigenvalue changes by less than this, "
-                        f"relative (default {TOLERANCE:g}; a small eigengap needs a smaller one)")
+                   help=f"power-iteration steps at most (--method power; default {ITERS})")
+    p.add_argument("--tol", type=cli_float, default=None,
+                   help=f"lanczos: relative accuracy of the eigenvalues (default 1e-8); power: stop once "
+                        f"the eigenvalue changes by less than this, relative (default {TOLERANCE:g})")
     p.add_argument("--probes", type=cli_int, default=PROBES,
                    help=f"Rademacher probes of the Hutchinson trace (default {PROBES})")
     p.add_argument("--seed", type=cli_int, default=0, help="seed of the random vectors (default 0)")
