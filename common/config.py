@@ -271,9 +271,13 @@ class RunConfig:
         check(not self.client_state_dir or not _relative(self.client_state_dir) or bool(self.run_dir),
               f"client-state-dir={self.client_state_dir!r} is relative, which means inside the run "
               "directory: set run-dir too, or give an absolute path")
-        for name in ("node_wait_timeout", "round_timeout"):
-            check(_pos(getattr(self, name)) and getattr(self, name) <= MAX_SECONDS,
-                  f"{_key(name)} must be in (0, {MAX_SECONDS:.0f}] seconds (got {getattr(self, name)})")
+        check(_pos(self.node_wait_timeout) and self.node_wait_timeout <= MAX_SECONDS,
+              f"node-wait-timeout must be in (0, {MAX_SECONDS:.0f}] seconds (got {self.node_wait_timeout})")
+        # below a second no client answers a round (its message alone takes longer to travel
+        # and be read): such a value would fail every round, late, instead of here
+        check(_pos(self.round_timeout) and 1.0 <= self.round_timeout <= MAX_SECONDS,
+              f"round-timeout must be in [1, {MAX_SECONDS:.0f}] seconds (got {self.round_timeout}): "
+              "a round's messages need at least that to travel and be answered")
         check(self.local_epochs >= 1, "local-epochs must be >= 1")
         check(self.local_steps >= 0, "local-steps must be >= 0 (0 = use local-epochs)")
         check(self.batch_size >= 1, "batch-size must be >= 1")

@@ -190,7 +190,9 @@ CONFIG_CASES = [
     pytest.param(["--model", "lenet"], "model 'lenet' does not fit dataset 'synthetic'", id="model-does-not-fit-dataset"),
     pytest.param(["--set", "min-replies=10"], "min-replies=10 exceeds the 3 clients sampled per round", id="min-replies-above-clients"),
     # finite but absurd, and numbers that are not ASCII (issue 13)
-    pytest.param(["--set", "round-timeout=1e308"], "round-timeout must be in (0, 10000000] seconds",
+    pytest.param(["--set", "round-timeout=0.001"], "round-timeout must be in [1, 10000000] seconds (got 0.001)",
+                 id="round-timeout-tiny"),
+    pytest.param(["--set", "round-timeout=1e308"], "round-timeout must be in [1, 10000000] seconds",
                  id="round-timeout-overflows"),
     pytest.param(["--set", "node-wait-timeout=1e308"], "node-wait-timeout must be in (0, 10000000] seconds",
                  id="node-wait-timeout-overflows"),
