@@ -6,6 +6,7 @@ the wheel's contents."""
 from __future__ import annotations
 
 import re
+import os
 import subprocess
 import sys
 
@@ -212,3 +213,16 @@ def test_run_elapsed_is_formatted():
 
     assert seconds_text("31.795824") == "31.8s" and seconds_text(31.795824) == "31.8s"
     assert seconds_text("?") == "?" and seconds_text("\x1b[2J") == "\\x1b[2J"
+
+
+def test_a_run_whose_clients_outlive_it_exits_with_its_own_code(tmp_path):
+    """In-process, the server stops waiting for a client after round-timeout, but its thread
+    computes on: finalising the interpreter under it aborted the process (exit 134, "terminate
+    called without an active exception") instead of the run's exit code 1."""
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / ".flwr")}
+    proc = subprocess.run([sys.executable, "-m", "flatflower.tools.cli", "simulate", "-a", "fedavg", "-n", "2",
+                           "-r", "1", "--dataset", "digits", "--set", "round-timeout=1", "--set",
+                           "local-epochs=500", "--run-dir", str(tmp_path / "r")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "every round (1-1) was skipped" in proc.stderr and "terminate called" not in proc.stderr

@@ -176,9 +176,14 @@ def entry() -> None:
     without an active exception", SIGABRT) instead of exiting 130: seen under load after an
     in-process run's SIGTERM."""
     code = main()
+    import threading
+
     from flatflower.tools import commands
 
-    if code == commands.EXIT_INTERRUPTED and "ray" not in sys.modules:
+    # a ClientApp thread of an in-process run the server stopped waiting for (round-timeout)
+    # may still be inside torch: the same abort (exit 134 instead of the run's own code)
+    busy = any(t.name == "flatflower-client" and t.is_alive() for t in threading.enumerate())
+    if (code == commands.EXIT_INTERRUPTED or busy) and "ray" not in sys.modules:
         import logging
         import os
 

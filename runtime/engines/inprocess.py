@@ -49,6 +49,9 @@ CLIENT_APP_RAISED_EXCEPTION = 2
 # in-process grid's waiting calls then run without a slot, the vectorised batch goes on
 STRAGGLER_WAIT = 1.0
 _AST_LOCK = threading.Lock()
+# the name of every thread that runs a ClientApp here: one may outlive its run (a client the
+# server stopped waiting for, round-timeout), and the CLI leaves without finalising then
+CLIENT_THREAD = "flatflower-client"
 
 
 def _one_ast_parse_at_a_time() -> None:
@@ -182,7 +185,7 @@ class InProcessGrid(Grid):
             def work(msg=msg) -> None:
                 self._land({msg.metadata.message_id: self._deliver(msg)})
 
-            worker = threading.Thread(target=work, daemon=True)
+            worker = threading.Thread(target=work, daemon=True, name=CLIENT_THREAD)
             worker.start()
             self._workers.append(worker)
             ids.append(msg.metadata.message_id)
@@ -252,7 +255,7 @@ class VectorizedGrid(InProcessGrid):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         others = iter(super().push_messages([m for m, t in zip(messages, is_train) if not t]))
         if train:
-            worker = threading.Thread(target=self._train_together, args=(train,), daemon=True)
+            worker = threading.Thread(target=self._train_together, args=(train,), daemon=True, name=CLIENT_THREAD)
             worker.start()
             self._workers.append(worker)
         return [m.metadata.message_id if t else next(others) for m, t in zip(messages, is_train)]
@@ -290,7 +293,7 @@ class VectorizedGrid(InProcessGrid):
                 return
 
         def start_opener() -> None:
-            threading.Thread(target=opener, daemon=True).start()
+            threading.Thread(target=opener, daemon=True, name=CLIENT_THREAD).start()
 
         start_opener()
         with arrived:
