@@ -441,3 +441,16 @@ def test_the_command_gives_the_top_k_with_residuals_and_the_density(run_dir, log
     stdout = capsys.readouterr().out
     assert "Lanczos (eigsh)" in stdout and "eigenvalue 3" in stdout and "hessian density" in stdout
     assert exit_code(["flatness", str(run_dir), "--top-k", "2", "--method", "power"]) == 2
+
+
+def test_the_commands_behind_stored_flatness_numbers_say_power_iteration():
+    """The study's flatness.json files and the GPU records were measured by power iteration:
+    the commands the docs give for them name `--method power`, so rerunning one reproduces
+    the stored number, not the (more exact) Lanczos default."""
+    from tests.helpers import ROOT
+
+    files = [ROOT / "docs" / "benchmarks.md", *sorted((ROOT / "docs" / "results").rglob("*.md")),
+             *sorted((ROOT / "docs" / "results").rglob("*.sh"))]
+    lines = [line for f in files for line in f.read_text().splitlines()
+             if "flatness" in line and "--tol 1e-3" in line]
+    assert len(lines) >= 7 and all("--method power" in line for line in lines)

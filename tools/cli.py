@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("sweep", help="several algorithms x seeds on one partition, then one report",
                    add_help=False)
-    sub.add_parser("flatness", help="sharpness, Hessian top eigenvalue and trace of a saved model",
+    sub.add_parser("flatness", help="sharpness, Hessian top eigenvalues (Lanczos), trace and density of a saved model",
                    add_help=False)
     sub.add_parser("presets", help="list the presets (paper settings)")
     data = sub.add_parser("data", help="datasets: `flatflower data check` says which are usable offline")

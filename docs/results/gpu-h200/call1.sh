@@ -51,8 +51,8 @@ step inp-fedsam 120 $SIM --algorithm fedsam --engine inprocess $R10 --run-dir $W
 step cpu-fedsam 90 env CUDA_VISIBLE_DEVICES= $SIM --algorithm fedsam --engine inprocess $R3 --run-dir $W/cpu-fedsam
 acc $W/vec-fedsam $W/inp-fedsam $W/cpu-fedsam
 # 4. Flatness of the final model on the GPU and on the CPU (the study's setting): the numbers must agree
-step flat-cuda 90 $FF flatness $W/vec-fedsam --split train --iters 10 --probes 1 --tol 1e-3 --device $DEV --json $W/flat-cuda.json
-step flat-cpu 120 $FF flatness $W/vec-fedsam --split train --iters 10 --probes 1 --tol 1e-3 --device cpu --threads 8 --json $W/flat-cpu.json
+step flat-cuda 90 $FF flatness $W/vec-fedsam --split train --method power --iters 10 --probes 1 --tol 1e-3 --device $DEV --json $W/flat-cuda.json
+step flat-cpu 120 $FF flatness $W/vec-fedsam --split train --method power --iters 10 --probes 1 --tol 1e-3 --device cpu --threads 8 --json $W/flat-cpu.json
 cat $W/flat-cuda.json $W/flat-cpu.json 2>/dev/null | tr -d '\n' | head -c 1500; echo
 # 5. A real deployment: SuperLink + 4 SuperNodes on loopback sharing the GPU
 ( while sleep 2; do nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | sed "s/^/$(date +%T) /"; done > $OUT/apps.txt ) & APPS=$!

@@ -17,8 +17,8 @@ step() { local name=$1 cap=$2; shift 2
 SIM="$FF simulate --preset fashion-mnist-bench --seed 0 --no-tensorboard --algorithm fedsam"
 step evaltime 40 $PY .gpu/evaltime.py; cat $W/evaltime.log
 step inp5 50 $SIM --engine inprocess $R5 --run-dir $W/inp5
-step flat-cuda 40 $FF flatness $W/inp5 --split train --iters 10 --probes 1 --tol 1e-3 --device $DEV --json $W/flat-cuda.json
-step flat-cpu 50 $FF flatness $W/inp5 --split train --iters 10 --probes 1 --tol 1e-3 --device cpu --threads 16 --json $W/flat-cpu.json
+step flat-cuda 40 $FF flatness $W/inp5 --split train --method power --iters 10 --probes 1 --tol 1e-3 --device $DEV --json $W/flat-cuda.json
+step flat-cpu 50 $FF flatness $W/inp5 --split train --method power --iters 10 --probes 1 --tol 1e-3 --device cpu --threads 16 --json $W/flat-cpu.json
 cat $W/flat-cuda.json; cat $W/flat-cpu.json
 step bf16 40 $SIM --engine vectorized $R5 --set amp=bf16 --run-dir $W/bf16
 step bench-resnet 50 $FF bench --sections compute --model resnet18-gn --input-shape 3,32,32 --classes 10 --device $DEV --steps 3 --repeats 2 --out $W/bench-resnet.json
