@@ -353,7 +353,7 @@ class FlatStrategy(FlowerFedAvg):
         """Under DP (``dp.clip`` > 0) refuse a client whose model update no honest clipped, noised
         update could have: its norm outside :func:`honest_norm_range` (a client that did not
         clip, or one that left out its noise; the false refusal of an honest client has
-        probability below 2e-13). Norms in float64, with slack for the float32 transport."""
+        probability below 2e-26). Norms in float64, with slack for the float32 transport."""
         if self.cfg.dp_clip <= 0 or not updates:
             return updates
         start = self.rule.start_point()

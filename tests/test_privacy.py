@@ -297,19 +297,20 @@ def _honest_norms(rng, n, dim, tensors, clip, sigma, sampled, mode):
 @pytest.mark.parametrize("mode", ["global", "per-tensor"])
 @pytest.mark.parametrize("dim, sigma", [(650, 1.2), (5000, 0.3), (50, 0.0)])
 def test_honest_updates_stay_in_the_norm_range_and_each_tail_is_below_its_probability(mode, dim, sigma):
-    """Laurent-Massart's chi-square tails: at x = 30 (e^-30 = 9.4e-14 per bound) no sampled
+    """Laurent-Massart's chi-square tails: at x = 60 (e^-60 = 8.8e-27 per bound) no sampled
     honest update falls outside [lo, hi]; at x = 2 each side's measured rate is below e^-2, so
-    the stated probability is an upper bound; and hi is at most 1.3 x the largest honest norm
-    seen (the bound is conservative, not loose enough to let a scaled update through)."""
+    the stated probability is an upper bound; and hi is at most 1.6 x the largest honest norm
+    seen (conservative, not loose enough to let a scaled update through)."""
     rng = np.random.default_rng(0)
     clip, sampled, tensors = 0.7, 4, 5
     norms = _honest_norms(rng, 20_000, dim, tensors, clip, sigma, sampled, mode)
     lo, hi = honest_norm_range(clip, sigma, sampled, dim, tensors, mode)
     assert lo <= norms.min() and norms.max() <= hi * (1 + 1e-12)
-    assert hi <= 1.3 * norms.max() + 1e-12
+    assert hi <= 1.6 * norms.max() + 1e-12
     lo2, hi2 = honest_norm_range(clip, sigma, sampled, dim, tensors, mode, x=2.0)
     assert (norms > hi2 * (1 + 1e-12)).mean() <= math.exp(-2) and (norms < lo2).mean() <= math.exp(-2)
-    assert TAIL_X == 30.0 and 2 * math.exp(-TAIL_X) < 1e-9
+    # the delta the refusal adds over 800 rounds of 10 clients at epsilon = 10 (docs/privacy.md)
+    assert 800 * 10 * 2 * math.exp(-TAIL_X) * (1 + math.exp(10)) < 1e-15
 
 
 def test_the_lower_bound_catches_an_update_without_noise_only_when_the_noise_dominates():
