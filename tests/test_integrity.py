@@ -74,10 +74,20 @@ def edit_tensor(name: str, change):
     return setup
 
 
-def scalar_1e30(ckpt) -> None:
-    """One entry of the global model set to 1e30: a checkpoint that is right in every field."""
-    tensor = next(iter(ckpt["strategy"]["model"].values()))
-    tensor.view(-1)[0] = 1e30
+def checkpoint_value_1e30(run: Path) -> None:
+    """The first entry of the checkpoint's global model set to 1e30 in the file's own bytes: the
+    checkpoint is right in every field and has its size (a torch.save of the edited checkpoint
+    changes its size or not depending on the test's temporary path, which the pickle holds, and
+    the message with it), so only the digest can tell."""
+    path = run / "checkpoint.pt"
+    data = bytearray(path.read_bytes())
+    tensor = next(iter(torch.load(path, weights_only=True)["strategy"]["model"].values()))
+    raw = tensor.contiguous().numpy().tobytes()
+    at = data.find(raw)
+    assert at >= 0 and data.find(raw, at + 1) < 0, "the tensor's bytes, once in the file"
+    data[at:at + tensor.element_size()] = torch.tensor([1e30], dtype=tensor.dtype).numpy().tobytes()
+    path.write_bytes(data)
+    assert next(iter(torch.load(path, weights_only=True)["strategy"]["model"].values())).view(-1)[0] == 1e30
 
 
 def dual(change):
@@ -123,7 +133,7 @@ def edit_json(name: str, change):
 
 CASES = [
     # the checkpoint: what its own checks cannot tell from a real one
-    pytest.param(edit_tensor("checkpoint.pt", scalar_1e30), "{tmp}/run/checkpoint.pt is changed since the run wrote it",
+    pytest.param(checkpoint_value_1e30, "{tmp}/run/checkpoint.pt is changed since the run wrote it",
                  id="checkpoint-scalar-1e30"),
     pytest.param(truncate("checkpoint.pt"), "{tmp}/run/checkpoint.pt is corrupt or unreadable", id="checkpoint-truncated"),
     pytest.param(remove("checkpoint.pt"), "no checkpoint in {tmp}/run", id="checkpoint-deleted"),
