@@ -14,7 +14,6 @@ federated_accuracy, federated_loss) is how the run measures itself.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import time
@@ -27,7 +26,7 @@ from flwr.serverapp import Grid
 
 from flatflower.common import codec
 from flatflower.common import protocol as P
-from flatflower.common.config import ConfigError, RunConfig
+from flatflower.common.config import RunConfig
 from flatflower.common.data import partitions_for
 from flatflower.common.evaluate import evaluate
 from flatflower.common.flatness import flatness_distance, measure, seed_of
@@ -35,7 +34,7 @@ from flatflower.common.privacy import PrivacyLedger
 from flatflower.server.clients import client_rows
 from flatflower.server.progress import RoundProgress
 from flatflower.server.rundir import RunDir, RunDirError, default_run_dir
-from flatflower.server.setup import prepare_run
+from flatflower.server.setup import LEDGER, prepare_run
 from flatflower.server.tensorboard import Board
 from flatflower.strategies.base import all_finite
 from flatflower.strategies.strategy import RoundStats
@@ -64,17 +63,6 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
             raise
 
 
-def server_device(cfg: RunConfig) -> torch.device:
-    """The device of the server's evaluation and flatness measurements (``server-device``),
-    refused in one line when this machine lacks it."""
-    from flatflower.client.node import device_missing
-
-    missing = device_missing(cfg.server_device)
-    if missing:
-        raise ConfigError(f"server-device={cfg.server_device!r} requested but {missing} on this machine")
-    return torch.device(cfg.server_device)
-
-
 def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
     t_start = time.monotonic()
     log.info("flatflower: %s on %s, run directory %s", cfg.algorithm, cfg.dataset, run_dir.path)
@@ -83,10 +71,9 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
                     "(DP-FedSAM's local optimizer alone); its authors' values: dp.clip = 0.2, "
                     "dp.noise-multiplier = 0.95")
     setup = prepare_run(cfg, run_dir.path)  # the one setup (server/setup.py), which the CLI's preflight runs too
-    data, model, strategy, first = setup.data, setup.model, setup.strategy, setup.first
+    data, model, strategy, first, device = setup.data, setup.model, setup.strategy, setup.first, setup.device
+    ledger = setup.ledger  # read before any truncation
     torch.set_num_threads(cfg.server_threads)
-    device = server_device(cfg)
-    ledger = privacy_ledger(cfg, run_dir, first) if cfg.dp_clip > 0 else None  # before any truncation
     if cfg.resume:
         run_dir.truncate_metrics(first - 1)
         run_dir.truncate_metrics(first - 1, "clients.jsonl")
@@ -218,44 +205,6 @@ def measured(row: dict) -> str:
              for key, what in (("test", "test"), ("federated", "federated")) if row.get(f"{key}_accuracy") is not None]
     return "; ".join(parts) or "no evaluation"
 
-
-def privacy_ledger(cfg: RunConfig, run_dir: RunDir, first: int) -> PrivacyLedger:
-    """The privacy spent before round ``first``: every round of ``privacy.jsonl`` (LEDGER), the
-    rounds a resume redoes included (they released models too). It is never truncated; a
-    resumed DP run without it, or missing a round its checkpoint holds, is refused."""
-    ledger = PrivacyLedger()
-    path = run_dir.path / LEDGER
-    if not cfg.resume:
-        return ledger
-    seen = set()
-    for number, line in enumerate(run_dir.read_lines(LEDGER), 1):
-        try:
-            entry = json.loads(line)
-            rnd, rate, sigma = int(entry["round"]), entry["dp_sampling_rate"], entry["dp_noise_multiplier"]
-            if not (0.0 <= float(rate) <= 1.0 and (sigma is None or 0.0 <= float(sigma) < math.inf)):
-                raise ValueError(f"sampling rate {rate!r}, noise multiplier {sigma!r}")
-            if not 1 <= rnd < first + 1_000_000:
-                raise ValueError(f"round {rnd}")
-            # what this run's config can have written: a round's mean carries sigma sqrt(M'/M) <= sigma
-            # (a larger one, e.g. an edit to 1000, would lower epsilon), and a released round was
-            # sampled with a chance q > 0 (q = 0 would make it free)
-            if sigma is not None and (float(sigma) > cfg.dp_noise_multiplier * (1 + 1e-12) or float(rate) == 0.0):
-                raise ValueError(f"noise multiplier {sigma!r} at sampling rate {rate!r}, which no round of "
-                                 f"this run (dp.noise-multiplier = {cfg.dp_noise_multiplier:g}) releases; "
-                                 "epsilon would be lower than spent")
-            ledger.add_round(float(rate), None if sigma is None else float(sigma))
-            seen.add(rnd)
-        except (ValueError, KeyError, TypeError) as err:
-            raise RunFailed(f"{path}, line {number}: not a privacy ledger entry ({err})") from None
-    missing = sorted(set(range(1, first)) - seen)
-    if missing:
-        raise RunFailed(f"{path} lacks rounds {missing[:5]}{' ...' if len(missing) > 5 else ''} of the "
-                        f"checkpoint's 1-{first - 1}: the privacy they spent cannot be accounted, and a "
-                        "run with dp.clip > 0 resumes only with its whole ledger (restore the file)")
-    return ledger
-
-
-LEDGER = "privacy.jsonl"  # dp.clip > 0: each round's (q, noise multiplier), append-only
 
 ENGINES = {"InProcessGrid": "inprocess", "VectorizedGrid": "vectorized", "InMemoryGrid": "ray"}
 

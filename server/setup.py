@@ -1,9 +1,10 @@
 """Setting a run up, once: the one piece of code that turns a run config into what a run needs
-(the server's evaluation data, the model, the strategy with its state, the round to start
-from). The ServerApp (server/run.py) runs on it, and the command line's preflight
-(tools/prepare.py) calls it before any process starts, so a setup that fails (data that does
-not load, a model that does not fit it, a damaged checkpoint, missing client state) fails there
-with one line, exactly as it would fail in the ServerApp, and nothing is written.
+(the server's evaluation data and device, the model, the strategy with its state, the round
+to start from and, under DP, the privacy already spent). The ServerApp (server/run.py) runs on
+it, and the command line's preflight (tools/prepare.py) calls it before any process starts, so
+a setup that fails (data that does not load, a model that does not fit it, a damaged checkpoint
+or privacy ledger, missing client state, a server device the machine lacks) fails there with
+one line, exactly as it would fail in the ServerApp, and nothing is written.
 
 What the run config alone decides (every key, and every algorithm x option rule:
 strategies/compatibility.py) is refused earlier still, when the run config is built.
@@ -11,24 +12,30 @@ strategies/compatibility.py) is refused earlier still, when the run config is bu
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from flatflower.common.augment import check_train_transform
-from flatflower.common.config import RunConfig
+from flatflower.common.config import ConfigError, RunConfig
 from flatflower.common.data import check_local_data, dataset_for, model_shape, partitions_for
 from flatflower.common.models import buffer_names, build_model
+from flatflower.common.privacy import PrivacyLedger
 from flatflower.common.references import BadReference
 from flatflower.server import manifest
+from flatflower.server.files import open_file
 from flatflower.server.rundir import (CHECKPOINT, RunDirError, check_client_state, check_resumable, client_state_files,
                            load_checkpoint)
 from flatflower.strategies.registry import get as get_spec
 from flatflower.strategies.strategy import FlatStrategy
 
 log = logging.getLogger("flwr.flatflower.server")
+LEDGER = "privacy.jsonl"  # dp.clip > 0: each round's (q, noise multiplier), append-only
 
 
 @dataclass
@@ -39,6 +46,8 @@ class RunSetup:
     model: nn.Module  # the run's model, with its initial weights (cfg.seed)
     strategy: FlatStrategy  # the algorithm's strategy, its state loaded from the checkpoint when resuming
     first: int  # the first round to play (1, or the checkpoint's round + 1)
+    device: torch.device  # where the server evaluates and measures flatness (server-device)
+    ledger: PrivacyLedger | None  # dp.clip > 0: the privacy spent before round ``first``
     note: str | None = None  # a resume of a run directory without manifest.json: its files are unchecked
 
 
@@ -49,6 +58,7 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
     checked, and every file the resume reads verified against the run directory's manifest
     (server/manifest.py). Writes nothing. A ValueError (or RunDirError) with one line for
     what does not fit."""
+    device = server_device(cfg)
     data = server_data(cfg)
     if data is not None:  # partition = local: each node checks its own data (common/data.py)
         check_train_transform(cfg.train_transform, data)
@@ -74,8 +84,9 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
         check_client_state(cfg, ckpt, model)  # after the checkpoint's accepted rounds were checked
         note = verify_files(cfg, ckpt, run_dir)
         first = ckpt["round"] + 1
-        return RunSetup(data, model, strategy, first, note)
-    return RunSetup(data, model, strategy, first)
+        ledger = privacy_ledger(cfg, run_dir, first) if cfg.dp_clip > 0 else None
+        return RunSetup(data, model, strategy, first, device, ledger, note)
+    return RunSetup(data, model, strategy, first, device, PrivacyLedger() if cfg.dp_clip > 0 else None)
 
 
 def verify_files(cfg: RunConfig, ckpt: dict, run_dir: Path) -> str | None:
@@ -111,3 +122,56 @@ def server_data(cfg: RunConfig):
                  "measures itself by federated evaluation (fraction-evaluate=%g)", cfg.fraction_evaluate)
         return None
     return check_local_data(cfg, trains=False) if cfg.local_data() else dataset_for(cfg)
+
+
+def server_device(cfg: RunConfig) -> torch.device:
+    """The device of the server's evaluation and flatness measurements (``server-device``),
+    refused in one line when this machine lacks it."""
+    from flatflower.client.node import device_missing
+
+    missing = device_missing(cfg.server_device)
+    if missing:
+        raise ConfigError(f"server-device={cfg.server_device!r} requested but {missing} on this machine")
+    return torch.device(cfg.server_device)
+
+
+def privacy_ledger(cfg: RunConfig, run_dir: Path, first: int) -> PrivacyLedger:
+    """The privacy spent before round ``first``: every round of ``privacy.jsonl`` (LEDGER), the
+    rounds a resume redoes included (they released models too). It is never truncated; a
+    resumed DP run without it, or missing a round its checkpoint holds, or with an entry its config
+    cannot have written, is refused (RunDirError, one line naming the file)."""
+    ledger = PrivacyLedger()
+    path = run_dir / LEDGER
+    seen = set()
+    try:
+        with open_file(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        lines = []
+    except OSError as err:
+        raise RunDirError(f"cannot read {path}: {err.strerror or err}") from None
+    for number, line in enumerate(lines, 1):
+        try:
+            entry = json.loads(line)
+            rnd, rate, sigma = int(entry["round"]), entry["dp_sampling_rate"], entry["dp_noise_multiplier"]
+            if not (0.0 <= float(rate) <= 1.0 and (sigma is None or 0.0 <= float(sigma) < math.inf)):
+                raise ValueError(f"sampling rate {rate!r}, noise multiplier {sigma!r}")
+            if not 1 <= rnd < first + 1_000_000:
+                raise ValueError(f"round {rnd}")
+            # what this run's config can have written: a round's mean carries sigma sqrt(M'/M) <= sigma
+            # (a larger one, e.g. an edit to 1000, would lower epsilon), and a released round was
+            # sampled with a chance q > 0 (q = 0 would make it free)
+            if sigma is not None and (float(sigma) > cfg.dp_noise_multiplier * (1 + 1e-12) or float(rate) == 0.0):
+                raise ValueError(f"noise multiplier {sigma!r} at sampling rate {rate!r}, which no round of "
+                                 f"this run (dp.noise-multiplier = {cfg.dp_noise_multiplier:g}) releases; "
+                                 "epsilon would be lower than spent")
+            ledger.add_round(float(rate), None if sigma is None else float(sigma))
+            seen.add(rnd)
+        except (ValueError, KeyError, TypeError) as err:
+            raise RunDirError(f"{path}, line {number}: not a privacy ledger entry ({err})") from None
+    missing = sorted(set(range(1, first)) - seen)
+    if missing:
+        raise RunDirError(f"{path} lacks rounds {missing[:5]}{' ...' if len(missing) > 5 else ''} of the "
+                        f"checkpoint's 1-{first - 1}: the privacy they spent cannot be accounted, and a "
+                        "run with dp.clip > 0 resumes only with its whole ledger (restore the file)")
+    return ledger

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from flatflower.common.config import ConfigError, RunConfig
+from flatflower.server.rundir import RunDirError
+from flatflower.server.setup import prepare_run
 from flatflower.common.privacy import TAIL_X, PrivacyLedger, honest_norm_range, privatize, round_noise_multiplier
 from tests.helpers import PARTIAL, assert_differ, fast_config, finals_equal, metrics, run
 from flatflower.runtime.engines.inprocess import run_inprocess
@@ -376,10 +378,13 @@ def test_a_ledger_edited_to_lower_epsilon_is_refused_even_without_a_manifest(tmp
     with pytest.raises(Exception, match="privacy.jsonl"):  # the manifest's record first
         run_inprocess({**config, "num-server-rounds": 3, "resume": True}, 3)
     (run_dir / "manifest.json").unlink()
-    kept = (run_dir / "metrics.jsonl").read_text()
-    with pytest.raises(Exception, match=r"privacy.jsonl, line 1: .*" + fragment):
+    kept = {name: (run_dir / name).read_text() for name in ("metrics.jsonl", "summary.json")}
+    with pytest.raises(RunDirError, match=r"privacy.jsonl, line 1: .*" + fragment):
         run_inprocess({**config, "num-server-rounds": 3, "resume": True}, 3)
-    assert (run_dir / "metrics.jsonl").read_text() == kept
+    with pytest.raises(RunDirError, match=r"privacy.jsonl, line 1: .*" + fragment):  # the CLI's preflight
+        prepare_run(RunConfig.from_mapping({**config, "num-server-rounds": 3, "resume": True,
+                                            "num-partitions": 3}))
+    assert {name: (run_dir / name).read_text() for name in kept} == kept  # summary.json included
 
 
 def test_epsilon_never_decreases_across_rounds_and_resumes(tmp_path):

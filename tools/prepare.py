@@ -396,11 +396,8 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
         empty = [i for i, p in enumerate(parts) if len(p) == 0]
         if empty:
             raise UsageError(f"partitions {empty} are empty; use fewer clients or another partition")
-    from flatflower.server.run import server_device
-
     try:
-        server_device(cfg)  # the server's evaluation device: on this machine
-        setup = prepare_run(cfg)
+        setup = prepare_run(cfg)  # the server's evaluation device included
         model = setup.model
     except ValueError as err:  # BadReference, TransformError, a model that does not fit, a damaged checkpoint
         raise UsageError(str(err)) from None
