@@ -86,14 +86,19 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         model = copy.deepcopy(model).to(device)
         test = None if test is None else test.to(device)
 
+    def global_model() -> torch.nn.Module:
+        """The model at the strategy's global weights, on the server's device, with the server's
+        CPU threads (an in-process client may have set its own since)."""
+        torch.set_num_threads(cfg.server_threads)
+        model.load_state_dict(strategy.model)
+        return model
+
     def central_eval() -> dict:
         """The global model's test_loss and test_accuracy on the server's test split ({}: the
         server has none, partition = local without data-dir)."""
         if test is None:
             return {}
-        torch.set_num_threads(cfg.server_threads)  # an in-process client may have set its own since
-        model.load_state_dict(strategy.model)
-        loss, acc = evaluate(model, test, cfg.eval_batch_size)
+        loss, acc = evaluate(global_model(), test, cfg.eval_batch_size)
         return {"test_accuracy": acc, "test_loss": finite(loss)}
 
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -106,9 +111,7 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
                flatness_distance([u.model for u in strategy.round_record().updates], strategy.model, trainable)}
         if cfg.measures_flatness(rnd):
             t0 = time.monotonic()
-            torch.set_num_threads(cfg.server_threads)
-            model.load_state_dict(strategy.model)
-            found = measure(model, test, batch_size=cfg.eval_batch_size, rho=cfg.flatness_rho,
+            found = measure(global_model(), test, batch_size=cfg.eval_batch_size, rho=cfg.flatness_rho,
                             iters=cfg.flatness_iters, probes=cfg.flatness_probes, seed=seed_of(cfg.seed, rnd))
             row.update(sharpness=found["sharpness"], sharpness_rho=cfg.flatness_rho,
                        hessian_max_eig=found["hessian_max_eig"], hessian_trace=found["hessian_trace"],
