@@ -182,7 +182,9 @@ def entry() -> None:
 
     # a ClientApp thread of an in-process run the server stopped waiting for (round-timeout)
     # may still be inside torch: the same abort (exit 134 instead of the run's own code)
-    busy = any(t.name == "flatflower-client" and t.is_alive() for t in threading.enumerate())
+    inprocess = sys.modules.get("flatflower.runtime.engines.inprocess")  # only an in-process run has them
+    busy = inprocess is not None and any(t.name == inprocess.CLIENT_THREAD and t.is_alive()
+                                         for t in threading.enumerate())
     if (code == commands.EXIT_INTERRUPTED or busy) and "ray" not in sys.modules:
         import logging
         import os
