@@ -356,15 +356,14 @@ class FlatStrategy(FlowerFedAvg):
         probability below 2e-26). Norms in float64, with slack for the float32 transport."""
         if self.cfg.dp_clip <= 0 or not updates:
             return updates
-        start = self.rule.start_point()
-        first = self.rule.uploads(updates[0])[0]  # w_i - start point, over the trainable tensors
-        dim, tensors = sum(t.numel() for t in first.values()), len(first)
+        deltas = [self.rule.uploads(u)[0] for u in updates]  # w_i - start point, over the trainable tensors
+        dim, tensors = sum(t.numel() for t in deltas[0].values()), len(deltas[0])
         lo, hi = honest_norm_range(self.cfg.dp_clip, self.cfg.dp_noise_multiplier, self.stats.clients_sampled,
                                    dim, tensors, self.cfg.dp_clip_mode)
-        slack = 2.0 ** -22 * (float(global_norm(start, torch.float64)) + hi)  # rounding to float32, twice
+        slack = 2.0 ** -22 * (float(global_norm(self.rule.start_point(), torch.float64)) + hi)  # float32 rounding, twice
         kept = []
-        for u in updates:
-            norm = float(global_norm(self.rule.uploads(u)[0], torch.float64))
+        for u, delta in zip(updates, deltas):
+            norm = float(global_norm(delta, torch.float64))
             if not lo - slack <= norm <= hi + slack:
                 self._refused("train", u.partition_id, u.node_id,
                               f"update norm {norm:.4g} is outside [{lo:.4g}, {hi:.4g}], the norms an honest "
