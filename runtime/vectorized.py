@@ -270,6 +270,62 @@ def padded(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]):
     return x, y, weight
 
 
+def _moved(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` (one dtype, on the host) on ``device``, in one copy."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.flatten() for t in tensors]).to(device, non_blocking=True)
+    return [part.view(t.shape) for part, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors)]
+
+
+STEP_BYTES = 64 << 20  # the most input bytes step_batches gathers at once (a chunk of steps)
+
+
+def step_batches(calls: Sequence, draws: Sequence, steps: Sequence[int], device: torch.device):
+    """Each local step's stacked mini-batches of a group, as :func:`padded` stacks them
+    (x, y, weight; a client past its last step has an empty batch), gathered a chunk of steps
+    at a time: each client's rows of the chunk's steps come from one ``Split.get`` (per batch,
+    in step order, where a train-transform draws from the call's generator) and reach
+    ``device`` in one copy, and one indexing per step cuts them into padded batches. Split.get
+    acts row by row, so the batches equal the ones built step by step, bit for bit."""
+    draws = [[next(draw) for _ in range(n)] for draw, n in zip(draws, steps)]  # each client's own RNG
+    sizes = np.zeros((max(steps), len(calls)), dtype=np.int64)  # step x client (host bookkeeping)
+    for i, idx in enumerate(draws):
+        sizes[: len(idx), i] = [len(j) for j in idx]
+    row_bytes = 4 * max(1, calls[0].data.x[0].numel())  # float32 inputs
+    chunk = max(1, STEP_BYTES // max(1, int(sizes.sum(axis=1).max()) * row_bytes))
+    for k0 in range(0, len(sizes), chunk):
+        xs, ys = [], []
+        for c, idx in zip(calls, draws):
+            mine = idx[k0:k0 + chunk]
+            if c.augment is None and mine:
+                x, y = c.data.get(torch.cat(mine))
+            else:
+                parts = [c.batch(j) for j in mine] or [c.data.get(torch.zeros(0, dtype=torch.int64))]
+                x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            xs.append(x)
+            ys.append(y)
+        xs.append(xs[0].new_zeros((1, *xs[0].shape[1:])))  # the padding row
+        ys.append(ys[0].new_zeros(1))
+        x_all = torch.cat(xs).to(device, non_blocking=True)
+        y_all = torch.cat(ys).to(device, non_blocking=True)
+        part = sizes[k0:k0 + chunk]
+        offsets = np.cumsum(part.sum(axis=0)) - part.sum(axis=0)  # each client's first row
+        starts = offsets + np.cumsum(part, axis=0) - part  # step x client: its batch's first row
+        index, weight = [], []  # per step, built on the host and moved to the device at once
+        for s, first in zip(part, starts):
+            j = np.arange(s.max())
+            real = j < s[:, None]
+            index.append(torch.from_numpy(np.where(real, first[:, None] + j, len(x_all) - 1)))
+            # 1 / b on a batch's b real rows (the float64 quotient, as padded's), 0 on padding
+            weight.append(None if real.all() else
+                          torch.from_numpy(np.where(real, 1.0 / np.maximum(s, 1)[:, None], 0.0)).float())
+        plain = [w is None for w in weight]
+        weights = iter(_moved([w for w in weight if w is not None], device))
+        for i, unweighted in zip(_moved(index, device), plain):
+            yield x_all[i], y_all[i], None if unweighted else next(weights)
+
+
 def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     """Train the models of ``calls`` (one group: see :func:`groups`) in place, together.
 
@@ -308,13 +364,9 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     failed: dict[int, Exception] = {}
     losses: list[torch.Tensor] = []  # each step's losses (one per client), left on the device
     buffers = None
-    empty = torch.zeros(0, dtype=torch.int64)
-    for k in range(max(steps)):
+    for k, (x, y, weight) in enumerate(step_batches(calls, draws, steps, device)):
         live = [k < n for n in steps]
         active = None if all(live) else torch.tensor(live, device=device)
-        xs, ys = zip(*(c.batch(next(draw)) if on else c.data.get(empty) for c, draw, on in zip(calls, draws, live)))
-        x, y, weight = padded([t.to(device, non_blocking=True) for t in xs],
-                              [t.to(device, non_blocking=True) for t in ys])
         with autocast(cfg, device):
             loss, direction, changed = vmap(step, in_dims=(0, 0, 0, 0, None if weight is None else 0))(
                 rules.tensors(), params, x, y, weight)

@@ -188,30 +188,33 @@ def records_of(msg: Message, keys: frozenset, arrays: frozenset = frozenset(),
     protocol's records: the ArrayRecords ``arrays``, one MetricRecord 'metrics' whose keys are
     among ``keys``, one ConfigRecord 'config' whose keys are among :data:`IDENTITY`, and no
     other ConfigRecord but those of ``texts`` (name -> its keys, short texts)."""
-    content, texts = msg.content, texts or {}
-    got = set(content.array_records)
+    texts = texts or {}
+    # each of Flower's typed views builds a new dict from the content: read each once
+    content = msg.content
+    arrays_in, configs, metric_records = content.array_records, content.config_records, content.metric_records
+    got = set(arrays_in)
     if got != arrays:
         raise RejectedReply(f"array records {_few(got)} do not match the protocol {sorted(arrays)}"
                             if arrays else f"unexpected array records {_few(got)}")
-    if extra := set(content.config_records) - set(texts) - {P.CONFIG}:
+    if extra := set(configs) - set(texts) - {P.CONFIG}:
         raise RejectedReply(f"unexpected config records {_few(extra)}")
     for name, allowed in texts.items():
-        record = content.config_records.get(name, {})
+        record = configs.get(name, {})
         if extra := set(record) - allowed:
             raise RejectedReply(f"config record '{name}' has unexpected keys {_few(extra)}")
         if any(not isinstance(v, str) or len(v) > CONFIG_CHARS for v in record.values()):
             raise RejectedReply(f"config record '{name}' holds other than texts of at most "
                                 f"{CONFIG_CHARS} characters")
-    if P.METRICS not in content.metric_records:
+    if P.METRICS not in metric_records:
         raise RejectedReply("reply has no 'metrics' record")
-    if extra := set(content.metric_records) - {P.METRICS}:
+    if extra := set(metric_records) - {P.METRICS}:
         raise RejectedReply(f"unexpected metric records {_few(extra)}")
-    metrics = content.metric_records[P.METRICS]
+    metrics = metric_records[P.METRICS]
     if extra := set(metrics) - keys:
         raise RejectedReply(f"metrics hold unexpected keys {_few(extra)}")
-    if P.CONFIG not in content.config_records:
+    if P.CONFIG not in configs:
         raise RejectedReply("reply has no 'config' record (its partition-id and the nonce it echoes)")
-    identity = content.config_records[P.CONFIG]
+    identity = configs[P.CONFIG]
     if extra := set(identity) - IDENTITY:
         raise RejectedReply(f"config record '{P.CONFIG}' has unexpected keys {_few(extra)}")
     return metrics, identity
@@ -224,7 +227,7 @@ def parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientU
 
 
 def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientUpdate:
-    content = msg.content
+    arrays = msg.content.array_records
     metrics, identity = records_of(msg, TRAIN_METRICS, arrays=frozenset({P.MODEL, *expected.uploads}))
     check_identity(identity, metrics, expected)
     steps = metric(metrics, P.NUM_STEPS, int)
@@ -238,8 +241,8 @@ def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> Client
         num_steps=expected.num_steps,
         train_loss=train_loss,
         reported=reported_metrics(metrics),
-        model=parse_record(P.MODEL, content.array_records[P.MODEL], expected.layout),
-        records={name: parse_record(name, content.array_records[name], expected.layout)
+        model=parse_record(P.MODEL, arrays[P.MODEL], expected.layout),
+        records={name: parse_record(name, arrays[name], expected.layout)
                  for name in expected.uploads},
     )
 

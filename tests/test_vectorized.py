@@ -86,9 +86,9 @@ def batching_always_pays(monkeypatch):
 @pytest.fixture
 def spy(monkeypatch):
     """Records every group flatflower.runtime.vectorized trains together (its size, step count and
-    partitions) and whether each stacked mini-batch was padded (padded() gave weights)."""
+    partitions) and whether each step's stacked mini-batch was padded (step_batches gave weights)."""
     seen = {"groups": [], "padded": 0, "unpadded": 0}
-    train_group, pad = vec.train_group, vec.padded
+    train_group, batches = vec.train_group, vec.step_batches
     monkeypatch.setattr(vec, "MIN_GROUP", 1)  # every group batched, however small,
     monkeypatch.setattr(vec, "batching_pays", lambda call: True)  # whatever this CPU measures
 
@@ -98,13 +98,13 @@ def spy(monkeypatch):
                                "partitions": [c.node.partition_id for c in calls]})
         return train_group(calls)
 
-    def spying_padded(xs, ys):
-        out = pad(xs, ys)
-        seen["padded" if out[2] is not None else "unpadded"] += 1
-        return out
+    def spying_step_batches(*args):
+        for x, y, weight in batches(*args):
+            seen["padded" if weight is not None else "unpadded"] += 1
+            yield x, y, weight
 
     monkeypatch.setattr(vec, "train_group", spying_train_group)
-    monkeypatch.setattr(vec, "padded", spying_padded)
+    monkeypatch.setattr(vec, "step_batches", spying_step_batches)
     return seen
 
 
@@ -250,6 +250,56 @@ def test_padded_weighs_real_rows_1_over_b_and_padding_0():
         assert torch.equal(x[i, :n], xs[i]) and torch.equal(y[i, :n], ys[i])
         assert torch.all(weight[i, :n] == 1.0 / n) and torch.all(weight[i, n:] == 0)
         assert float(weight[i].sum()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("chunk_bytes", [vec.STEP_BYTES, 1])
+def test_step_batches_are_the_step_by_step_padded_batches_bit_for_bit(monkeypatch, chunk_bytes):
+    """step_batches (each client's rows gathered once per chunk of steps) gives, step by step,
+    exactly what padding each client's own batch gives: ragged sizes (the last batch of an
+    epoch), clients past their last step (empty batches), a client whose train-transform draws
+    from its own generator in step order, a normalised split; in one chunk and one step a chunk."""
+    from flatflower.client.train import batch_indices
+    from flatflower.common.augment import train_augment
+    from flatflower.common.datasets import Split
+
+    monkeypatch.setattr(vec, "STEP_BYTES", chunk_bytes)
+    torch.manual_seed(3)
+    sizes, batch_size = [23, 9, 16, 30], 8  # steps per epoch: 3, 2, 2, 4
+
+    def calls(seed):
+        made = []
+        for i, n in enumerate(sizes):
+            data = Split(torch.randint(0, 255, (n, 1, 6, 6), dtype=torch.uint8), torch.randint(0, 10, (n,)),
+                         mean=(0.4,), std=(0.3,), scale=255.0)
+            augment = train_augment("crop-flip", seed, 1, i) if i == 2 else None
+            made.append(SimpleNamespace(data=data, augment=augment,
+                                        batch=lambda idx, d=data, a=augment: d.get(idx, augment=a)))
+        return made
+
+    def draws(group, seed):
+        return [batch_indices(len(c.data), batch_size, 2, 0, torch.Generator().manual_seed(seed + i))
+                for i, c in enumerate(group)]
+
+    torch.manual_seed(4)
+    group = calls(7)
+    steps = [2 * math.ceil(n / batch_size) for n in sizes]
+    got = list(vec.step_batches(group, draws(group, 11), steps, torch.device("cpu")))
+    torch.manual_seed(4)
+    group = calls(7)
+    mine = draws(group, 11)
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert len(got) == max(steps)
+    padded_steps = 0
+    for k, (x, y, weight) in enumerate(got):
+        xs, ys = zip(*(c.batch(next(d)) if k < n else c.data.get(empty) for c, d, n in zip(group, mine, steps)))
+        want = padded(xs, ys)
+        assert torch.equal(x, want[0]) and torch.equal(y, want[1])
+        assert (weight is None) == (want[2] is None)
+        if weight is not None:
+            assert torch.equal(weight, want[2])
+            padded_steps += 1
+    assert padded_steps > 0 and group[2].augment is not None
+    assert any(w is not None and bool((w == 0).all(dim=1).any()) for _, _, w in got)  # a client past its end
 
 
 def test_weighted_objectives_of_a_padded_batch_equal_the_plain_means():
