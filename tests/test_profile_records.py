@@ -1,0 +1,107 @@
+"""docs/benchmarks.md, "Where a round's time goes": its tables are the records in
+docs/results/profile-cpu/ that docs/results/profile_round.py wrote (each row re-rendered here
+from its JSON files is in the doc, and the doc has no other row), and the script still runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDS = ROOT / "docs" / "results" / "profile-cpu"
+SCRIPT = ROOT / "docs" / "results" / "profile_round.py"
+SECTION = "### Where a round's time goes"
+STAGES = ("client: open the train message", "client: local training", "client: reply", "server: validate replies",
+          "server: aggregate", "server: clients.jsonl rows", "server: sample and send")
+
+
+def runs() -> dict[tuple[str, str, str], list[dict]]:
+    """(engine, local epochs, code) -> the records of its interleaved runs."""
+    grouped: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for path in sorted(RECORDS.glob("*.json")):
+        record = json.loads(path.read_text())
+        grouped[(record["engine"], str(record["epochs"]), record["label"])].append(record)
+    return grouped
+
+
+def stage_ms(records: list[dict], stage: str) -> float:
+    """A stage's ms per round, the mean over the runs (the training stage: either engine's)."""
+    values = [sum(v for k, v in r["stage_ms_per_round"].items() if k.startswith(stage)) for r in records]
+    return sum(values) / len(values)
+
+
+def stage_rows() -> list[str]:
+    rows = []
+    for (engine, epochs, code), records in sorted(runs().items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2] != "134a88d")):
+        best = min(r["round_seconds_best"] for r in records)
+        cells = [engine, epochs, code, f"{best:.3f}", *(f"{stage_ms(records, s):.0f}" for s in STAGES)]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def ratio_rows() -> list[str]:
+    grouped, rows = runs(), []
+    for epochs in sorted({k[1] for k in grouped}):
+        for code in sorted({k[2] for k in grouped if k[1] == epochs}, key=lambda c: c != "134a88d"):
+            inp = [r["round_seconds_best"] for r in grouped[("inprocess", epochs, code)]]
+            vec = [r["round_seconds_best"] for r in grouped[("vectorized", epochs, code)]]
+            rows.append(f"| {epochs} | {code} | {min(inp) / min(vec):.1f}x | "
+                        f"{min(i / v for i, v in zip(inp, vec)):.1f}-{max(i / v for i, v in zip(inp, vec)):.1f}x |")
+    return rows
+
+
+OPS = ("aten::bmm", "aten::add", "aten::index", "aten::copy_", "aten::select", "aten::slice")
+
+
+def ops_rows() -> list[str]:
+    """The vectorised training's ops under torch.profiler (``--ops``), before and after."""
+    before, after = (json.loads((RECORDS / "ops" / f"{code}-vectorized-e5.json").read_text())
+                     for code in ("before", "after"))
+
+    def cell(record: dict, op: str) -> str:
+        value = record["top_ops_ms_per_round"].get(op)
+        return "not in its top 15" if value is None else f"{value:.1f}"
+
+    rows = [f"| all ops | {before['all_ops_ms_per_round']:.1f} | {after['all_ops_ms_per_round']:.1f} |"]
+    return rows + [f"| `{op}` | {cell(before, op)} | {cell(after, op)} |" for op in OPS]
+
+
+def section() -> str:
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    start = doc.index(SECTION)
+    end = doc.find("\n#", start + len(SECTION))
+    return doc[start:end if end >= 0 else len(doc)]
+
+
+def test_the_docs_tables_are_the_records():
+    text = section()
+    expected = stage_rows() + ratio_rows() + ops_rows()
+    assert len(runs()) == 8 and all(len(r) == 2 for r in runs().values())
+    missing = [row for row in expected if row not in text]
+    assert not missing, "\n".join(missing)
+    headers = ("| engine", "| local epochs", "| op ")
+    lines = [line.strip() for line in text.splitlines()]
+    table_rows = [line for line in lines if line.startswith("| ") and not line.startswith(headers)
+                  and not set(line) <= set("|- ")]
+    assert sorted(table_rows) == sorted(expected)
+
+
+def test_the_profile_script_runs_and_records_every_stage(tmp_path):
+    out = tmp_path / "profile.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_HOME": str(tmp_path / "flwr"),
+           "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--engine", "vectorized", "--clients", "4", "--rounds", "3",
+                           "--ops", "--label", "test", "--out", str(out)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["label"] == "test" and record["engine"] == "vectorized" and record["round_seconds_best"] > 0
+    measured = record["stage_ms_per_round"]
+    for stage in STAGES:
+        assert any(k.startswith(stage) and v > 0 for k, v in measured.items()), (stage, measured)
+    assert record["all_ops_ms_per_round"] > 0
+    assert any(op.startswith("aten::") for op in record["top_ops_ms_per_round"])
