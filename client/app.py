@@ -89,7 +89,8 @@ def _store(cfg: RunConfig, node: NodeSettings, context: Context) -> ContextState
 
 def _nonce(msg: Message) -> int:
     """The message's nonce, echoed in the reply (the server refuses replies without it)."""
-    return int(msg.content[P.CONFIG].get(P.NONCE, 0)) if P.CONFIG in msg.content.config_records else 0
+    config = msg.content.get(P.CONFIG)  # (Flower's typed views build a new dict per access)
+    return int(config.get(P.NONCE, 0)) if isinstance(config, ConfigRecord) else 0
 
 
 def _identity(msg: Message, node: NodeSettings) -> ConfigRecord:
@@ -136,8 +137,9 @@ def _check_server_sends(spec, cfg: RunConfig, msg: Message, local: bool) -> None
     the client keeps state, ``sampled-clients`` under DP): what only a flatflower server sends,
     so a stock Flower strategy (flwr.serverapp.strategy.FedAvg) driving this ClientApp learns
     which algorithm it cannot drive, instead of a KeyError."""
-    config = msg.content.config_records.get(P.CONFIG, {})
-    missing = [f"record '{name}'" for name in spec.down if name not in msg.content.array_records]
+    config = msg.content.get(P.CONFIG)
+    config = config if isinstance(config, ConfigRecord) else {}
+    missing = [f"record '{name}'" for name in spec.down if not isinstance(msg.content.get(name), ArrayRecord)]
     missing += [f"config '{name}'" for name in spec.values if name not in config]
     if (spec.state or local) and P.STATE_ROUND not in config:
         missing.append(f"config '{P.STATE_ROUND}'")
