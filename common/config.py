@@ -99,6 +99,7 @@ class RunConfig:
     clip_norm: float = 0.0
     amp: str = "off"
     batching: str = "auto"  # vectorised engine: auto (measured once, recorded) | on | off
+    compile: str = "off"  # vectorised engine: on = its batched step under torch.compile
     eval_batch_size: int = 512
     # the server's own evaluation and flatness measurements (server/run.py): their device, and
     # their CPU threads when it is the CPU (1: today's server, which leaves the cores to clients)
@@ -204,6 +205,7 @@ class RunConfig:
         choice("too_few_replies", ("skip", "retry"))
         choice("amp", ("off", "bf16"))
         choice("batching", ("auto", "on", "off"))
+        choice("compile", ("off", "on"))
         for f in general_fields().values():
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:

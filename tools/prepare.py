@@ -404,10 +404,11 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
     if setup.note:
         print(f"note: {setup.note}", flush=True)
     if engine == "vectorized":
-        from flatflower.runtime.vectorized import check_batchable
+        from flatflower.runtime.vectorized import check_batchable, check_compilable
 
         try:
             check_batchable(model, cfg.resolved_model())
+            check_compilable(cfg)
         except ValueError as err:
             raise UsageError(str(err)) from None
     per_round = num_clients if cfg.sampling == "bernoulli" else max(

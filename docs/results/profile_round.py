@@ -1,7 +1,7 @@
 """Where a simulated round's time goes (docs/benchmarks.md, "Where a round's time goes").
 
     PYTHONPATH=$PWD python docs/results/profile_round.py --engine vectorized --clients 100 \
-        --algorithm fedsam --model mlp --epochs 5 [--ops] [--out FILE.json]
+        --algorithm fedsam --model mlp --epochs 5 [--compile] [--ops] [--out FILE.json]
 
 One run of the bench's throughput setting (tools/throughput.py: iid, batch 32, every client
 every round, no self-reports) on the in-process or vectorised engine. Each stage of a round is
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--ops", action="store_true",
                         help="torch.profiler over the vectorised training (adds its own overhead to that stage)")
+    parser.add_argument("--compile", action="store_true", help="run-config compile = on (the vectorised step compiled)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--label", default="", help="what code was measured (recorded in --out)")
     args = parser.parse_args()
@@ -117,6 +118,7 @@ def main() -> None:
     settings = ThroughputSettings(local_epochs=args.epochs)
     cfg = run_config(args.algorithm, args.model, workdir / "run", args.rounds, settings)
     cfg["batching"] = "on"  # the vectorised engine batches, whatever this CPU's calibration says
+    cfg["compile"] = "on" if args.compile else "off"  # its first round (not timed) compiles
     rows = measure_inprocess(cfg, args.clients, args.engine == "vectorized")
     timed = len(rows) + 1  # rounds 2 .. rounds: counting ran from round 2's send to the run's end
     round_s = sorted(r["wall_seconds"] for r in rows)
@@ -127,7 +129,7 @@ def main() -> None:
     top = sorted(ops.items(), key=lambda kv: -kv[1]["self_cpu_us"])[:15]
     result = {
         "label": args.label, "engine": args.engine, "clients": args.clients, "algorithm": args.algorithm, "model": args.model,
-        "epochs": args.epochs, "device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "epochs": args.epochs, "compile": cfg["compile"], "device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "round_seconds_best": round_s[0], "round_seconds_median": round_s[len(round_s) // 2],
         "stage_ms_per_round": {k: round(1000 * v / timed, 2) for k, v in stages.seconds.items()},
         "top_ops_ms_per_round": {k: round(v["self_cpu_us"] / 1000 / timed, 2) for k, v in top},

@@ -38,7 +38,8 @@ from flatflower.client.app import app as default_client_app
 from flatflower.common.config import RunConfig
 from flatflower.common.data import model_shape
 from flatflower.common.models import build_model
-from flatflower.runtime.vectorized import adopt_batching, batching_choices, check_batchable, train_together
+from flatflower.runtime.vectorized import (adopt_batching, batching_choices, check_batchable, check_compilable,
+                                           train_together)
 from flatflower.server.app import app as default_server_app
 from flatflower.server.rundir import RunWriteError, default_run_dir, write_recorded
 
@@ -364,9 +365,11 @@ def _run(outcome) -> Message:
 def check_vectorizable(cfg) -> None:
     """ValueError (one line) before any round when the run's model cannot be batched by the
     vectorised engine (buffers such as BatchNorm's statistics, dropout: flatflower.runtime.vectorized.
-    check_batchable): the engine refuses it itself, not only the CLI."""
+    check_batchable), or when ``compile = on`` and torch.compile does not work here
+    (check_compilable): the engine refuses it itself, not only the CLI."""
     input_shape, num_classes = model_shape(cfg)  # partition = local: from the run config, no data here
     check_batchable(build_model(cfg.resolved_model(), input_shape, num_classes, seed=0), cfg.resolved_model())
+    check_compilable(cfg)
 
 
 def run_inprocess(run_config: Mapping[str, Any], num_clients: int,

@@ -1,0 +1,93 @@
+"""Run-config ``compile = on``: the vectorised engine's batched step under torch.compile
+(runtime/vectorized.py ``compiled``). Its models equal the eager step's to float rounding, it
+really compiles (dynamo captured graphs), and it compiles a few graphs per run, not one per
+round (a graph per round would recompile every round, then fall back to eager)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import flatflower.runtime.engines.inprocess  # noqa: F401  (flwr's log handler: see test_bad_input.py)
+from flatflower.common.config import ConfigError, RunConfig
+from flatflower.runtime.engines.inprocess import run_inprocess
+from flatflower.strategies.registry import ALGORITHMS
+
+CLIENTS = 6  # one batched group (>= MIN_GROUP), ragged: the default Dirichlet partition of digits
+
+
+def final_model(run_dir) -> dict[str, torch.Tensor]:
+    state = torch.load(run_dir / "model_final.pt", weights_only=False)
+    return state.get("state_dict", state)
+
+
+def both(tmp_path, algorithm: str, rounds: int) -> tuple[dict, dict, dict]:
+    """(eager model, compiled model, dynamo's stats of the compiled run)."""
+    config = {**ALGORITHMS[algorithm].example_config(), "algorithm": algorithm, "dataset": "digits",
+              "num-server-rounds": rounds, "local-epochs": 1, "batch-size": 48, "batching": "on",
+              "tensorboard": False, "fraction-evaluate": 0.0}
+    models = {}
+    for mode in ("off", "on"):
+        torch._dynamo.reset()
+        counters.clear()
+        run_dir, _ = run_inprocess({**config, "compile": mode, "run-dir": str(tmp_path / mode)}, CLIENTS,
+                                   vectorized=True)
+        models[mode] = final_model(run_dir)
+        stats = dict(counters["stats"])
+        if mode == "off":
+            assert not stats.get("unique_graphs"), stats  # eager: nothing compiled
+    torch._dynamo.reset()
+    return models["off"], models["on"], stats
+
+
+def assert_close_models(eager: dict, compiled: dict) -> None:
+    assert eager.keys() == compiled.keys()
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_fedsam_run_equals_the_eager_one_and_compiles_once_not_per_round(tmp_path):
+    eager, compiled, stats = both(tmp_path, "fedsam", rounds=5)
+    assert_close_models(eager, compiled)
+    assert any(not torch.equal(eager[k], compiled[k]) for k in eager)  # a different kernel really ran
+    # full and padded steps, and a dynamic-shape graph: a handful for 5 rounds x 2 steps, not 10
+    assert 1 <= stats["unique_graphs"] <= 4, stats
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compile_takes_off_or_on_only():
+    with pytest.raises(ConfigError, match="compile='yes' is not one of: off, on"):
+        RunConfig.from_mapping({"compile": "yes"}).validate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_algorithm_compiled_equals_eager(tmp_path, algorithm):
+    eager, compiled, stats = both(tmp_path, algorithm, rounds=3)
+    assert_close_models(eager, compiled)
+    assert stats.get("unique_graphs", 0) >= 1, stats
+    (tmp_path / "stats.json").write_text(json.dumps(stats))
+
+
+def test_compile_on_without_a_working_toolchain_is_refused_in_one_line_before_anything_starts(tmp_path):
+    """No C++ compiler for inductor (CXX names none; a fresh inductor cache, so nothing is
+    reused): the CLI refuses the run in one line naming the option, and no run directory is
+    made, instead of every batched group failing at its first step."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+           "FLWR_HOME": str(tmp_path / "flwr"), "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0"}
+    done = subprocess.run([sys.executable, "-m", "flatflower.tools.cli", "simulate", "--engine", "vectorized",
+                           "--clients", "4", "--rounds", "1", "--dataset", "digits", "--set", "compile=on",
+                           "--run-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.lower().startswith("error:")]
+    assert len(errors) == 1 and "compile = on, but torch.compile does not work here on cpu" in errors[0], done.stderr
+    assert "use compile = off" in errors[0]
+    assert not (tmp_path / "run").exists()
