@@ -411,15 +411,11 @@ def compiled(batched):
     once they change), so the step's many small kernels become few fused ones (on a CPU, C++
     from inductor; on a GPU, Triton). The first step of each kind compiles (seconds to tens of
     seconds); results equal the eager step's to float rounding (about 1e-7 relative), not bit
-    for bit. A process compiles at most RECOMPILE_LIMIT graphs of the step; beyond them it runs
-    eagerly, with torch's warning."""
-    step = torch.compile(batched)
-
-    def call(*args):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return step(*args)
-
-    return call
+    for bit. torch's limit of graphs per compiled function is raised to RECOMPILE_LIMIT for the
+    process (from 8); beyond it the step runs eagerly, with torch's warning."""
+    # raised once for the process, not patched per call (a patch costs the step about 2 ms)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(batched)
 
 
 def check_compilable(cfg) -> None:

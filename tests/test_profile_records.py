@@ -70,6 +70,26 @@ def ops_rows() -> list[str]:
     return rows + [f"| `{op}` | {cell(before, op)} | {cell(after, op)} |" for op in OPS]
 
 
+def compile_rows() -> list[str]:
+    """In-process, vectorised and vectorised with ``compile = on``, measured side by side."""
+    found: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)  # (mode, epochs) -> run -> record
+    for path in sorted((RECORDS / "compile").glob("*.json")):
+        mode, epochs, run = path.stem.split("-")
+        record = json.loads(path.read_text())
+        assert record["compile"] == ("on" if mode == "compiled" else "off") and f"e{record['epochs']}" == epochs
+        found[(mode, epochs[1:])][run] = record
+    rows = []
+    for epochs in sorted({e for _, e in found}):
+        runs_of = {mode: found[(mode, epochs)] for mode in ("inprocess", "eager", "compiled")}
+        best = {mode: min(r["round_seconds_best"] for r in rs.values()) for mode, rs in runs_of.items()}
+        pairs = [runs_of["inprocess"][run]["round_seconds_best"] / runs_of["compiled"][run]["round_seconds_best"]
+                 for run in sorted(runs_of["compiled"])]
+        rows.append(f"| {epochs} | {best['inprocess']:.3f} | {best['eager']:.3f} | {best['compiled']:.3f} | "
+                    f"{best['inprocess'] / best['eager']:.1f}x | {best['inprocess'] / best['compiled']:.1f}x | "
+                    f"{min(pairs):.1f}-{max(pairs):.1f}x |")
+    return rows
+
+
 def section() -> str:
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
     start = doc.index(SECTION)
@@ -79,11 +99,11 @@ def section() -> str:
 
 def test_the_docs_tables_are_the_records():
     text = section()
-    expected = stage_rows() + ratio_rows() + ops_rows()
+    expected = stage_rows() + ratio_rows() + ops_rows() + compile_rows()
     assert len(runs()) == 8 and all(len(r) == 2 for r in runs().values())
     missing = [row for row in expected if row not in text]
     assert not missing, "\n".join(missing)
-    headers = ("| engine", "| local epochs", "| op ")
+    headers = ("| engine", "| local epochs", "| op ")  # (the tables' header rows)
     lines = [line.strip() for line in text.splitlines()]
     table_rows = [line for line in lines if line.startswith("| ") and not line.startswith(headers)
                   and not set(line) <= set("|- ")]
