@@ -6,8 +6,9 @@ code on the CPU with one round and a few steps (to check the script, not to meas
 Figures: the study preset's (fashion-mnist-bench, FedSAM, 10 clients x 60 steps of 50) round time
 in each engine, the GPU's busy fraction (profiled device time / wall), host syncs per local step
 (torch.cuda.set_sync_debug_mode's warnings), peak memory, ResNet-18's cost per step of each
-algorithm against SGD (tools/bench.py's compute section) and a longer run (100 FedSAM rounds,
-vectorised)."""
+algorithm against SGD (tools/bench.py's compute section), a longer run (100 FedSAM rounds,
+vectorised) and, last, the study round vectorised with ``compile = on`` (round 1 compiles). The
+JSON is written after every section, so a run cut short keeps what it measured."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def timed_run(config: dict, clients: int, device: str, vectorized: bool, profile
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     trained = sum(len(r.get("sampled_partitions", [])) for r in rows if r["round"] >= 1)
     steps = trained * config.get("local-steps", 0) or None
-    out = {"engine": "vectorised" if vectorized else "in-process", "rounds": config["num-server-rounds"],
+    out = {"engine": "vectorised" if vectorized else "in-process", "compile": config.get("compile", "off"),
+           "rounds": config["num-server-rounds"],
            "round_seconds": _round_seconds(run_dir), "wall_seconds": wall,
            "final_test_accuracy": rows[-1].get("test_accuracy"),
            "host_syncs": syncs if cuda else None, "host_syncs_per_step": syncs / steps if cuda and steps else None,
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="check the script on the CPU (not a measurement)")
     parser.add_argument("--long-rounds", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=OUT, help="where <device>.json goes (default: %(default)s)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu_dry_run:
         print("gpu bench: skipped, no CUDA device on this machine")
@@ -81,7 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.cpu_dry_run else "cuda"
     dry = args.cpu_dry_run
     name = "cpu-dry-run" if dry else torch.cuda.get_device_name(0).replace(" ", "-")
-    report: dict = {"device": name, "torch": torch.__version__, "study": [], "long": None, "resnet18": []}
+    report: dict = {"device": name, "torch": torch.__version__, "study": [], "long": None, "resnet18": [],
+                    "study_compiled": None}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{name}.json"
+
+    def save() -> None:  # after every section: a run cut short by its time limit keeps what it measured
+        path.write_text(json.dumps(report, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for vectorized in (False, True):
@@ -91,21 +101,27 @@ def main(argv: list[str] | None = None) -> int:
                 row = timed_run(config, clients, device, vectorized, profile)
                 row["profiled"] = profile
                 report["study"].append(row)
+                save()
                 print(f"study fedsam {row['engine']:>10} profiled={profile}: rounds {row['round_seconds']}", flush=True)
         config, clients = study("fedsam", 2 if dry else args.long_rounds, 2 if dry else None, device, work / "long")
         report["long"] = timed_run(config, clients, device, True, False)
+        save()
         print(f"long fedsam run: {report['long']['wall_seconds']:.1f} s", flush=True)
     settings = Settings(quick=dry, model="lenet5" if dry else "resnet18", input_shape=(1, 28, 28) if dry else (3, 32, 32),
                         num_classes=10, batch_size=8 if dry else 128, steps=1 if dry else 10, repeats=1 if dry else 3,
                         device=device, full_overhead=False)
     report["resnet18"] = bench_compute(settings, say=lambda s: print(s, flush=True))
-    OUT.mkdir(exist_ok=True)
-    path = OUT / f"{name}.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    save()
+    with tempfile.TemporaryDirectory() as tmp:  # last: compiling takes a while (round 1 holds it)
+        config, clients = study("fedsam", 2 if dry else 4, 2 if dry else 60, device, Path(tmp) / "compiled")
+        report["study_compiled"] = timed_run({**config, "compile": "on"}, clients, device, True, False)
+        save()
+        print(f"study fedsam vectorised, compile = on: rounds {report['study_compiled']['round_seconds']}", flush=True)
     print(f"\n{'engine':>10} {'profiled':>8} {'round s (median)':>17} {'busy':>6} {'syncs/step':>10} {'peak MiB':>9}")
-    for r in report["study"]:
+    for r in [*report["study"], report["study_compiled"]]:
         med = sorted(r["round_seconds"])[len(r["round_seconds"]) // 2]
-        print(f"{r['engine']:>10} {r['profiled']!s:>8} {med:>17.3f} {r.get('gpu_busy_fraction') or 0:>6.2f} "
+        engine = r["engine"] + (" compiled" if r["compile"] == "on" else "")
+        print(f"{engine:>10} {r.get('profiled', False)!s:>8} {med:>17.3f} {r.get('gpu_busy_fraction') or 0:>6.2f} "
               f"{r['host_syncs_per_step'] or 0:>10.2f} {r['peak_memory_mib'] or 0:>9.0f}")
     print(f"\n{'algorithm':>14} {'cost vs SGD':>11}")
     for r in report["resnet18"]:
