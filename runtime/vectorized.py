@@ -21,7 +21,9 @@ step (clipping, weight decay, momentum, the step's lr) is the one client/train.p
 
 Every client's data, shuffling RNG, rule and reply are those of its own ``train`` call
 (flatflower.client.app.TrainCall), so a vectorised run equals an in-process one up to the float rounding
-of batched kernels.
+of batched kernels. A group's mini-batches are gathered a chunk of steps at a time
+(:func:`step_batches`); run-config ``compile = on`` runs the batched step under torch.compile
+(:func:`compiled`).
 """
 
 from __future__ import annotations
@@ -413,7 +415,6 @@ def compiled(batched):
     seconds); results equal the eager step's to float rounding (about 1e-7 relative), not bit
     for bit. torch's limit of graphs per compiled function is raised to RECOMPILE_LIMIT for the
     process (from 8); beyond it the step runs eagerly, with torch's warning."""
-    # raised once for the process, not patched per call (a patch costs the step about 2 ms)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(batched)
 
@@ -422,7 +423,7 @@ def check_compilable(cfg) -> None:
     """``compile = on``: a clear error (one line) before any round when torch.compile cannot
     work on this machine (no C++ compiler for the CPU's inductor, no Triton for a GPU), instead
     of every batched group failing at its first step. Compiles a one-line function (a few
-    seconds, once per process)."""
+    seconds the first time in a process)."""
     if cfg.compile != "on":
         return
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
