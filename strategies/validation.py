@@ -226,7 +226,6 @@ def parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientU
 
 
 def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> ClientUpdate:
-    arrays = msg.content.array_records
     metrics, identity = records_of(msg, TRAIN_METRICS, arrays=frozenset({P.MODEL, *expected.uploads}))
     check_identity(identity, metrics, expected)
     steps = metric(metrics, P.NUM_STEPS, int)
@@ -240,8 +239,9 @@ def _parse_train_reply(msg: Message, node_id: int, expected: Expected) -> Client
         num_steps=expected.num_steps,
         train_loss=train_loss,
         reported=reported_metrics(metrics),
-        model=parse_record(P.MODEL, arrays[P.MODEL], expected.layout),
-        records={name: parse_record(name, arrays[name], expected.layout)
+        # records_of saw that exactly these names hold ArrayRecords: read by name, no second typed view
+        model=parse_record(P.MODEL, msg.content[P.MODEL], expected.layout),
+        records={name: parse_record(name, msg.content[name], expected.layout)
                  for name in expected.uploads},
     )
 
