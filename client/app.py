@@ -87,10 +87,16 @@ def _store(cfg: RunConfig, node: NodeSettings, context: Context) -> ContextState
     return StateMirror(root, node.partition_id, cfg.checkpoint_every) if root else ContextState(context)
 
 
+def _config(msg: Message) -> ConfigRecord | dict:
+    """The message's ``config`` record, or {} when it has none (read by name: Flower's typed
+    views build a new dict per access)."""
+    config = msg.content.get(P.CONFIG)
+    return config if isinstance(config, ConfigRecord) else {}
+
+
 def _nonce(msg: Message) -> int:
     """The message's nonce, echoed in the reply (the server refuses replies without it)."""
-    config = msg.content.get(P.CONFIG)  # (Flower's typed views build a new dict per access)
-    return int(config.get(P.NONCE, 0)) if isinstance(config, ConfigRecord) else 0
+    return int(_config(msg).get(P.NONCE, 0))
 
 
 def _identity(msg: Message, node: NodeSettings) -> ConfigRecord:
@@ -137,8 +143,7 @@ def _check_server_sends(spec, cfg: RunConfig, msg: Message, local: bool) -> None
     the client keeps state, ``sampled-clients`` under DP): what only a flatflower server sends,
     so a stock Flower strategy (flwr.serverapp.strategy.FedAvg) driving this ClientApp learns
     which algorithm it cannot drive, instead of a KeyError."""
-    config = msg.content.get(P.CONFIG)
-    config = config if isinstance(config, ConfigRecord) else {}
+    config = _config(msg)
     missing = [f"record '{name}'" for name in spec.down if not isinstance(msg.content.get(name), ArrayRecord)]
     missing += [f"config '{name}'" for name in spec.values if name not in config]
     if (spec.state or local) and P.STATE_ROUND not in config:
