@@ -282,7 +282,8 @@ class TrainCall:
         if new_state:
             self.store.stage(server_round, self.accepted, {**self.state, **new_state})
         context = self.context
-        meta = context.state.metric_records.get(META, MetricRecord({"rounds-trained": 0}))
+        meta = context.state.get(META)  # by name: the typed view builds a new dict
+        meta = meta if isinstance(meta, MetricRecord) else MetricRecord({"rounds-trained": 0})
         context.state[META] = MetricRecord(
             {"rounds-trained": int(meta["rounds-trained"]) + 1, "last-round": server_round}
         )

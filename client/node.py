@@ -13,6 +13,7 @@ reproducible across runtimes). ``inject-fault`` makes the client misbehave, for 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,15 @@ class NodeSettings:
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeSettings:
+        """The settings, or ValueError in one line; remembered by the config's items and their
+        types (a client reads the same node config at every call)."""
+        try:
+            return _from_items(tuple(node_config.items()), tuple(map(type, node_config.values())))
+        except TypeError:  # a value that cannot be hashed: read afresh
+            return cls._read(node_config)
+
+    @classmethod
+    def _read(cls, node_config: Mapping[str, Any]) -> NodeSettings:
         for key in ("partition-id", "num-partitions"):
             if key not in node_config:
                 raise ValueError(
@@ -81,6 +91,11 @@ class NodeSettings:
             raise ValueError(f"partition {self.partition_id}: device={self.device!r} requested but {missing} "
                              "on this node")
         return torch.device(self.device)
+
+
+@functools.lru_cache(maxsize=8192)
+def _from_items(items: tuple, types: tuple) -> NodeSettings:
+    return NodeSettings._read(dict(items))
 
 
 DEVICES = r"auto|cpu|cuda(:\d+)?|mps"  # what a node config's device (and `flatflower local --device`) may say

@@ -34,9 +34,21 @@ def as_array(value: np.ndarray) -> Array:
     per-call header formatting."""
     if not value.flags.c_contiguous:
         value = np.ascontiguousarray(value)  # (ascontiguousarray makes a 0-d array 1-d)
-    header = npy_header(str(value.dtype), tuple(value.shape))
-    return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype=NUMPY_STYPE,
-                 data=header + value.tobytes())
+    dtype, shape = value.dtype.str, value.shape
+    return Array(dtype=_DTYPE_NAMES[dtype], shape=shape, stype=NUMPY_STYPE,
+                 data=npy_header(dtype, shape) + value.tobytes())
+
+
+class _DtypeNames(dict):
+    """numpy's dtype strings ('<f4') -> its names ('float32'), as ``str(dtype)`` gives them
+    (which costs microseconds each time)."""
+
+    def __missing__(self, key: str) -> str:
+        self[key] = str(np.dtype(key))
+        return self[key]
+
+
+_DTYPE_NAMES = _DtypeNames()
 
 
 def array_data(arr: Array, dtype: str | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -57,8 +69,12 @@ def array_data(arr: Array, dtype: str | None = None, shape: tuple[int, ...] | No
 
 
 def to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    """Named tensors -> ArrayRecord (order kept, copied to CPU numpy)."""
-    return ArrayRecord({name: as_array(t.detach().cpu().numpy()) for name, t in tensors.items()})
+    """Named tensors -> ArrayRecord (order kept, copied to CPU numpy). Filled item by item:
+    ``ArrayRecord(dict)`` would build every Array a second time."""
+    record = ArrayRecord()
+    for name, t in tensors.items():
+        record[name] = as_array(t.detach().cpu().numpy())
+    return record
 
 
 def from_record(record: ArrayRecord) -> OrderedDict[str, torch.Tensor]:
@@ -67,5 +83,6 @@ def from_record(record: ArrayRecord) -> OrderedDict[str, torch.Tensor]:
 
 
 def payload_bytes(content: RecordDict) -> int:
-    """Bytes of all array payloads in a message (what the model traffic costs)."""
-    return sum(rec.count_bytes() for rec in content.array_records.values())
+    """Bytes of all array payloads in a message (what the model traffic costs). Read in one
+    pass over the content: Flower's typed view ``content.array_records`` builds a new dict."""
+    return sum(rec.count_bytes() for rec in content.values() if isinstance(rec, ArrayRecord))

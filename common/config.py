@@ -150,9 +150,11 @@ class RunConfig:
     @classmethod
     def parsed(cls, values: Mapping[str, Any]) -> RunConfig:
         """:meth:`from_mapping`, remembered: a client parses the same run config at every call
-        (about a millisecond each). Values that cannot be hashed are parsed afresh."""
+        (about a millisecond each). Remembered by its items and their types (1, 1.0 and True
+        are equal keys, not equal values), in their order; values that cannot be hashed are
+        parsed afresh."""
         try:
-            return _parsed(tuple(sorted((k, type(v).__name__, v) for k, v in values.items())))
+            return _parsed(tuple(values.items()), tuple(map(type, values.values())))
         except TypeError:
             return cls.from_mapping(values)
 
@@ -638,5 +640,5 @@ def defaults() -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=16)
-def _parsed(items: tuple) -> RunConfig:
-    return RunConfig.from_mapping({k: v for k, _, v in items})
+def _parsed(items: tuple, types: tuple) -> RunConfig:
+    return RunConfig.from_mapping(dict(items))

@@ -38,18 +38,23 @@ def client_rows(record: RoundRecord, server_round: int) -> list[dict[str, Any]]:
             rows[refusal["partition"]].update(status="rejected", reason=refusal["reason"])
     if updates:
         w0 = _flat(start)
-        deltas = [_flat(u.model) - w0 for u in updates]
+        deltas = torch.empty((len(updates), w0.numel()), dtype=w0.dtype)  # one row per update
+        for row, u in zip(deltas, updates):
+            torch.sub(_flat(u.model), w0, out=row)
         # in units of the largest entry where squares could overflow (float64 models): no norm
         # or cosine of a huge but finite update becomes Inf or NaN
-        scale = max(float(d.abs().max()) if d.numel() else 0.0 for d in deltas)
-        scale = scale if 1e150 < scale < math.inf else 1.0
-        deltas = [d / scale for d in deltas]
+        low, high = deltas.aminmax() if deltas.numel() else (torch.zeros(()), torch.zeros(()))
+        scale = max(-float(low), float(high))
+        if 1e150 < scale < math.inf:
+            deltas /= scale
+        else:
+            scale = 1.0
         weights = record.weights
-        mean = sum(w * d for w, d in zip(weights, deltas))
+        mean = torch.tensor(weights, dtype=deltas.dtype) @ deltas
         mean_norm = float(mean.norm())
-        for u, w, d in zip(updates, weights, deltas):
-            norm = float(d.norm())
-            cosine = float(d @ mean) / (norm * mean_norm) if norm > 0 and mean_norm > 0 else math.nan
+        norms, dots = torch.linalg.vector_norm(deltas, dim=1).tolist(), (deltas @ mean).tolist()
+        for u, w, norm, dot in zip(updates, weights, norms, dots):
+            cosine = dot / (norm * mean_norm) if norm > 0 and mean_norm > 0 else math.nan
             row = rows.setdefault(u.partition_id, {"round": server_round, "partition": u.partition_id,
                                                    "examples": u.num_examples, "steps": u.num_steps})
             row.update(status="accepted", reason=None, node=u.node_id, weight=float(w),

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from flwr.app import Array, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from flatflower.common import codec
 from flatflower.common import protocol as P
@@ -181,6 +181,18 @@ def _few(names: Any) -> list[str]:
     return [str(name)[:40] for name in sorted(names, key=str)[:5]]
 
 
+def _by_kind(content: RecordDict) -> tuple[dict, dict, dict]:
+    """The content's ArrayRecords, ConfigRecords and MetricRecords by name, in one pass
+    (Flower's typed views, ``content.array_records`` and the like, each build a new checked
+    dict from the whole content)."""
+    kinds: tuple[dict, dict, dict] = ({}, {}, {})
+    for name, record in content.items():
+        for kind, into in zip((ArrayRecord, ConfigRecord, MetricRecord), kinds):
+            if isinstance(record, kind):
+                into[name] = record
+    return kinds
+
+
 def records_of(msg: Message, keys: frozenset, arrays: frozenset = frozenset(),
                texts: Mapping[str, frozenset] | None = None) -> tuple[Any, Any]:
     """The reply's ('metrics', 'config') records, once the reply is seen to hold exactly the
@@ -188,9 +200,7 @@ def records_of(msg: Message, keys: frozenset, arrays: frozenset = frozenset(),
     among ``keys``, one ConfigRecord 'config' whose keys are among :data:`IDENTITY`, and no
     other ConfigRecord but those of ``texts`` (name -> its keys, short texts)."""
     texts = texts or {}
-    # each of Flower's typed views builds a new dict from the content: read each once
-    content = msg.content
-    arrays_in, configs, metric_records = content.array_records, content.config_records, content.metric_records
+    arrays_in, configs, metric_records = _by_kind(msg.content)
     got = set(arrays_in)
     if got != arrays:
         raise RejectedReply(f"array records {_few(got)} do not match the protocol {sorted(arrays)}"

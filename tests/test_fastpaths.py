@@ -18,6 +18,7 @@ from flatflower.common import codec
 from flatflower.common.config import ConfigError, RunConfig
 from flatflower.common.data import client_split
 from flatflower.common.models import MODELS, ModelPool, build_model
+import flatflower.strategies.registry  # noqa: F401 - registers the algorithms a RunConfig names
 from flatflower.strategies.validation import RejectedReply, decode_array
 
 ARRAYS = [np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(5), np.full((), 2.5),
@@ -98,6 +99,25 @@ def test_a_remembered_run_config_is_the_parsed_one_and_errors_are_not_remembered
             RunConfig.parsed(bad)
     # 1 and 1.0 hash alike; the type is part of what is remembered
     assert RunConfig.parsed({"lr": 1}).lr == RunConfig.parsed({"lr": 1.0}).lr == 1.0
+    assert RunConfig.parsed({"local-epochs": 1}).local_epochs == 1
+    with pytest.raises(ConfigError, match="local-epochs=True is not a valid int"):  # True == 1, yet refused
+        RunConfig.parsed({"local-epochs": True})
+    assert RunConfig.parsed(dict(reversed(values.items()))) == cfg  # another order: the same config
+
+
+def test_remembered_node_settings_are_the_read_ones_and_errors_are_not_remembered():
+    from flatflower.client.node import NodeSettings
+
+    good = {"partition-id": 1, "num-partitions": 2, "threads": 1}
+    settings = NodeSettings.from_node_config(good)
+    assert settings == NodeSettings(partition_id=1, num_partitions=2, threads=1)
+    assert NodeSettings.from_node_config(dict(good)) is settings
+    for _ in range(2):  # True == 1 and hashes alike, yet refused, every time
+        with pytest.raises(ValueError, match="'partition-id' must be a whole number"):
+            NodeSettings.from_node_config({**good, "partition-id": True})
+    with pytest.raises(ValueError, match="out of range"):
+        NodeSettings.from_node_config({**good, "partition-id": 2})
+    assert NodeSettings.from_node_config({**good, "data-dir": ["unhashable"]}).data_dir == "['unhashable']"
 
 
 def test_a_kept_client_split_is_the_split_and_is_not_shared_with_others():

@@ -56,6 +56,40 @@ def test_clients_jsonl_holds_the_servers_numbers(tmp_path):
     assert math.isclose(sum(r["weight"] for r in rows), 1.0)
 
 
+@pytest.mark.parametrize("size", [1.0, 1e200])
+def test_client_rows_norms_and_cosines_are_each_updates_own(size):
+    """update_norm = ||w_i - w|| and cosine_to_mean = cos(w_i - w, sum_j p_j (w_j - w)), each
+    update's own, over its floating entries (an int buffer is left out); float64 updates
+    near its limit (entries of 1e200: squares overflow) still give finite norms and cosines."""
+    from collections import OrderedDict
+
+    from flatflower.server.clients import client_rows
+    from flatflower.strategies.strategy import RoundRecord, RoundStats
+    from flatflower.strategies.validation import ClientUpdate
+
+    start = OrderedDict(w=torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64) * size,
+                        b=torch.tensor([0.5, -0.5], dtype=torch.float64) * size, n=torch.tensor(7))
+    moves = {4: [1.0, 0.0, 0.0, 0.0, 2.0, 0.0], 2: [0.0, 3.0, 0.0, 4.0, 0.0, 0.0], 9: [-1.0, -1.0, 1.0, 1.0, 0.0, 1.0]}
+    updates = []
+    for pid, move in moves.items():
+        delta = torch.tensor(move, dtype=torch.float64) * size
+        model = OrderedDict(w=start["w"] + delta[:4].view(2, 2), b=start["b"] + delta[4:], n=torch.tensor(99))
+        updates.append(ClientUpdate(node_id=100 + pid, partition_id=pid, num_examples=10, num_steps=1,
+                                    train_loss=0.5, model=model))
+    weights = [0.5, 0.25, 0.25]
+    record = RoundRecord(RoundStats(sampled_partitions=list(moves)), start, updates, weights, {},
+                         {p: 10 for p in moves}, {p: 1 for p in moves})
+    rows = {r["partition"]: r for r in client_rows(record, 3)}
+    mean = [sum(w * m[k] for w, m in zip(weights, moves.values())) for k in range(6)]
+    for (pid, move), weight in zip(moves.items(), weights):
+        norm = math.sqrt(sum(v * v for v in move))
+        cosine = sum(a * b for a, b in zip(move, mean)) / (norm * math.sqrt(sum(v * v for v in mean)))
+        row = rows[pid]
+        assert row["status"] == "accepted" and row["node"] == 100 + pid and row["weight"] == weight
+        assert row["update_norm"] == pytest.approx(size * norm, rel=1e-12)
+        assert row["cosine_to_mean"] == pytest.approx(cosine, rel=1e-12, abs=1e-12)
+
+
 def test_clients_jsonl_says_who_was_refused_and_who_failed(tmp_path):
     run_with_faults(tmp_path, "faults", faults={1: "nan", 2: "raise"}, clients=3, num_server_rounds=1)
     rows = {r["partition"]: r for r in clients(tmp_path / "faults")}

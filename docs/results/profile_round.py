@@ -32,6 +32,7 @@ import flatflower.client.app as client_app
 import flatflower.runtime.engines.inprocess as inprocess
 import flatflower.server.run as server_run
 import flatflower.strategies.strategy as strategy
+from flatflower.runtime.engines import quiet_flower
 from flatflower.tools.throughput import ThroughputSettings, measure_inprocess, run_config
 
 STAGES = {  # stage -> (object, attribute) wrapped
@@ -119,7 +120,8 @@ def main() -> None:
     cfg = run_config(args.algorithm, args.model, workdir / "run", args.rounds, settings)
     cfg["batching"] = "on"  # the vectorised engine batches, whatever this CPU's calibration says
     cfg["compile"] = "on" if args.compile else "off"  # its first round (not timed) compiles
-    rows = measure_inprocess(cfg, args.clients, args.engine == "vectorized")
+    with quiet_flower():  # Flower's and the clients' INFO lines off, as the bench and the CLI have them
+        rows = measure_inprocess(cfg, args.clients, args.engine == "vectorized")
     timed = len(rows) + 1  # rounds 2 .. rounds: counting ran from round 2's send to the run's end
     round_s = sorted(r["wall_seconds"] for r in rows)
     ops = collections.defaultdict(lambda: {"count": 0, "self_cpu_us": 0.0, "device_us": 0.0})
