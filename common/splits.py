@@ -26,7 +26,7 @@ class Split:
     scale: float = 1.0
 
     def __len__(self) -> int:
-        return len(self.y)
+        return self.y.shape[0]  # (len(tensor) takes torch's Python-level path)
 
     def get(self, index: torch.Tensor | slice,
             augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -246,12 +246,13 @@ def groups(calls: Sequence, budget: float | None = None) -> list[list[int]]:
     for members in kinds.values():
         steps = {i: calls[i].cfg.num_steps(len(calls[i].data)) for i in members}
         group: list[int] = []
+        real = 0  # the group's real steps
         for i in sorted(members, key=steps.__getitem__):
-            real = sum(steps[j] for j in group) + steps[i]
-            if group and (len(group) + 1) * steps[i] > budget * real:
+            if group and (len(group) + 1) * steps[i] > budget * (real + steps[i]):
                 out.append(group)
-                group = []
+                group, real = [], 0
             group.append(i)
+            real += steps[i]
         out.append(group)
     return out
 

@@ -269,12 +269,14 @@ class VectorizedGrid(InProcessGrid):
         once none is waiting the batch goes on without it; a late call trains alone in its own
         thread when it opens (the same result: the engines agree), as a hung client stays
         hung alone."""
-        arrived = threading.Condition()
+        arrived = threading.Condition()  # notified when the last message is opened
         waiting = list(range(len(messages)))
         opened: dict[int, Any] = {}  # message index -> its TrainCall, or the exception
         closed = False
+        progress = time.monotonic()  # when the last open finished (or the batch began)
 
         def opener() -> None:
+            nonlocal progress
             while True:
                 with arrived:
                     if closed or not waiting:
@@ -287,8 +289,9 @@ class VectorizedGrid(InProcessGrid):
                     outcome = err
                 with arrived:
                     if not closed:
-                        opened[i] = outcome
-                        arrived.notify_all()
+                        opened[i], progress = outcome, time.monotonic()
+                        if len(opened) == len(messages):  # (one wake-up, not one per message)
+                            arrived.notify_all()
                         continue
                 self._land({msg.metadata.message_id: self._answer(msg, msg, lambda: _run(outcome))})
                 return
@@ -299,11 +302,14 @@ class VectorizedGrid(InProcessGrid):
         start_opener()
         with arrived:
             while len(opened) < len(messages):
-                count = len(opened)
-                if not arrived.wait_for(lambda: len(opened) > count, STRAGGLER_WAIT):
-                    if not waiting:
-                        break  # only calls stuck in their open are left: go on without them
-                    start_opener()  # the last opener is stuck: another takes the waiting ones
+                stalled = progress + STRAGGLER_WAIT - time.monotonic()  # no open finished since
+                if stalled > 0:
+                    arrived.wait(stalled)
+                    continue
+                if not waiting:
+                    break  # only calls stuck in their open are left: go on without them
+                start_opener()  # the last opener is stuck: another takes the waiting ones
+                progress = time.monotonic()
             closed = True
             batch = dict(opened)
         calls = {i: o for i, o in batch.items() if not isinstance(o, Exception)}
