@@ -90,6 +90,39 @@ def compile_rows() -> list[str]:
     return rows
 
 
+def messages_records() -> dict[tuple[str, str, str], dict[str, dict]]:
+    """(code, mode, local epochs) -> run -> record, of ``messages/`` (the message layer's work:
+    before and after, in-process, vectorised and vectorised with compile = on, interleaved)."""
+    found: dict[tuple[str, str, str], dict[str, dict]] = defaultdict(dict)
+    for path in sorted((RECORDS / "messages").glob("*.json")):
+        code, mode, epochs, run = path.stem.split("-")
+        record = json.loads(path.read_text())
+        assert record["compile"] == ("on" if mode == "compiled" else "off") and f"e{record['epochs']}" == epochs
+        assert record["engine"] == ("inprocess" if mode == "inprocess" else "vectorized")
+        found[(record["label"], mode, epochs[1:])][run] = record
+    return found
+
+
+def messages_rows() -> list[str]:
+    """Per local epochs and code: the best rounds of each mode and the speed-ups (the range:
+    over the interleaved runs' pairs), then the stages of the in-process and compiled rounds."""
+    found, rows, stages = messages_records(), [], []
+    codes = sorted({c for c, _, _ in found}, key=lambda c: c != "3b25b5a")
+    for epochs in sorted({e for _, _, e in found}):
+        for code in codes:
+            runs_of = {mode: found[(code, mode, epochs)] for mode in ("inprocess", "eager", "compiled")}
+            best = {mode: min(r["round_seconds_best"] for r in rs.values()) for mode, rs in runs_of.items()}
+            pairs = [runs_of["inprocess"][run]["round_seconds_best"] / runs_of["compiled"][run]["round_seconds_best"]
+                     for run in sorted(runs_of["compiled"])]
+            rows.append(f"| {epochs} | {code} | {best['inprocess']:.3f} | {best['eager']:.3f} | {best['compiled']:.3f} | "
+                        f"{best['inprocess'] / best['eager']:.1f}x | {best['inprocess'] / best['compiled']:.1f}x | "
+                        f"{min(pairs):.1f}-{max(pairs):.1f}x |")
+            for mode, name in (("inprocess", "in-process"), ("compiled", "vectorised, compile = on")):
+                records = list(runs_of[mode].values())
+                stages.append("| " + " | ".join([name, epochs, code, *(f"{stage_ms(records, s):.0f}" for s in STAGES)]) + " |")
+    return rows + stages
+
+
 def section() -> str:
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
     start = doc.index(SECTION)
@@ -99,7 +132,7 @@ def section() -> str:
 
 def test_the_docs_tables_are_the_records():
     text = section()
-    expected = stage_rows() + ratio_rows() + ops_rows() + compile_rows()
+    expected = stage_rows() + ratio_rows() + ops_rows() + compile_rows() + messages_rows()
     assert len(runs()) == 8 and all(len(r) == 2 for r in runs().values())
     missing = [row for row in expected if row not in text]
     assert not missing, "\n".join(missing)

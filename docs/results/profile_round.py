@@ -11,8 +11,8 @@ sampling, validation (collect), aggregation (finish_round), clients.jsonl rows a
 the round (central evaluation, run files). ``--ops``: the vectorised engine's training runs in
 one thread, which torch.profiler then records (its CPU ops, and its kernels on a GPU): the ops
 that take the training's time (the profiler's own cost is in that stage's figure then). The
-nodes' device is ``auto`` (CUDA when present). Nothing of the engines is changed; the stages
-are wrapped here.
+nodes' device is ``auto`` (CUDA when present). Flower's and the clients' INFO lines are off,
+as in the bench and the CLI. Nothing of the engines is changed; the stages are wrapped here.
 """
 
 from __future__ import annotations
