@@ -80,14 +80,22 @@ def compile_rows() -> list[str]:
         found[(mode, epochs[1:])][run] = record
     rows = []
     for epochs in sorted({e for _, e in found}):
-        runs_of = {mode: found[(mode, epochs)] for mode in ("inprocess", "eager", "compiled")}
-        best = {mode: min(r["round_seconds_best"] for r in rs.values()) for mode, rs in runs_of.items()}
-        pairs = [runs_of["inprocess"][run]["round_seconds_best"] / runs_of["compiled"][run]["round_seconds_best"]
-                 for run in sorted(runs_of["compiled"])]
-        rows.append(f"| {epochs} | {best['inprocess']:.3f} | {best['eager']:.3f} | {best['compiled']:.3f} | "
-                    f"{best['inprocess'] / best['eager']:.1f}x | {best['inprocess'] / best['compiled']:.1f}x | "
-                    f"{min(pairs):.1f}-{max(pairs):.1f}x |")
+        rows.append(f"| {epochs} | {speedup_cells({m: found[(m, epochs)] for m in MODES})} |")
     return rows
+
+
+MODES = ("inprocess", "eager", "compiled")
+
+
+def speedup_cells(runs_of: dict[str, dict[str, dict]]) -> str:
+    """mode -> run -> record: each mode's best round, the speed-ups of the best rounds over the
+    in-process one, and the range of in-process over compiled across the interleaved runs."""
+    best = {mode: min(r["round_seconds_best"] for r in rs.values()) for mode, rs in runs_of.items()}
+    pairs = [runs_of["inprocess"][run]["round_seconds_best"] / runs_of["compiled"][run]["round_seconds_best"]
+             for run in sorted(runs_of["compiled"])]
+    return (f"{best['inprocess']:.3f} | {best['eager']:.3f} | {best['compiled']:.3f} | "
+            f"{best['inprocess'] / best['eager']:.1f}x | {best['inprocess'] / best['compiled']:.1f}x | "
+            f"{min(pairs):.1f}-{max(pairs):.1f}x")
 
 
 def messages_records() -> dict[tuple[str, str, str], dict[str, dict]]:
@@ -110,13 +118,8 @@ def messages_rows() -> list[str]:
     codes = sorted({c for c, _, _ in found}, key=lambda c: c != "3b25b5a")
     for epochs in sorted({e for _, _, e in found}):
         for code in codes:
-            runs_of = {mode: found[(code, mode, epochs)] for mode in ("inprocess", "eager", "compiled")}
-            best = {mode: min(r["round_seconds_best"] for r in rs.values()) for mode, rs in runs_of.items()}
-            pairs = [runs_of["inprocess"][run]["round_seconds_best"] / runs_of["compiled"][run]["round_seconds_best"]
-                     for run in sorted(runs_of["compiled"])]
-            rows.append(f"| {epochs} | {code} | {best['inprocess']:.3f} | {best['eager']:.3f} | {best['compiled']:.3f} | "
-                        f"{best['inprocess'] / best['eager']:.1f}x | {best['inprocess'] / best['compiled']:.1f}x | "
-                        f"{min(pairs):.1f}-{max(pairs):.1f}x |")
+            runs_of = {mode: found[(code, mode, epochs)] for mode in MODES}
+            rows.append(f"| {epochs} | {code} | {speedup_cells(runs_of)} |")
             for mode, name in (("inprocess", "in-process"), ("compiled", "vectorised, compile = on")):
                 records = list(runs_of[mode].values())
                 stages.append("| " + " | ".join([name, epochs, code, *(f"{stage_ms(records, s):.0f}" for s in STAGES)]) + " |")
