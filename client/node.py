@@ -13,7 +13,6 @@ reproducible across runtimes). ``inject-fault`` makes the client misbehave, for 
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from flatflower.client.faults import Fault
+from flatflower.common.config import remembered_by_items
 
 @dataclass(frozen=True)
 class NodeSettings:
@@ -35,12 +35,9 @@ class NodeSettings:
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeSettings:
-        """The settings, or ValueError in one line; remembered by the config's items and their
-        types (a client reads the same node config at every call)."""
-        try:
-            return _from_items(tuple(node_config.items()), tuple(map(type, node_config.values())))
-        except TypeError:  # a value that cannot be hashed: read afresh
-            return cls._read(node_config)
+        """The settings, or ValueError in one line; remembered (common/config.py
+        remembered_by_items: a client reads the same node config at every call)."""
+        return _remembered(node_config)
 
     @classmethod
     def _read(cls, node_config: Mapping[str, Any]) -> NodeSettings:
@@ -93,9 +90,7 @@ class NodeSettings:
         return torch.device(self.device)
 
 
-@functools.lru_cache(maxsize=8192)
-def _from_items(items: tuple, types: tuple) -> NodeSettings:
-    return NodeSettings._read(dict(items))
+_remembered = remembered_by_items(maxsize=8192)(NodeSettings._read)
 
 
 DEVICES = r"auto|cpu|cuda(:\d+)?|mps"  # what a node config's device (and `flatflower local --device`) may say

@@ -149,14 +149,9 @@ class RunConfig:
 
     @classmethod
     def parsed(cls, values: Mapping[str, Any]) -> RunConfig:
-        """:meth:`from_mapping`, remembered: a client parses the same run config at every call
-        (about a millisecond each). Remembered by its items and their types (1, 1.0 and True
-        are equal keys, not equal values), in their order; values that cannot be hashed are
-        parsed afresh."""
-        try:
-            return _parsed(tuple(values.items()), tuple(map(type, values.values())))
-        except TypeError:
-            return cls.from_mapping(values)
+        """:meth:`from_mapping`, remembered (:func:`remembered_by_items`): a client parses the
+        same run config at every call (about a millisecond each)."""
+        return _parsed(values)
 
     def replace(self, **changes: Any) -> RunConfig:
         """A validated copy with some general fields changed (snake_case names); the params
@@ -639,6 +634,28 @@ def defaults() -> dict[str, Any]:
     return {**{k: f.default for k, f in general_fields().items()}, **algorithm_keys()}
 
 
-@functools.lru_cache(maxsize=16)
-def _parsed(items: tuple, types: tuple) -> RunConfig:
-    return RunConfig.from_mapping(dict(items))
+def remembered_by_items(maxsize: int) -> Callable:
+    """Decorator: ``read(mapping)`` remembered by the mapping's items and their types, in
+    their order (1, 1.0 and True are equal keys, not equal values), for configs a client reads
+    at every call; an error is raised every time, never remembered, and a mapping with a value
+    that cannot be hashed is read afresh. ``.cache_clear()`` forgets."""
+    def decorate(read: Callable[[Mapping[str, Any]], Any]) -> Callable[[Mapping[str, Any]], Any]:
+        @functools.lru_cache(maxsize=maxsize)
+        def remembered(items: tuple, types: tuple) -> Any:
+            return read(dict(items))
+
+        @functools.wraps(read)
+        def call(mapping: Mapping[str, Any]) -> Any:
+            try:
+                return remembered(tuple(mapping.items()), tuple(map(type, mapping.values())))
+            except TypeError:  # a value that cannot be hashed (or read's own TypeError, raised again)
+                return read(mapping)
+
+        call.cache_clear = remembered.cache_clear
+        return call
+    return decorate
+
+
+@remembered_by_items(maxsize=16)
+def _parsed(values: Mapping[str, Any]) -> RunConfig:
+    return RunConfig.from_mapping(values)
