@@ -101,7 +101,8 @@ def load_dataset(name: str, data_dir: str = "", download: bool = True,
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS + userdata.FORMATS)}, "
                          "or a package.module:callable")
     generator = options
-    root = os.path.abspath(os.path.expanduser(data_dir or default_data_dir()))
+    # only torchvision's datasets live in a folder (the others are generated or bundled)
+    root = os.path.abspath(os.path.expanduser(data_dir or default_data_dir())) if name in TORCHVISION_FOLDER else ""
     return _load_cached(name, root, bool(download), tuple(sorted(generator.items())), system_dir(name))
 
 

@@ -252,7 +252,8 @@ def flatness_distance(client_models: Sequence[Mapping[str, torch.Tensor]],
     tensors ``names`` (the trainable parameters), in float64; None without clients."""
     if not client_models:
         return None
-    return sum(sum(float((m[n].double() - global_model[n].double()).square().sum()) for n in names)
+    center = {n: global_model[n].double() for n in names}  # converted once, not once per client
+    return sum(sum(float((m[n].double() - center[n]).square().sum()) for n in names)
                for m in client_models) / len(client_models)
 
 

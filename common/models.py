@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -264,6 +265,7 @@ class ModelPool:
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[nn.Module]] = {}
+        self._params: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its parameters
         self._lock = threading.Lock()
 
     def take(self, name: str, input_shape: tuple[int, ...], num_classes: int,
@@ -274,11 +276,15 @@ class ModelPool:
             free = self._free.get(key)
             if free:
                 return key, free.pop()
-        return key, build_model(name, input_shape, num_classes, seed=0).to(device)
+        model = build_model(name, input_shape, num_classes, seed=0).to(device)
+        with self._lock:
+            self._params[model] = list(model.parameters())
+        return key, model
 
     def give(self, key: tuple, model: nn.Module) -> None:
         """Keep ``model`` for the next :meth:`take` of its kind (its gradients dropped)."""
-        for p in model.parameters():
+        params = self._params.get(model)
+        for p in model.parameters() if params is None else params:  # (walking the modules costs per call)
             p.grad = None
         with self._lock:
             self._free.setdefault(key, []).append(model)

@@ -23,7 +23,8 @@ Every client's data, shuffling RNG, rule and reply are those of its own ``train`
 (flatflower.client.app.TrainCall), so a vectorised run equals an in-process one up to the float rounding
 of batched kernels. A group's mini-batches are gathered a chunk of steps at a time
 (:func:`step_batches`); run-config ``compile = on`` runs the batched step under torch.compile
-(:func:`compiled`).
+(:func:`compiled`), and on a CPU a compiled group of SPLIT_MIN clients or more trains as two
+halves in two threads (:func:`train_halves`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 
@@ -406,6 +408,43 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     return results
 
 
+SPLIT_MIN = 32  # a compiled group on a CPU of at least this many clients trains as two halves
+
+
+def splits(calls: Sequence) -> bool:
+    """Whether a group trains as two halves at once (:func:`train_halves`): its step compiled
+    (run-config ``compile = on``), on a CPU, at least SPLIT_MIN clients."""
+    first = calls[0]
+    return len(calls) >= SPLIT_MIN and first.cfg.compile == "on" and first.layout.device.type == "cpu"
+
+
+def train_halves(calls: Sequence) -> list[LocalResult | Exception]:
+    """:func:`train_group` of each half of ``calls``, the second half in a thread of its own.
+    A compiled step's batched matrix products release Python's lock while its fused kernels
+    and its Python hold it, so one half's products run while the other half's Python does:
+    two cores busy where one group keeps one busy (docs/benchmarks.md, "Where a round's time
+    goes"). vmap keeps clients apart, so each client trains as in one group (to the float
+    rounding of the compiled step, which may differ by batch size). A half that raises fails
+    as its clients would."""
+    half = len(calls) // 2
+    second: list = []
+
+    def train_second() -> None:
+        try:
+            second.extend(train_group(calls[half:]))
+        except Exception as err:  # noqa: BLE001 - the half's clients fail with it
+            second.extend([err] * (len(calls) - half))
+
+    worker = threading.Thread(target=train_second, daemon=True, name="flatflower-half-group")
+    worker.start()
+    try:
+        first = train_group(calls[:half])
+    except Exception as err:  # noqa: BLE001
+        first = [err] * half
+    worker.join()
+    return first + second
+
+
 def compiled(batched):
     """``batched`` (a group's vmapped step) under ``torch.compile``: the rule's Python, the
     functional forward and backward passes of both SAM gradients and the per-client
@@ -517,8 +556,9 @@ def _batched_is_faster(model: nn.Module, layout, x: torch.Tensor, y: torch.Tenso
 def train_together(calls: Sequence) -> list[LocalResult | Exception]:
     """Train every call's model in place, group by group (:func:`groups`; a group of fewer
     than MIN_GROUP clients, or of a model for which batching does not pay on this device
-    (:func:`batching_pays`), one by one); the results in the order of ``calls`` (an exception
-    for a client whose training failed)."""
+    (:func:`batching_pays`), one by one; a compiled one on a CPU of SPLIT_MIN or more, as two
+    halves at once: :func:`splits`); the results in the order of ``calls`` (an exception for
+    a client whose training failed)."""
     results: list[LocalResult | Exception | None] = [None] * len(calls)
     # a client with no data goes one by one too, to local_train's own error
     nonempty = [i for i, call in enumerate(calls) if len(call.data)]
@@ -530,7 +570,7 @@ def train_together(calls: Sequence) -> list[LocalResult | Exception]:
             alone += members
             continue
         try:
-            outcome = train_group(group)
+            outcome = train_halves(group) if splits(group) else train_group(group)
         except Exception as err:  # the whole group fails as each of its clients would
             outcome = [err] * len(group)
         for i, result in zip(members, outcome):

@@ -91,3 +91,75 @@ def test_compile_on_without_a_working_toolchain_is_refused_in_one_line_before_an
     assert len(errors) == 1 and "compile = on, but torch.compile does not work here on cpu" in errors[0], done.stderr
     assert "use compile = off" in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- two halves of a compiled group
+def _calls(n: int, compile: str = "on", device: str = "cpu") -> list:
+    from types import SimpleNamespace
+
+    first = SimpleNamespace(cfg=SimpleNamespace(compile=compile), layout=SimpleNamespace(device=torch.device(device)))
+    return [first] + [SimpleNamespace() for _ in range(n - 1)]
+
+
+def test_only_a_compiled_cpu_group_of_split_min_clients_or_more_trains_as_two_halves():
+    import flatflower.runtime.vectorized as vec
+
+    assert vec.SPLIT_MIN == 32  # docs/configuration.md, compile
+    assert vec.splits(_calls(vec.SPLIT_MIN))
+    assert not vec.splits(_calls(vec.SPLIT_MIN - 1))
+    assert not vec.splits(_calls(vec.SPLIT_MIN, compile="off"))  # eager: Python-bound, nothing to overlap
+    assert not vec.splits(_calls(vec.SPLIT_MIN, device="cuda"))  # a GPU wants the whole batch
+
+
+def test_train_halves_trains_both_halves_at_once_and_a_failing_half_fails_only_its_clients(monkeypatch):
+    """The halves run in two threads at the same time (a barrier both must reach: trained one
+    after the other, the first would wait alone and break it), the results come back in the
+    order of the calls, and an exception fails the clients of its half only."""
+    import threading
+
+    import flatflower.runtime.vectorized as vec
+
+    barrier = threading.Barrier(2, timeout=60)
+    seen = []
+
+    def train_group(calls):
+        seen.append((tuple(calls), threading.current_thread().name))
+        barrier.wait()  # BrokenBarrierError unless the other half is training at the same time
+        if 7 in calls:
+            raise RuntimeError("a bad half")
+        return [f"trained {c}" for c in calls]
+
+    monkeypatch.setattr(vec, "train_group", train_group)
+    results = vec.train_halves(list(range(10)))
+    assert sorted(c for c, _ in seen) == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)]
+    assert len({name for _, name in seen}) == 2
+    assert results[:5] == [f"trained {c}" for c in range(5)]
+    assert all(isinstance(r, RuntimeError) and str(r) == "a bad half" for r in results[5:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["fedsam", "scaffold", "fedgmt"])
+def test_a_compiled_group_trained_as_two_halves_equals_it_trained_whole(tmp_path, monkeypatch, algorithm):
+    """SPLIT_MIN ragged clients (Dirichlet digits, padded steps) compiled: the halves' run
+    gives the models of the whole group's run to float rounding (vmap keeps clients apart),
+    and the halves really ran (train_group got two halves every round)."""
+    import flatflower.runtime.vectorized as vec
+
+    sizes = []
+    train_group = vec.train_group
+    monkeypatch.setattr(vec, "train_group", lambda calls: sizes.append(len(calls)) or train_group(calls))
+    config = {**ALGORITHMS[algorithm].example_config(), "algorithm": algorithm, "dataset": "digits",
+              "num-server-rounds": 2, "local-epochs": 1, "batch-size": 32, "batching": "on", "compile": "on",
+              "tensorboard": False, "fraction-evaluate": 0.0, "fraction-train": 1.0}
+    models, clients = {}, vec.SPLIT_MIN
+    for split_min in (clients, 10**9):
+        monkeypatch.setattr(vec, "SPLIT_MIN", split_min)
+        torch._dynamo.reset()
+        sizes.clear()
+        run_dir, _ = run_inprocess({**config, "run-dir": str(tmp_path / str(split_min))}, clients,
+                                   vectorized=True)
+        models[split_min] = final_model(run_dir)
+        halves = split_min == clients
+        assert sizes and (max(sizes) < clients if halves else clients in sizes), sizes
+    torch._dynamo.reset()
+    assert_close_models(models[10**9], models[clients])

@@ -50,6 +50,8 @@ def test_digits_is_deterministic() -> None:
 
 def test_load_dataset_is_cached() -> None:
     assert load_dataset("digits") is load_dataset("digits")
+    # a bundled or generated dataset lives in no folder: any data-dir gives the one loaded
+    assert load_dataset("digits", "/nowhere/a") is load_dataset("digits", "~/elsewhere")
 
 
 def test_synthetic_sizes_and_balance() -> None:

@@ -72,6 +72,12 @@ def test_a_pooled_model_is_reused_and_holds_what_is_loaded_into_it():
     pool.give(key, first)
     _, again = pool.take("mlp", (1, 8, 8), 10, torch.device("cpu"))
     assert again is first and all(p.grad is None for p in again.parameters())
+    stranger = build_model("mlp", (1, 8, 8), 10, seed=1)  # not built by this pool: its modules walked
+    for p in stranger.parameters():
+        p.grad = torch.ones_like(p)
+    pool.give(key, stranger)
+    _, back = pool.take("mlp", (1, 8, 8), 10, torch.device("cpu"))
+    assert back is stranger and all(p.grad is None for p in back.parameters())
     other = build_model("mlp", (1, 8, 8), 10, seed=7).state_dict()
     again.load_state_dict(other)
     x = torch.randn(5, 1, 8, 8)

@@ -98,11 +98,11 @@ def speedup_cells(runs_of: dict[str, dict[str, dict]]) -> str:
             f"{min(pairs):.1f}-{max(pairs):.1f}x")
 
 
-def messages_records() -> dict[tuple[str, str, str], dict[str, dict]]:
-    """(code, mode, local epochs) -> run -> record, of ``messages/`` (the message layer's work:
-    before and after, in-process, vectorised and vectorised with compile = on, interleaved)."""
+def interleaved_records(folder: str) -> dict[tuple[str, str, str], dict[str, dict]]:
+    """(code, mode, local epochs) -> run -> record, of ``folder`` (a change measured before and
+    after, in-process, vectorised and vectorised with compile = on, in interleaved runs)."""
     found: dict[tuple[str, str, str], dict[str, dict]] = defaultdict(dict)
-    for path in sorted((RECORDS / "messages").glob("*.json")):
+    for path in sorted((RECORDS / folder).glob("*.json")):
         code, mode, epochs, run = path.stem.split("-")
         record = json.loads(path.read_text())
         assert record["compile"] == ("on" if mode == "compiled" else "off") and f"e{record['epochs']}" == epochs
@@ -111,11 +111,12 @@ def messages_records() -> dict[tuple[str, str, str], dict[str, dict]]:
     return found
 
 
-def messages_rows() -> list[str]:
-    """Per local epochs and code: the best rounds of each mode and the speed-ups (the range:
-    over the interleaved runs' pairs), then the stages of the in-process and compiled rounds."""
-    found, rows, stages = messages_records(), [], []
-    codes = sorted({c for c, _, _ in found}, key=lambda c: c != "3b25b5a")
+def interleaved_rows(folder: str, before: str) -> list[str]:
+    """Per local epochs and code (``before`` first): the best rounds of each mode and the
+    speed-ups (the range: over the interleaved runs' pairs), then the stages of the in-process
+    and compiled rounds."""
+    found, rows, stages = interleaved_records(folder), [], []
+    codes = sorted({c for c, _, _ in found}, key=lambda c: c != before)
     for epochs in sorted({e for _, _, e in found}):
         for code in codes:
             runs_of = {mode: found[(code, mode, epochs)] for mode in MODES}
@@ -135,7 +136,7 @@ def section() -> str:
 
 def test_the_docs_tables_are_the_records():
     text = section()
-    expected = stage_rows() + ratio_rows() + ops_rows() + compile_rows() + messages_rows()
+    expected = stage_rows() + ratio_rows() + ops_rows() + compile_rows() + interleaved_rows("messages", "3b25b5a")
     assert len(runs()) == 8 and all(len(r) == 2 for r in runs().values())
     missing = [row for row in expected if row not in text]
     assert not missing, "\n".join(missing)
