@@ -137,6 +137,7 @@ def section() -> str:
 def test_the_docs_tables_are_the_records():
     text = section()
     expected = stage_rows() + ratio_rows() + ops_rows() + compile_rows() + interleaved_rows("messages", "3b25b5a")
+    expected += interleaved_rows("halves", "6df2e94")
     assert len(runs()) == 8 and all(len(r) == 2 for r in runs().values())
     missing = [row for row in expected if row not in text]
     assert not missing, "\n".join(missing)
@@ -145,6 +146,31 @@ def test_the_docs_tables_are_the_records():
     table_rows = [line for line in lines if line.startswith("| ") and not line.startswith(headers)
                   and not set(line) <= set("|- ")]
     assert sorted(table_rows) == sorted(expected)
+
+
+def test_the_cores_a_compiled_round_keeps_busy_in_the_docs_are_the_records():
+    """docs/benchmarks.md, "The second core": the CPU time over the wall time of the compiled
+    five-epoch rounds, before and after the halves, across the interleaved runs."""
+    found = interleaved_records("halves")
+
+    def span(code: str) -> str:
+        values = [r["cpu_over_wall"] for r in found[(code, "compiled", "5")].values()]
+        return f"{min(values):.2f}-{max(values):.2f}"
+
+    said = (f"(the process's CPU time over the wall time of its timed rounds, compiled, five epochs: "
+            f"{span('6df2e94')} before, {span('6db0b5a')} after)")
+    assert said in " ".join(section().split()), said
+
+
+def test_the_speed_up_docs_engines_quotes_is_the_records_range():
+    """docs/engines.md quotes the compiled vectorised round against the in-process one at five
+    epochs: the range over the interleaved pairs of ``halves/``, the code after."""
+    found = interleaved_records("halves")
+    pairs = [found[("6db0b5a", "inprocess", "5")][run]["round_seconds_best"] / record["round_seconds_best"]
+             for run, record in found[("6db0b5a", "compiled", "5")].items()]
+    engines = " ".join((ROOT / "docs" / "engines.md").read_text().split())
+    said = f"a round {min(pairs):.1f}-{max(pairs):.1f}x faster than the in-process engine's"
+    assert said in engines, said
 
 
 def test_the_profile_script_runs_and_records_every_stage(tmp_path):
@@ -162,3 +188,4 @@ def test_the_profile_script_runs_and_records_every_stage(tmp_path):
         assert any(k.startswith(stage) and v > 0 for k, v in measured.items()), (stage, measured)
     assert record["all_ops_ms_per_round"] > 0
     assert any(op.startswith("aten::") for op in record["top_ops_ms_per_round"])
+    assert 0 < record["cpu_over_wall"] < 2 * (os.cpu_count() or 1)  # CPU seconds per wall second

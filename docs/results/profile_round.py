@@ -10,9 +10,11 @@ opening of their train messages, their local training, their replies, and the se
 sampling, validation (collect), aggregation (finish_round), clients.jsonl rows and the rest of
 the round (central evaluation, run files). ``--ops``: the vectorised engine's training runs in
 one thread, which torch.profiler then records (its CPU ops, and its kernels on a GPU): the ops
-that take the training's time (the profiler's own cost is in that stage's figure then). The
-nodes' device is ``auto`` (CUDA when present). Flower's and the clients' INFO lines are off,
-as in the bench and the CLI. Nothing of the engines is changed; the stages are wrapped here.
+that take the training's time (the profiler's own cost is in that stage's figure then). Also
+recorded: the process's CPU time over the wall time of the timed rounds (how many cores a
+round keeps busy). The nodes' device is ``auto`` (CUDA when present). Flower's and the
+clients' INFO lines are off, as in the bench and the CLI. Nothing of the engines is changed;
+the stages are wrapped here.
 """
 
 from __future__ import annotations
@@ -133,12 +135,15 @@ def main() -> None:
         "label": args.label, "engine": args.engine, "clients": args.clients, "algorithm": args.algorithm, "model": args.model,
         "epochs": args.epochs, "compile": cfg["compile"], "device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "round_seconds_best": round_s[0], "round_seconds_median": round_s[len(round_s) // 2],
+        # the process's CPU time over the wall time of the timed rounds: how many cores a round keeps busy
+        "cpu_over_wall": round(sum(r["cpu_seconds"] for r in rows) / sum(r["wall_seconds"] for r in rows), 3),
         "stage_ms_per_round": {k: round(1000 * v / timed, 2) for k, v in stages.seconds.items()},
         "top_ops_ms_per_round": {k: round(v["self_cpu_us"] / 1000 / timed, 2) for k, v in top},
         "all_ops_ms_per_round": round(sum(v["self_cpu_us"] for v in ops.values()) / 1000 / timed, 2),
     }
     print(f"{args.engine}, {args.clients} clients, {args.algorithm}, {args.model}, {args.epochs} epoch(s): "
-          f"round {result['round_seconds_best']:.3f} s best, {result['round_seconds_median']:.3f} s median")
+          f"round {result['round_seconds_best']:.3f} s best, {result['round_seconds_median']:.3f} s median, "
+          f"CPU / wall {result['cpu_over_wall']:.2f}")
     for label, ms in sorted(result["stage_ms_per_round"].items()):
         print(f"  {label:45s} {ms:8.1f} ms/round")
     if top:
