@@ -442,6 +442,8 @@ def train_halves(calls: Sequence) -> list[LocalResult | Exception]:
     except Exception as err:  # noqa: BLE001
         first = [err] * half
     worker.join()
+    if len(second) != len(calls) - half:  # its thread ended on a BaseException: never a silent gap
+        raise RuntimeError("the second half of a group stopped training without results")
     return first + second
 
 

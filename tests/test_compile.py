@@ -111,10 +111,12 @@ def test_only_a_compiled_cpu_group_of_split_min_clients_or_more_trains_as_two_ha
     assert not vec.splits(_calls(vec.SPLIT_MIN, device="cuda"))  # a GPU wants the whole batch
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the SystemExit half)
 def test_train_halves_trains_both_halves_at_once_and_a_failing_half_fails_only_its_clients(monkeypatch):
     """The halves run in two threads at the same time (a barrier both must reach: trained one
     after the other, the first would wait alone and break it), the results come back in the
-    order of the calls, and an exception fails the clients of its half only."""
+    order of the calls, and an exception fails the clients of its half only. A half whose
+    thread ends with no results (a BaseException) raises for the whole group, never a gap."""
     import threading
 
     import flatflower.runtime.vectorized as vec
@@ -135,6 +137,15 @@ def test_train_halves_trains_both_halves_at_once_and_a_failing_half_fails_only_i
     assert len({name for _, name in seen}) == 2
     assert results[:5] == [f"trained {c}" for c in range(5)]
     assert all(isinstance(r, RuntimeError) and str(r) == "a bad half" for r in results[5:])
+
+    def stopped(calls):  # a half whose thread ends on a BaseException (its results never come)
+        if 9 in calls:
+            raise SystemExit("stop")
+        return [f"trained {c}" for c in calls]
+
+    monkeypatch.setattr(vec, "train_group", stopped)
+    with pytest.raises(RuntimeError, match="stopped training without results"):
+        vec.train_halves(list(range(10)))
 
 
 @pytest.mark.slow
