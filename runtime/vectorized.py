@@ -428,23 +428,23 @@ def train_halves(calls: Sequence) -> list[LocalResult | Exception]:
     as its clients would."""
     half = len(calls) // 2
     second: list = []
-
-    def train_second() -> None:
-        try:
-            second.extend(train_group(calls[half:]))
-        except Exception as err:  # noqa: BLE001 - the half's clients fail with it
-            second.extend([err] * (len(calls) - half))
-
-    worker = threading.Thread(target=train_second, daemon=True, name="flatflower-half-group")
+    worker = threading.Thread(target=lambda: second.extend(_outcome(train_group, calls[half:])), daemon=True,
+                              name="flatflower-half-group")
     worker.start()
-    try:
-        first = train_group(calls[:half])
-    except Exception as err:  # noqa: BLE001
-        first = [err] * half
+    first = _outcome(train_group, calls[:half])
     worker.join()
     if len(second) != len(calls) - half:  # its thread ended on a BaseException: never a silent gap
         raise RuntimeError("the second half of a group stopped training without results")
     return first + second
+
+
+def _outcome(train, calls: Sequence) -> list:
+    """``train(calls)``, or its exception once per call: a group fails as each of its clients
+    would."""
+    try:
+        return train(calls)
+    except Exception as err:  # noqa: BLE001 - one group's fault, never the round's
+        return [err] * len(calls)
 
 
 def compiled(batched):
@@ -571,10 +571,7 @@ def train_together(calls: Sequence) -> list[LocalResult | Exception]:
         if len(group) < MIN_GROUP or not batching_pays(group[0]):
             alone += members
             continue
-        try:
-            outcome = train_halves(group) if splits(group) else train_group(group)
-        except Exception as err:  # the whole group fails as each of its clients would
-            outcome = [err] * len(group)
+        outcome = _outcome(train_halves if splits(group) else train_group, group)
         for i, result in zip(members, outcome):
             results[i] = result
     for i in alone:
