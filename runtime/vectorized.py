@@ -339,7 +339,8 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     first = calls[0]
     cfg, lr, model = first.cfg, first.lr, first.model
     names = first.layout.names
-    params = [torch.stack(ps) for ps in zip(*[[p.detach() for p in c.layout.params] for c in calls])]
+    with torch.no_grad():  # the stacks, not the clients' parameters, are what the steps change
+        params = [torch.stack(ps) for ps in zip(*[c.layout.params for c in calls])]
     rules = StackedRule([c.rule for c in calls])
     draws = [batch_indices(len(c.data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, c.generator())
              for c in calls]
@@ -397,11 +398,11 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
         except FloatingPointError as error:
             failed[i] = error
     # each client's trained weights, rule and self-reports back into its own call
+    with torch.no_grad():  # one copy op for all: client i's tensors from row i of each stack
+        torch._foreach_copy_([p for c in calls for p in c.layout.params],
+                             [row for rows in zip(*[s.unbind(0) for s in params]) for row in rows])
     results: list[LocalResult | Exception] = []
     for i, call in enumerate(calls):
-        with torch.no_grad():
-            for p, stacked in zip(call.layout.params, params):
-                p.copy_(stacked[i])
         call.rule = rules.client(i)
         call.reported, call.after = before[i], after[i]
         results.append(failed.get(i) or LocalResult(len(call.data), steps[i], mean_losses[i]))
@@ -458,7 +459,17 @@ def compiled(batched):
     for bit. torch's limit of graphs per compiled function is raised to RECOMPILE_LIMIT for the
     process (from 8); beyond it the step runs eagerly, with torch's warning."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(batched)
+    with _COMPILER_LOCK:
+        if not _COMPILER:
+            _COMPILER.append(torch._dynamo.optimize(backend=torch._TorchCompileInductorWrapper("default", None, None)))
+    return _COMPILER[0](batched)
+
+
+# torch.compile(fn) is torch._dynamo.optimize(its inductor backend)(fn), and building that backend
+# deep-copies inductor's config: about 1 ms per call, twice a round here (a group's step is a new
+# function each round). The process builds it once; the graphs compiled are the same.
+_COMPILER: list = []
+_COMPILER_LOCK = threading.Lock()
 
 
 def check_compilable(cfg) -> None:

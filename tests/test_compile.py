@@ -59,6 +59,43 @@ def test_a_compiled_fedsam_run_equals_the_eager_one_and_compiles_once_not_per_ro
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_the_process_builds_torch_compiles_backend_once_for_every_groups_step(monkeypatch):
+    """Each round's groups get new step functions; ``compiled`` wraps them all with one compile
+    context (torch.compile's inductor backend, whose construction deep-copies inductor's
+    config), built once even when threads ask for it at the same moment. Each compiled
+    function still computes its own function."""
+    import threading
+
+    from flatflower.runtime import vectorized
+
+    built = []
+
+    class Counted(torch._TorchCompileInductorWrapper):
+        def __init__(self, *args):
+            built.append(args)
+            super().__init__(*args)
+
+    monkeypatch.setattr(vectorized, "_COMPILER", [])
+    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", Counted)
+    start = threading.Barrier(4)
+    wrapped: dict[int, object] = {}
+
+    def wrap(k: int) -> None:
+        start.wait(timeout=60)
+        wrapped[k] = vectorized.compiled(lambda t, k=k: t * 2 + k)
+
+    threads = [threading.Thread(target=wrap, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    torch._dynamo.reset()
+    assert torch.equal(wrapped[0](torch.ones(3)), torch.full((3,), 2.0))
+    assert torch.equal(wrapped[3](torch.ones(3)), torch.full((3,), 5.0))
+    assert len(built) == 1 and len(vectorized._COMPILER) == 1
+    torch._dynamo.reset()
+
+
 def test_compile_takes_off_or_on_only():
     with pytest.raises(ConfigError, match="compile='yes' is not one of: off, on"):
         RunConfig.from_mapping({"compile": "yes"}).validate()
