@@ -457,11 +457,12 @@ def compiled(batched):
     from inductor; on a GPU, Triton). The first step of each kind compiles (seconds to tens of
     seconds); results equal the eager step's to float rounding (about 1e-7 relative), not bit
     for bit. torch's limit of graphs per compiled function is raised to RECOMPILE_LIMIT for the
-    process (from 8); beyond it the step runs eagerly, with torch's warning."""
+    process (from 8); beyond it the step runs eagerly, with torch's warning. Every step is
+    wrapped by the process's one compile context (``_COMPILER``)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     with _COMPILER_LOCK:
         if not _COMPILER:
-            _COMPILER.append(torch._dynamo.optimize(backend=torch._TorchCompileInductorWrapper("default", None, None)))
+            _COMPILER.append(_compile_context())
     return _COMPILER[0](batched)
 
 
@@ -472,17 +473,26 @@ _COMPILER: list = []
 _COMPILER_LOCK = threading.Lock()
 
 
+def _compile_context():
+    """torch.compile's default context (inductor, default mode), built once; torch.compile
+    itself where a torch lacks the private names this builds it from."""
+    try:
+        return torch._dynamo.optimize(backend=torch._TorchCompileInductorWrapper("default", None, None))
+    except (AttributeError, TypeError):
+        return torch.compile
+
+
 def check_compilable(cfg) -> None:
     """``compile = on``: a clear error (one line) before any round when torch.compile cannot
     work on this machine (no C++ compiler for the CPU's inductor, no Triton for a GPU), instead
     of every batched group failing at its first step. Compiles a one-line function (a few
-    seconds the first time in a process)."""
+    seconds the first time in a process) the way the steps are compiled (:func:`compiled`)."""
     if cfg.compile != "on":
         return
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         try:
-            torch.compile(_probe)(torch.ones(2, device=device))
+            compiled(_probe)(torch.ones(2, device=device))
         except Exception as err:  # noqa: BLE001 - any failure of the toolchain
             why = (str(err).strip().splitlines() or [""])[0][:200]
             raise ValueError(f"compile = on, but torch.compile does not work here on {device} "

@@ -96,6 +96,19 @@ def test_the_process_builds_torch_compiles_backend_once_for_every_groups_step(mo
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("missing", ["name", "signature"])
+def test_a_torch_whose_private_backend_differs_compiles_with_torch_compile(monkeypatch, missing):
+    """The one context is built from torch's private names; a torch without them (renamed, or
+    another signature) gets torch.compile itself: slower to wrap, never a failed step."""
+    from flatflower.runtime import vectorized
+
+    if missing == "name":
+        monkeypatch.delattr(torch, "_TorchCompileInductorWrapper")
+    else:
+        monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", lambda mode, options: None)
+    assert vectorized._compile_context() is torch.compile
+
+
 def test_compile_takes_off_or_on_only():
     with pytest.raises(ConfigError, match="compile='yes' is not one of: off, on"):
         RunConfig.from_mapping({"compile": "yes"}).validate()
