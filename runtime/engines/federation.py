@@ -157,19 +157,34 @@ REAP_POLL = 0.2  # seconds between the reaper's looks at whether its federation'
 REAP_PASSES, REAP_QUIET = 300, 50
 
 
-def _marked(mark: str) -> list[int]:
-    """Every process (but this one) whose environment holds ``MARK=mark``: whatever a
-    federation's processes started, also a process born after its parent was looked at
-    (a Ray worker the raylet starts while being stopped), or one whose parent is gone."""
-    tag, out = f"{MARK}={mark}".encode(), []
+def _marked(mark: str, sessions: set[int] | None = None) -> list[int]:
+    """Every live process (but this one) of the federation ``mark``: whose environment holds
+    ``MARK=mark`` (whatever its processes started, also a process born after its parent was
+    looked at, or one whose parent is gone), or which is in the session of such a process.
+    The sessions count because a process may write over its environment's memory: Ray's agents
+    rename themselves (``ray::DashboardAgent``) over it, and /proc/PID/environ then lacks the
+    mark, but they keep the session their raylet had. Each process the federation spawns
+    starts a session of its own, so no other process is in one (this process's own session,
+    and 0 and 1, are never taken for one). ``sessions``: those seen so far, kept across calls
+    (a reaper's passes, after the processes that held the mark are gone)."""
+    tag, out, unmarked = f"{MARK}={mark}".encode(), [], []
+    sessions = set() if sessions is None else sessions
+    foreign = {0, 1, os.getsid(0)}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             pid = int(entry.name)
-            if pid != os.getpid() and tag in (entry / "environ").read_bytes().split(b"\0") and _alive(pid):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if pid == os.getpid() or fields[0] == "Z":  # (a zombie counts as gone)
+                continue
+            if tag in (entry / "environ").read_bytes().split(b"\0"):
                 out.append(pid)
-        except OSError:
+                if int(fields[3]) not in foreign:
+                    sessions.add(int(fields[3]))
+            else:
+                unmarked.append((pid, int(fields[3])))
+        except (OSError, ValueError, IndexError):
             continue
-    return out
+    return out + [pid for pid, session in unmarked if session in sessions]
 
 
 def reap(mark: str, owner: int) -> None:
@@ -181,9 +196,9 @@ def reap(mark: str, owner: int) -> None:
         time.sleep(REAP_POLL)
     apps = [p for p in _marked(mark) if b"flwr-serverapp" in _cmdline(p) or b"flwr-simulation" in _cmdline(p)]
     _signal(apps, signal.SIGKILL)
-    quiet = 0
+    quiet, sessions = 0, set()
     for _ in range(REAP_PASSES):  # until none is seen for REAP_QUIET passes: some may be being born
-        found = _marked(mark)
+        found = _marked(mark, sessions)
         quiet = 0 if found else quiet + 1
         if quiet >= REAP_QUIET:
             break
