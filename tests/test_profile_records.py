@@ -111,19 +111,26 @@ def interleaved_records(folder: str) -> dict[tuple[str, str, str], dict[str, dic
     return found
 
 
+def by_epochs_and_code(folder: str, before: str):
+    """(local epochs, code, mode -> run -> record) of ``folder``, epochs ascending, ``before``
+    first within each."""
+    found = interleaved_records(folder)
+    codes = sorted({c for c, _, _ in found}, key=lambda c: c != before)
+    for epochs in sorted({e for _, _, e in found}):
+        for code in codes:
+            yield epochs, code, {mode: found[(code, mode, epochs)] for mode in MODES}
+
+
 def interleaved_rows(folder: str, before: str) -> list[str]:
     """Per local epochs and code (``before`` first): the best rounds of each mode and the
     speed-ups (the range: over the interleaved runs' pairs), then the stages of the in-process
     and compiled rounds."""
-    found, rows, stages = interleaved_records(folder), [], []
-    codes = sorted({c for c, _, _ in found}, key=lambda c: c != before)
-    for epochs in sorted({e for _, _, e in found}):
-        for code in codes:
-            runs_of = {mode: found[(code, mode, epochs)] for mode in MODES}
-            rows.append(f"| {epochs} | {code} | {speedup_cells(runs_of)} |")
-            for mode, name in (("inprocess", "in-process"), ("compiled", "vectorised, compile = on")):
-                records = list(runs_of[mode].values())
-                stages.append("| " + " | ".join([name, epochs, code, *(f"{stage_ms(records, s):.0f}" for s in STAGES)]) + " |")
+    rows, stages = [], []
+    for epochs, code, runs_of in by_epochs_and_code(folder, before):
+        rows.append(f"| {epochs} | {code} | {speedup_cells(runs_of)} |")
+        for mode, name in (("inprocess", "in-process"), ("compiled", "vectorised, compile = on")):
+            records = list(runs_of[mode].values())
+            stages.append("| " + " | ".join([name, epochs, code, *(f"{stage_ms(records, s):.0f}" for s in STAGES)]) + " |")
     return rows + stages
 
 
@@ -133,15 +140,8 @@ RECHECKS = ("halves", "recheck-8-rounds", "recheck-20-rounds")  # the current co
 def recheck_rows() -> list[str]:
     """The re-measurements (``recheck-*``: a campaign of 8 or of 20 rounds a run): per
     campaign, local epochs and code, the best rounds of each mode and the speed-ups."""
-    rows = []
-    for folder in RECHECKS[1:]:
-        found = interleaved_records(folder)
-        rounds = folder.split("-")[1]
-        for epochs in sorted({e for _, _, e in found}):
-            for code in sorted({c for c, _, _ in found}, key=lambda c: c != "34e92ce"):
-                runs_of = {mode: found[(code, mode, epochs)] for mode in MODES}
-                rows.append(f"| {rounds} | {epochs} | {code} | {speedup_cells(runs_of)} |")
-    return rows
+    return [f"| {folder.split('-')[1]} | {epochs} | {code} | {speedup_cells(runs_of)} |"
+            for folder in RECHECKS[1:] for epochs, code, runs_of in by_epochs_and_code(folder, "34e92ce")]
 
 
 def compiled_pairs(epochs: str) -> list[float]:
