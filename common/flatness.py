@@ -252,9 +252,27 @@ def flatness_distance(client_models: Sequence[Mapping[str, torch.Tensor]],
     tensors ``names`` (the trainable parameters), in float64; None without clients."""
     if not client_models:
         return None
-    center = {n: global_model[n].double() for n in names}  # converted once, not once per client
-    return sum(sum(float((m[n].double() - center[n]).square().sum()) for n in names)
-               for m in client_models) / len(client_models)
+    # squares[n][i] = ||theta_i[n] - theta[n]||^2: each tensor's differences made for a block of
+    # clients at once, then summed row by row (each row a whole reduction of its own, as that
+    # tensor's sum on its own), and added in the order of the per-client formula: bit for bit it
+    squares = {n: _squared_distances([m[n] for m in client_models], global_model[n]) for n in names}
+    return sum(sum(squares[n][i] for n in names) for i in range(len(client_models))) / len(client_models)
+
+
+DISTANCE_BLOCK = 1 << 22  # the most float64 entries _squared_distances holds at once (32 MiB)
+
+
+def _squared_distances(tensors: Sequence[torch.Tensor], center: torch.Tensor) -> list[float]:
+    """[float(((t.double() - center.double()) ** 2).sum()) for t in tensors], a block of
+    tensors per operation."""
+    center = center.double()
+    block = max(1, DISTANCE_BLOCK // max(1, center.numel()))
+    out: list[float] = []
+    for first in range(0, len(tensors), block):
+        part = tensors[first:first + block]
+        diff = torch.stack(list(part)).double().sub_(center).square_().reshape(len(part), -1)
+        out += torch.stack([row.sum() for row in diff]).tolist()
+    return out
 
 
 # metrics.jsonl fields of a round (server/run.py); TensorBoard draws them as flatness/<field>

@@ -20,8 +20,19 @@ from flatflower.strategies.strategy import RoundRecord
 REPORTED_FIELDS = {key: key.replace("-", "_") for key in P.SELF_REPORTS}  # client metric -> clients.jsonl field
 
 
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).double() for t in tensors.values() if t.is_floating_point()])
+def _deltas(start, models) -> torch.Tensor:
+    """One float64 row per model: its floating-point tensors flattened in ``start``'s order,
+    minus ``start``'s. Built a tensor at a time over all models (one stack, one exact cast,
+    one subtraction), the same numbers as each model flattened and subtracted on its own."""
+    keys = [k for k, t in start.items() if t.is_floating_point()]
+    deltas = torch.empty((len(models), sum(start[k].numel() for k in keys)), dtype=torch.float64)
+    column = 0
+    for k in keys:
+        block = deltas[:, column:column + start[k].numel()]
+        block.copy_(torch.stack([m[k].detach().reshape(-1) for m in models]))
+        block.sub_(start[k].detach().reshape(-1).double())
+        column += block.shape[1]
+    return deltas
 
 
 def client_rows(record: RoundRecord, server_round: int) -> list[dict[str, Any]]:
@@ -37,10 +48,7 @@ def client_rows(record: RoundRecord, server_round: int) -> list[dict[str, Any]]:
         if refusal["stage"] == "train" and refusal["partition"] in rows:
             rows[refusal["partition"]].update(status="rejected", reason=refusal["reason"])
     if updates:
-        w0 = _flat(start)
-        deltas = torch.empty((len(updates), w0.numel()), dtype=w0.dtype)  # one row per update
-        for row, u in zip(deltas, updates):
-            torch.sub(_flat(u.model), w0, out=row)
+        deltas = _deltas(start, [u.model for u in updates])  # one row per update
         # in units of the largest entry where squares could overflow (float64 models): no norm
         # or cosine of a huge but finite update becomes Inf or NaN
         low, high = deltas.aminmax() if deltas.numel() else (torch.zeros(()), torch.zeros(()))

@@ -169,11 +169,16 @@ class Aggregator:
         return {"krum": 2 * self.f + 3, "multi-krum": 2 * self.f + 3,
                 "bulyan": 4 * self.f + 3}.get(self.name, 1)
 
+    def picks(self, n: int) -> bool:
+        """Whether :meth:`choose` picks among ``n`` clients (a Krum-family rule with enough of
+        them); the other rules combine every client, and need no uploads to choose from."""
+        return self.name in KRUM_FAMILY and n >= self.required()
+
     def choose(self, uploads: Sequence[Sequence[OrderedDict]]) -> list[int] | None:
         """The clients a Krum-family rule keeps this round, given each client's uploads (its
         model update and each record) and scored on them together (:func:`joint_vectors`);
         None for the other rules, which combine every client."""
-        if self.name not in KRUM_FAMILY or len(uploads) < self.required():
+        if not self.picks(len(uploads)):
             return None
         return krum_choice(self.name, joint_vectors(uploads), self.f)
 

@@ -121,7 +121,9 @@ class ServerRule:
         before = self.model, self.records
         self.records = {n: OrderedDict(r) for n, r in self.records.items()}
         self.metrics, self.round = {}, server_round
-        self.chosen = self.aggregator.choose([self.uploads(u) for u in updates])
+        # every client's uploads only where a rule picks among them (the mean never looks)
+        self.chosen = (self.aggregator.choose([self.uploads(u) for u in updates])
+                       if self.aggregator.picks(len(updates)) else None)
         try:
             self.update(server_round, updates, weights)
         finally:

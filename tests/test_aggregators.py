@@ -179,6 +179,23 @@ def test_the_krum_family_picks_the_same_clients_for_the_model_and_every_record(n
         assert torch.allclose(control[k] * 10 / 7, step[k], atol=1e-6), (name, k)
 
 
+@pytest.mark.parametrize("name, picks", [("mean", False), ("median", False), ("norm-clip", False),
+                                         ("krum", True), ("bulyan", True)])
+def test_the_uploads_are_built_for_a_rule_that_picks_clients_only(name, picks, monkeypatch):
+    """A round under a Krum-family rule scores every client's uploads (its model update and
+    records) to pick the clients; the other rules combine every client, and a round under
+    them never builds that list (a subtraction per client and tensor, for nothing)."""
+    rule = rule_for("scaffold", name)
+    built = []
+    original = type(rule).uploads
+    monkeypatch.setattr(type(rule), "uploads", lambda self, u: built.append(u) or original(self, u))
+    out = updates(rule, outlier=False)
+    assert rule.apply(1, out, [1 / 7] * 7)
+    assert built == (out if picks else [])
+    assert rule.aggregator.picks(len(out)) is picks
+    assert not rule.aggregator.picks(rule.aggregator.required() - 1)
+
+
 # ---------------------------------------------------------------- in a run
 def test_a_round_with_fewer_updates_than_the_rule_needs_is_skipped(tmp_path, caplog):
     import logging

@@ -125,6 +125,29 @@ def test_report_summarises_flatness_and_draws_its_curves(fedsam_run, tmp_path, c
         sum(r["flatness_distance"] for r in rows[1:]) / 3)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_flatness_distance_equals_the_per_client_formula_bit_for_bit(threads, monkeypatch):
+    """flatness_distance works a tensor at a time over blocks of clients; its number is the
+    per-client formula's, (1/M) sum_i sum_k float(||theta_i[k] - theta[k]||^2) added in that
+    order, to the last bit: with one and two threads (a tensor over 32,768 entries is summed
+    in two halves by two threads), and with blocks smaller than the clients."""
+    import flatflower.common.flatness as flatness
+
+    torch.manual_seed(0)
+    shapes = {"conv": (6, 1, 5, 5), "fc": (400, 120), "big": (70_000,), "bias": (10,)}
+    center = {k: torch.randn(s) for k, s in shapes.items()}
+    clients = [{k: v + 0.01 * torch.randn_like(v) for k, v in center.items()} for _ in range(7)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        expected = sum(sq_distance({k: m[k] for k in shapes}, center) for m in clients) / len(clients)
+        for block in (flatness.DISTANCE_BLOCK, 150_000, 1):  # all clients at once, 2 at once, 1
+            monkeypatch.setattr(flatness, "DISTANCE_BLOCK", block)
+            assert flatness.flatness_distance(clients, center, list(shapes)) == expected
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_skipped_round_has_no_flatness_distance(tmp_path):
     """Every client fails round 2: no new global model, so no distance to it (null)."""
     rows, _ = run_with_faults(tmp_path, "run", {0: "raise@2-2", 1: "raise@2-2"}, clients=2,

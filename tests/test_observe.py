@@ -90,6 +90,26 @@ def test_client_rows_norms_and_cosines_are_each_updates_own(size):
         assert row["cosine_to_mean"] == pytest.approx(cosine, rel=1e-12, abs=1e-12)
 
 
+def test_client_rows_deltas_equal_each_model_flattened_on_its_own():
+    """The round's update matrix is built a tensor at a time over all clients: row i is
+    client i's floating entries, flattened in the model's order and cast to float64, minus
+    the start's, bit for bit (float16, float32 and float64 tensors; an int buffer left out)."""
+    from collections import OrderedDict
+
+    from flatflower.server.clients import _deltas
+
+    torch.manual_seed(0)
+    start = OrderedDict(w=torch.randn(40, 30), n=torch.tensor(3), h=torch.randn(7).half(),
+                        d=torch.randn(5, 2, dtype=torch.float64))
+    models = [OrderedDict((k, v + 1 if k == "n" else (v + 0.01 * torch.randn_like(v.float())).to(v.dtype))
+                          for k, v in start.items()) for _ in range(5)]
+
+    def flat(tensors):
+        return torch.cat([t.reshape(-1).double() for t in tensors.values() if t.is_floating_point()])
+
+    assert torch.equal(_deltas(start, models), torch.stack([flat(m) - flat(start) for m in models]))
+
+
 def test_clients_jsonl_says_who_was_refused_and_who_failed(tmp_path):
     run_with_faults(tmp_path, "faults", faults={1: "nan", 2: "raise"}, clients=3, num_server_rounds=1)
     rows = {r["partition"]: r for r in clients(tmp_path / "faults")}
