@@ -64,25 +64,32 @@ def round_generator(seed: int, server_round: int, partition_id: int) -> torch.Ge
     return torch.Generator().manual_seed(int(state))
 
 
-def batch_indices(
+def round_order(
     n: int, batch_size: int, local_epochs: int, local_steps: int, generator: torch.Generator
-) -> Iterator[torch.Tensor]:
-    """Mini-batches of a reshuffled pass per epoch.
+) -> tuple[torch.Tensor, list[int]]:
+    """A round's mini-batches at once: the indices of all of them, in order, and each one's size.
 
-    ``local_steps > 0``: exactly that many batches (epochs roll over as needed);
-    otherwise ``local_epochs`` full passes (the last batch of a pass may be smaller).
+    A reshuffled pass per epoch (one ``torch.randperm`` per pass begun); ``local_steps > 0``:
+    exactly that many batches (epochs roll over as needed); otherwise ``local_epochs`` full
+    passes (the last batch of a pass may be smaller).
     """
     if n <= 0:
         raise ValueError("no samples to draw mini-batches from")
     steps = local_step_count(n, batch_size, local_epochs, local_steps)
-    done = 0
-    while done < steps:
-        order = torch.randperm(n, generator=generator)
-        for start in range(0, n, batch_size):
-            if done == steps:
-                return
-            yield order[start : start + batch_size]
-            done += 1
+    per_pass = [min(batch_size, n - start) for start in range(0, n, batch_size)]
+    passes = -(-steps // len(per_pass))  # each begun, so each drawn
+    sizes = (per_pass * passes)[:steps]
+    orders = [torch.randperm(n, generator=generator) for _ in range(passes)]
+    order = orders[0] if len(orders) == 1 else torch.cat(orders) if orders else torch.zeros(0, dtype=torch.int64)
+    return order[: sum(sizes)], sizes
+
+
+def batch_indices(
+    n: int, batch_size: int, local_epochs: int, local_steps: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """The round's mini-batches (:func:`round_order`), one at a time."""
+    order, sizes = round_order(n, batch_size, local_epochs, local_steps, generator)
+    yield from order.split(sizes)
 
 
 def autocast(cfg: RunConfig, device: torch.device):

@@ -33,7 +33,14 @@ class Split:
         """Float32 inputs (x / scale, then per-channel standardised) and int64 labels;
         ``augment`` (a local training batch's train-transform, common/augment.py) acts on the
         raw x / scale, before the standardisation, as torchvision's transforms do."""
-        x = self.x[index].float() / self.scale
+        return self.inputs(self.x[index], augment), self.y[index].long()
+
+    def inputs(self, stored: torch.Tensor,
+               augment: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Stored rows of x (of this split, or of any split that normalises as it does: one
+        element-wise map, so rows of many clients may go through it at once) -> the float32
+        inputs :meth:`get` gives."""
+        x = stored.float() / self.scale
         if augment is not None:
             x = augment(x)
         if self.mean is not None and self.std is not None:
@@ -41,7 +48,11 @@ class Split:
             mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device).view(view)
             std = torch.tensor(self.std, dtype=torch.float32, device=x.device).view(view)
             x = (x - mean) / std
-        return x, self.y[index].long()
+        return x
+
+    def normalisation(self) -> tuple:
+        """What :meth:`inputs` depends on besides the rows: splits with equal ones map rows alike."""
+        return self.x.dtype, tuple(self.x.shape[1:]), self.x.device, self.scale, self.mean, self.std
 
     def to(self, device: torch.device | str) -> Split:
         """The split on ``device``. A client's partition is small (CIFAR-10, 100 clients: 1.5 MB

@@ -46,7 +46,7 @@ from flatflower.client.algorithms.base import ClientRule
 from flatflower.client.app import report_of
 from flatflower.client.batch import ModelBatch, Objective, cross_entropy
 from flatflower.client.sgd import masked, sgd_step
-from flatflower.client.train import LocalResult, autocast, batch_indices, host_losses, round_loss
+from flatflower.client.train import LocalResult, autocast, host_losses, round_loss, round_order
 from flatflower.common.tensors import Tensors, add
 
 log = logging.getLogger("flwr.flatflower.client")
@@ -286,35 +286,47 @@ def _moved(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tens
 STEP_BYTES = 64 << 20  # the most input bytes step_batches gathers at once (a chunk of steps)
 
 
-def step_batches(calls: Sequence, draws: Sequence, steps: Sequence[int], device: torch.device):
+def step_batches(calls: Sequence, orders: Sequence[tuple[torch.Tensor, list[int]]], steps: Sequence[int],
+                 device: torch.device):
     """Each local step's stacked mini-batches of a group, as :func:`padded` stacks them
     (x, y, weight; a client past its last step has an empty batch), gathered a chunk of steps
-    at a time: each client's rows of the chunk's steps come from one ``Split.get`` (per batch,
-    in step order, where a train-transform draws from the call's generator) and reach
-    ``device`` in one copy, and one indexing per step cuts them into padded batches. Split.get
-    acts row by row, so the batches equal the ones built step by step, bit for bit."""
-    draws = [[next(draw) for _ in range(n)] for draw, n in zip(draws, steps)]  # each client's own RNG
+    at a time. ``orders``: each client's :func:`flatflower.client.train.round_order` (its
+    round's batch indices in order, and their sizes). A client's rows of a chunk are one slice
+    of its order; without a train-transform, the rows of all clients whose splits normalise
+    alike become inputs in one element-wise map (``Split.inputs``), else each client's do (per
+    batch, in step order, where a train-transform draws from the call's generator). They
+    reach ``device`` in one copy, and one indexing per step cuts them into padded batches.
+    Split.get acts row by row, so the batches equal the ones built step by step, bit for bit."""
     sizes = np.zeros((max(steps), len(calls)), dtype=np.int64)  # step x client (host bookkeeping)
-    for i, idx in enumerate(draws):
-        sizes[: len(idx), i] = [len(j) for j in idx]
+    for i, (_, own) in enumerate(orders):
+        sizes[: len(own), i] = own
+    through = np.cumsum(sizes, axis=0)  # step x client: a client's rows up to and with that step
     row_bytes = 4 * max(1, calls[0].data.x[0].numel())  # float32 inputs
     chunk = max(1, STEP_BYTES // max(1, int(sizes.sum(axis=1).max()) * row_bytes))
+    together = (all(c.augment is None for c in calls)
+                and len({c.data.normalisation() for c in calls}) == 1)
     for k0 in range(0, len(sizes), chunk):
-        xs, ys = [], []
-        for c, idx in zip(calls, draws):
-            mine = idx[k0:k0 + chunk]
-            if c.augment is None and mine:
-                x, y = c.data.get(torch.cat(mine))
-            else:
-                parts = [c.batch(j) for j in mine] or [c.data.get(torch.zeros(0, dtype=torch.int64))]
-                x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            xs.append(x)
-            ys.append(y)
+        k1 = min(k0 + chunk, len(sizes))
+        begin = through[k0 - 1] if k0 else np.zeros(len(calls), dtype=np.int64)
+        rows = [order[int(a):int(b)] for (order, _), a, b in zip(orders, begin, through[k1 - 1])]
+        if together:
+            xs = [calls[0].data.inputs(torch.cat([c.data.x[r] for c, r in zip(calls, rows)]))]
+            ys = [torch.cat([c.data.y[r] for c, r in zip(calls, rows)]).long()]
+        else:
+            xs, ys = [], []
+            for c, r, (_, own) in zip(calls, rows, orders):
+                if c.augment is None:
+                    x, y = c.data.get(r)
+                else:  # per batch, in step order: the transform's draws as the client's own loop makes them
+                    parts = [c.batch(j) for j in r.split(own[k0:k1])] or [c.data.get(r)]
+                    x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+                xs.append(x)
+                ys.append(y)
         xs.append(xs[0].new_zeros((1, *xs[0].shape[1:])))  # the padding row
         ys.append(ys[0].new_zeros(1))
         x_all = torch.cat(xs).to(device, non_blocking=True)
         y_all = torch.cat(ys).to(device, non_blocking=True)
-        part = sizes[k0:k0 + chunk]
+        part = sizes[k0:k1]
         offsets = np.cumsum(part.sum(axis=0)) - part.sum(axis=0)  # each client's first row
         starts = offsets + np.cumsum(part, axis=0) - part  # step x client: its batch's first row
         index, weight = [], []  # per step, built on the host and moved to the device at once
@@ -342,8 +354,8 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     with torch.no_grad():  # the stacks, not the clients' parameters, are what the steps change
         params = [torch.stack(ps) for ps in zip(*[c.layout.params for c in calls])]
     rules = StackedRule([c.rule for c in calls])
-    draws = [batch_indices(len(c.data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, c.generator())
-             for c in calls]
+    orders = [round_order(len(c.data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, c.generator())
+              for c in calls]
     steps = [cfg.num_steps(len(c.data)) for c in calls]
     device = params[0].device
     layouts: dict = {}
@@ -380,7 +392,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     failed: dict[int, Exception] = {}
     losses: list[torch.Tensor] = []  # each step's losses (one per client), left on the device
     buffers = None
-    for k, (x, y, weight) in enumerate(step_batches(calls, draws, steps, device)):
+    for k, (x, y, weight) in enumerate(step_batches(calls, orders, steps, device)):
         live = [k < n for n in steps]
         active = None if all(live) else torch.tensor(live, device=device)
         with autocast(cfg, device):

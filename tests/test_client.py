@@ -79,6 +79,32 @@ def test_batch_indices_deterministic_for_the_same_seed() -> None:
     assert draw(3) != draw(4)
 
 
+@pytest.mark.parametrize(("n", "b", "epochs", "steps"),
+                         [(100, 32, 3, 0), (100, 32, 1, 10), (64, 64, 2, 0), (5, 32, 4, 0), (18, 32, 5, 0),
+                          (100, 32, 1, 4), (100, 32, 1, 5), (7, 3, 1, 1)])
+def test_batches_are_drawn_a_pass_at_a_time_as_the_loop_always_drew_them(n, b, epochs, steps) -> None:
+    """round_order (all the round's batches at once, which batch_indices hands out one at a
+    time) draws what the loop drew lazily: a randperm of the n rows when a pass begins, its
+    consecutive slices as the batches; the same indices from the same generator, bit for bit,
+    and the generator left where the loop left it (one draw per pass begun, none more)."""
+    from flatflower.client.train import round_order
+
+    def lazily(g):
+        batches, total = [], steps or epochs * math.ceil(n / b)
+        while len(batches) < total:
+            order = torch.randperm(n, generator=g)
+            batches += [order[i:i + b] for i in range(0, n, b)][:total - len(batches)]
+        return batches
+
+    want_gen, got_gen = generator(5), generator(5)
+    want = lazily(want_gen)
+    order, sizes = round_order(n, b, epochs, steps, got_gen)
+    assert sizes == [len(x) for x in want]
+    assert torch.equal(order, torch.cat(want))
+    assert [x.tolist() for x in batch_indices(n, b, epochs, steps, generator(5))] == [x.tolist() for x in want]
+    assert torch.equal(torch.randperm(n, generator=got_gen), torch.randperm(n, generator=want_gen))
+
+
 def test_round_generator_depends_on_seed_round_and_partition() -> None:
     def first_draw(seed: int, rnd: int, pid: int) -> list[int]:
         return torch.randperm(100, generator=round_generator(seed, rnd, pid)).tolist()

@@ -253,12 +253,15 @@ def test_padded_weighs_real_rows_1_over_b_and_padding_0():
 
 
 @pytest.mark.parametrize("chunk_bytes", [vec.STEP_BYTES, 1])
-def test_step_batches_are_the_step_by_step_padded_batches_bit_for_bit(monkeypatch, chunk_bytes):
+@pytest.mark.parametrize("case", ["a client augments", "all normalise alike", "normalisations differ"])
+def test_step_batches_are_the_step_by_step_padded_batches_bit_for_bit(monkeypatch, chunk_bytes, case):
     """step_batches (each client's rows gathered once per chunk of steps) gives, step by step,
     exactly what padding each client's own batch gives: ragged sizes (the last batch of an
-    epoch), clients past their last step (empty batches), a client whose train-transform draws
-    from its own generator in step order, a normalised split; in one chunk and one step a chunk."""
-    from flatflower.client.train import batch_indices
+    epoch), clients past their last step (empty batches), normalised splits; a client whose
+    train-transform draws from its own generator in step order (each client's inputs made
+    apart), clients whose splits normalise alike (their inputs made at once), and splits with
+    different means (apart again); in one chunk and one step a chunk."""
+    from flatflower.client.train import batch_indices, round_order
     from flatflower.common.augment import train_augment
     from flatflower.common.datasets import Split
 
@@ -269,24 +272,25 @@ def test_step_batches_are_the_step_by_step_padded_batches_bit_for_bit(monkeypatc
     def calls(seed):
         made = []
         for i, n in enumerate(sizes):
+            mean = (0.5,) if case == "normalisations differ" and i == 1 else (0.4,)
             data = Split(torch.randint(0, 255, (n, 1, 6, 6), dtype=torch.uint8), torch.randint(0, 10, (n,)),
-                         mean=(0.4,), std=(0.3,), scale=255.0)
-            augment = train_augment("crop-flip", seed, 1, i) if i == 2 else None
+                         mean=mean, std=(0.3,), scale=255.0)
+            augment = train_augment("crop-flip", seed, 1, i) if i == 2 and case == "a client augments" else None
             made.append(SimpleNamespace(data=data, augment=augment,
                                         batch=lambda idx, d=data, a=augment: d.get(idx, augment=a)))
         return made
 
-    def draws(group, seed):
-        return [batch_indices(len(c.data), batch_size, 2, 0, torch.Generator().manual_seed(seed + i))
-                for i, c in enumerate(group)]
+    def generators(group, seed):
+        return [torch.Generator().manual_seed(seed + i) for i in range(len(group))]
 
     torch.manual_seed(4)
     group = calls(7)
     steps = [2 * math.ceil(n / batch_size) for n in sizes]
-    got = list(vec.step_batches(group, draws(group, 11), steps, torch.device("cpu")))
+    orders = [round_order(len(c.data), batch_size, 2, 0, g) for c, g in zip(group, generators(group, 11))]
+    got = list(vec.step_batches(group, orders, steps, torch.device("cpu")))
     torch.manual_seed(4)
     group = calls(7)
-    mine = draws(group, 11)
+    mine = [batch_indices(len(c.data), batch_size, 2, 0, g) for c, g in zip(group, generators(group, 11))]
     empty = torch.zeros(0, dtype=torch.int64)
     assert len(got) == max(steps)
     padded_steps = 0
@@ -298,7 +302,7 @@ def test_step_batches_are_the_step_by_step_padded_batches_bit_for_bit(monkeypatc
         if weight is not None:
             assert torch.equal(weight, want[2])
             padded_steps += 1
-    assert padded_steps > 0 and group[2].augment is not None
+    assert padded_steps > 0 and (group[2].augment is not None) == (case == "a client augments")
     assert any(w is not None and bool((w == 0).all(dim=1).any()) for _, _, w in got)  # a client past its end
 
 
