@@ -51,8 +51,14 @@ class Split:
         return x
 
     def normalisation(self) -> tuple:
-        """What :meth:`inputs` depends on besides the rows: splits with equal ones map rows alike."""
-        return self.x.dtype, tuple(self.x.shape[1:]), self.x.device, self.scale, self.mean, self.std
+        """What :meth:`inputs` depends on besides the rows, as a hashable tuple (a mean or std
+        given as a list or an array becomes a tuple of floats): splits with equal ones map
+        rows alike."""
+        def numbers(values):
+            return None if values is None else tuple(float(v) for v in values)
+
+        return (self.x.dtype, tuple(self.x.shape[1:]), self.x.device, float(self.scale),
+                numbers(self.mean), numbers(self.std))
 
     def to(self, device: torch.device | str) -> Split:
         """The split on ``device``. A client's partition is small (CIFAR-10, 100 clients: 1.5 MB

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -304,6 +305,25 @@ def test_step_batches_are_the_step_by_step_padded_batches_bit_for_bit(monkeypatc
             padded_steps += 1
     assert padded_steps > 0 and (group[2].augment is not None) == (case == "a client augments")
     assert any(w is not None and bool((w == 0).all(dim=1).any()) for _, _, w in got)  # a client past its end
+
+
+def test_splits_normalise_alike_by_their_numbers_whatever_holds_them():
+    """step_batches makes the inputs of clients together only where their splits normalise
+    alike: the same stored dtype, sample shape, device, scale, mean and std, a mean or std
+    given as a tuple, a list or an array counting as the numbers it holds."""
+    from flatflower.common.datasets import Split
+
+    def split(**kw):
+        args = {"x": torch.zeros((3, 1, 2, 2), dtype=torch.uint8), "y": torch.zeros(3, dtype=torch.int64),
+                "mean": (0.5,), "std": (0.25,), "scale": 255.0, **kw}
+        return Split(**args).normalisation()
+
+    same = split()
+    assert split(mean=[0.5]) == same and split(std=np.array([0.25])) == same and split(scale=255) == same
+    for other in (split(mean=(0.4,)), split(std=None), split(scale=1.0), split(x=torch.zeros((3, 1, 2, 2))),
+                  split(x=torch.zeros((3, 1, 2, 3), dtype=torch.uint8))):
+        assert other != same
+    assert len({same, split(mean=[0.5])}) == 1  # hashable, whatever held the numbers
 
 
 def test_weighted_objectives_of_a_padded_batch_equal_the_plain_means():
