@@ -20,18 +20,25 @@ from flatflower.strategies.strategy import RoundRecord
 REPORTED_FIELDS = {key: key.replace("-", "_") for key in P.SELF_REPORTS}  # client metric -> clients.jsonl field
 
 
+STACKED_ENTRIES = 1 << 22  # the most entries _deltas stacks at once (a tensor of a block of models)
+
+
 def _deltas(start, models) -> torch.Tensor:
     """One float64 row per model: its floating-point tensors flattened in ``start``'s order,
-    minus ``start``'s. Built a tensor at a time over all models (one stack, one exact cast,
-    one subtraction), the same numbers as each model flattened and subtracted on its own."""
+    minus ``start``'s. Built a tensor at a time over a block of models (one stack, one exact
+    cast, one subtraction), the same numbers as each model flattened and subtracted on its own."""
     keys = [k for k, t in start.items() if t.is_floating_point()]
     deltas = torch.empty((len(models), sum(start[k].numel() for k in keys)), dtype=torch.float64)
     column = 0
     for k in keys:
-        block = deltas[:, column:column + start[k].numel()]
-        block.copy_(torch.stack([m[k].detach().reshape(-1) for m in models]))
-        block.sub_(start[k].detach().reshape(-1).double())
-        column += block.shape[1]
+        size = start[k].numel()
+        center = start[k].detach().reshape(-1).double()
+        rows = max(1, STACKED_ENTRIES // max(1, size))
+        for first in range(0, len(models), rows):
+            block = deltas[first:first + rows, column:column + size]
+            block.copy_(torch.stack([m[k].detach().reshape(-1) for m in models[first:first + rows]]))
+            block.sub_(center)
+        column += size
     return deltas
 
 

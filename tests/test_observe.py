@@ -90,13 +90,18 @@ def test_client_rows_norms_and_cosines_are_each_updates_own(size):
         assert row["cosine_to_mean"] == pytest.approx(cosine, rel=1e-12, abs=1e-12)
 
 
-def test_client_rows_deltas_equal_each_model_flattened_on_its_own():
-    """The round's update matrix is built a tensor at a time over all clients: row i is
+@pytest.mark.parametrize("stacked", [1 << 22, 1000, 1])
+def test_client_rows_deltas_equal_each_model_flattened_on_its_own(stacked, monkeypatch):
+    """The round's update matrix is built a tensor at a time over blocks of clients: row i is
     client i's floating entries, flattened in the model's order and cast to float64, minus
-    the start's, bit for bit (float16, float32 and float64 tensors; an int buffer left out)."""
+    the start's, bit for bit (float16, float32 and float64 tensors; an int buffer left out;
+    all clients in one block, a few, one at a time)."""
     from collections import OrderedDict
 
+    import flatflower.server.clients as clients
     from flatflower.server.clients import _deltas
+
+    monkeypatch.setattr(clients, "STACKED_ENTRIES", stacked)
 
     torch.manual_seed(0)
     start = OrderedDict(w=torch.randn(40, 30), n=torch.tensor(3), h=torch.randn(7).half(),
