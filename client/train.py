@@ -80,7 +80,7 @@ def round_order(
     passes = -(-steps // len(per_pass))  # each begun, so each drawn
     sizes = (per_pass * passes)[:steps]
     orders = [torch.randperm(n, generator=generator) for _ in range(passes)]
-    order = orders[0] if len(orders) == 1 else torch.cat(orders) if orders else torch.zeros(0, dtype=torch.int64)
+    order = torch.cat(orders) if orders else torch.zeros(0, dtype=torch.int64)
     return order[: sum(sizes)], sizes
 
 

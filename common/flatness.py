@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flatflower.common.datasets import Split
+from flatflower.common.tensors import stacked_blocks
 from flatflower.common.flatness_settings import (DEFAULT_ITERS, DEFAULT_PROBES, DEFAULT_RHO,  # noqa: F401 (re-exported)
                                      HVP_METHODS, TOLERANCE)
 
@@ -259,18 +260,13 @@ def flatness_distance(client_models: Sequence[Mapping[str, torch.Tensor]],
     return sum(sum(squares[n][i] for n in names) for i in range(len(client_models))) / len(client_models)
 
 
-DISTANCE_BLOCK = 1 << 22  # the most float64 entries _squared_distances holds at once (32 MiB)
-
-
 def _squared_distances(tensors: Sequence[torch.Tensor], center: torch.Tensor) -> list[float]:
     """[float(((t.double() - center.double()) ** 2).sum()) for t in tensors], a block of
-    tensors per operation."""
-    center = center.double()
-    block = max(1, DISTANCE_BLOCK // max(1, center.numel()))
+    tensors per operation (common/tensors.py ``stacked_blocks``)."""
+    center = center.double().reshape(-1)
     out: list[float] = []
-    for first in range(0, len(tensors), block):
-        part = tensors[first:first + block]
-        diff = torch.stack(list(part)).double().sub_(center).square_().reshape(len(part), -1)
+    for _, block in stacked_blocks(tensors):
+        diff = block.double().sub_(center).square_()
         out += torch.stack([row.sum() for row in diff]).tolist()
     return out
 

@@ -12,7 +12,7 @@ forms run instead.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -82,3 +82,15 @@ def global_norm(a, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     (as the papers' code), the server's norms float64."""
     values: Iterable[torch.Tensor] = a.values() if isinstance(a, Mapping) else a
     return torch.sqrt(sum((t.detach().to(dtype) ** 2).sum() for t in values if t.is_floating_point()))
+
+
+STACKED_ENTRIES = 1 << 22  # the most entries stacked_blocks stacks at once
+
+
+def stacked_blocks(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """``tensors`` (one shape: the same tensor of many clients' models), a block at a time:
+    (the block's first index, its tensors flattened and stacked, one row each), at most
+    STACKED_ENTRIES entries a block (one client a block when a tensor holds more)."""
+    rows = max(1, STACKED_ENTRIES // max(1, tensors[0].numel())) if tensors else 1
+    for first in range(0, len(tensors), rows):
+        yield first, torch.stack([t.detach().reshape(-1) for t in tensors[first:first + rows]])

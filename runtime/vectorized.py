@@ -300,15 +300,15 @@ def step_batches(calls: Sequence, orders: Sequence[tuple[torch.Tensor, list[int]
     sizes = np.zeros((max(steps), len(calls)), dtype=np.int64)  # step x client (host bookkeeping)
     for i, (_, own) in enumerate(orders):
         sizes[: len(own), i] = own
-    through = np.cumsum(sizes, axis=0)  # step x client: a client's rows up to and with that step
+    # (step + 1) x client: a client's rows before each step (row 0: none; the last: all of them)
+    before = np.concatenate([np.zeros((1, len(calls)), dtype=np.int64), np.cumsum(sizes, axis=0)])
     row_bytes = 4 * max(1, calls[0].data.x[0].numel())  # float32 inputs
     chunk = max(1, STEP_BYTES // max(1, int(sizes.sum(axis=1).max()) * row_bytes))
     together = (all(c.augment is None for c in calls)
                 and len({c.data.normalisation() for c in calls}) == 1)
     for k0 in range(0, len(sizes), chunk):
         k1 = min(k0 + chunk, len(sizes))
-        begin = through[k0 - 1] if k0 else np.zeros(len(calls), dtype=np.int64)
-        rows = [order[int(a):int(b)] for (order, _), a, b in zip(orders, begin, through[k1 - 1])]
+        rows = [order[int(a):int(b)] for (order, _), a, b in zip(orders, before[k0], before[k1])]
         if together:
             xs = [calls[0].data.inputs(torch.cat([c.data.x[r] for c, r in zip(calls, rows)]))]
             ys = [torch.cat([c.data.y[r] for c, r in zip(calls, rows)]).long()]

@@ -15,12 +15,10 @@ from typing import Any
 import torch
 
 from flatflower.common import protocol as P
+from flatflower.common.tensors import stacked_blocks
 from flatflower.strategies.strategy import RoundRecord
 
 REPORTED_FIELDS = {key: key.replace("-", "_") for key in P.SELF_REPORTS}  # client metric -> clients.jsonl field
-
-
-STACKED_ENTRIES = 1 << 22  # the most entries _deltas stacks at once (a tensor of a block of models)
 
 
 def _deltas(start, models) -> torch.Tensor:
@@ -33,11 +31,8 @@ def _deltas(start, models) -> torch.Tensor:
     for k in keys:
         size = start[k].numel()
         center = start[k].detach().reshape(-1).double()
-        rows = max(1, STACKED_ENTRIES // max(1, size))
-        for first in range(0, len(models), rows):
-            block = deltas[first:first + rows, column:column + size]
-            block.copy_(torch.stack([m[k].detach().reshape(-1) for m in models[first:first + rows]]))
-            block.sub_(center)
+        for first, block in stacked_blocks([m[k] for m in models]):
+            deltas[first:first + len(block), column:column + size].copy_(block).sub_(center)
         column += size
     return deltas
 

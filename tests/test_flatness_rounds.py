@@ -132,6 +132,7 @@ def test_flatness_distance_equals_the_per_client_formula_bit_for_bit(threads, mo
     order, to the last bit: with one and two threads (a tensor over 32,768 entries is summed
     in two halves by two threads), and with blocks smaller than the clients."""
     import flatflower.common.flatness as flatness
+    import flatflower.common.tensors as tensors
 
     torch.manual_seed(0)
     shapes = {"conv": (6, 1, 5, 5), "fc": (400, 120), "big": (70_000,), "bias": (10,)}
@@ -141,8 +142,8 @@ def test_flatness_distance_equals_the_per_client_formula_bit_for_bit(threads, mo
     torch.set_num_threads(threads)
     try:
         expected = sum(sq_distance({k: m[k] for k in shapes}, center) for m in clients) / len(clients)
-        for block in (flatness.DISTANCE_BLOCK, 150_000, 1):  # all clients at once, 2 at once, 1
-            monkeypatch.setattr(flatness, "DISTANCE_BLOCK", block)
+        for block in (tensors.STACKED_ENTRIES, 150_000, 1):  # all clients at once, 2 at once, 1
+            monkeypatch.setattr(tensors, "STACKED_ENTRIES", block)
             assert flatness.flatness_distance(clients, center, list(shapes)) == expected
     finally:
         torch.set_num_threads(before)

@@ -98,10 +98,10 @@ def test_client_rows_deltas_equal_each_model_flattened_on_its_own(stacked, monke
     all clients in one block, a few, one at a time)."""
     from collections import OrderedDict
 
-    import flatflower.server.clients as clients
+    import flatflower.common.tensors as tensors
     from flatflower.server.clients import _deltas
 
-    monkeypatch.setattr(clients, "STACKED_ENTRIES", stacked)
+    monkeypatch.setattr(tensors, "STACKED_ENTRIES", stacked)
 
     torch.manual_seed(0)
     start = OrderedDict(w=torch.randn(40, 30), n=torch.tensor(3), h=torch.randn(7).half(),
