@@ -549,6 +549,10 @@ def test_a_federations_processes_are_found_by_its_mark_or_its_session(tmp_path):
         assert MARK.encode() not in Path(f"/proc/{child}/environ").read_bytes()
         sessions: set[int] = set()
         assert sorted(_marked(mark, sessions)) == sorted([leader.pid, child]) and sessions == {leader.pid}
+        # a spared session (the reaper's owner's: a user's shell, a CI job) is never swept, and
+        # never remembered: only what holds the mark is taken there
+        spared: set[int] = set()
+        assert _marked(mark, spared, frozenset({leader.pid})) == [leader.pid] and spared == set()
         leader.kill()
         leader.wait()
         assert _marked(mark) == [] and _marked(mark, sessions) == [child]  # remembered: still found

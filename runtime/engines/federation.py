@@ -157,7 +157,7 @@ REAP_POLL = 0.2  # seconds between the reaper's looks at whether its federation'
 REAP_PASSES, REAP_QUIET = 300, 50
 
 
-def _marked(mark: str, sessions: set[int] | None = None) -> list[int]:
+def _marked(mark: str, sessions: set[int] | None = None, spared: frozenset[int] = frozenset()) -> list[int]:
     """Every live process (but this one) of the federation ``mark``: whose environment holds
     ``MARK=mark`` (whatever its processes started, also a process born after its parent was
     looked at, or one whose parent is gone), or which is in the session of such a process.
@@ -166,10 +166,11 @@ def _marked(mark: str, sessions: set[int] | None = None) -> list[int]:
     mark, but they keep the session their raylet had. Each process the federation spawns
     starts a session of its own, so no other process is in one (this process's own session,
     and 0 and 1, are never taken for one). ``sessions``: those seen so far, kept across calls
-    (a reaper's passes, after the processes that held the mark are gone)."""
+    (a reaper's passes, after the processes that held the mark are gone). ``spared``: sessions
+    never taken either (the reaper's owner's: the shell or CI job that started the federation)."""
     tag, out, unmarked = f"{MARK}={mark}".encode(), [], []
     sessions = set() if sessions is None else sessions
-    foreign = {0, 1, os.getsid(0)}
+    foreign = {0, 1, os.getsid(0), *spared}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             pid = int(entry.name)
@@ -192,13 +193,18 @@ def reap(mark: str, owner: int) -> None:
     process ``owner`` that started the federation is gone without stopping it (``kill -9``,
     the OOM killer), SIGKILL every process of it, the runs' ServerApps first (never a round
     against no SuperNodes). A federation its owner stops ends its reaper with the rest."""
+    try:  # the owner's session holds its user's shell (or a CI job): never swept by session
+        spared = frozenset({os.getsid(owner)})
+    except OSError:
+        spared = frozenset()
     while os.getppid() == owner:
         time.sleep(REAP_POLL)
-    apps = [p for p in _marked(mark) if b"flwr-serverapp" in _cmdline(p) or b"flwr-simulation" in _cmdline(p)]
+    apps = [p for p in _marked(mark, spared=spared)
+            if b"flwr-serverapp" in _cmdline(p) or b"flwr-simulation" in _cmdline(p)]
     _signal(apps, signal.SIGKILL)
     quiet, sessions = 0, set()
     for _ in range(REAP_PASSES):  # until none is seen for REAP_QUIET passes: some may be being born
-        found = _marked(mark, sessions)
+        found = _marked(mark, sessions, spared)
         quiet = 0 if found else quiet + 1
         if quiet >= REAP_QUIET:
             break
