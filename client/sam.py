@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from flatflower.client.batch import Batch
-from flatflower.common.params import NONNEGATIVE, Params, key
+from flatflower.common.params import NONNEGATIVE, Params, Range, key
 from flatflower.common.tensors import EPS, Tensors, global_norm, scale
 
 
@@ -23,7 +23,8 @@ from flatflower.common.tensors import EPS, Tensors, global_norm, scale
 class SAMParams(Params):
     """The SAM family's radius (every algorithm with a perturbation)."""
 
-    rho: float = key("sam.rho", 0.1, "SAM radius: the perturbation's global L2 norm", NONNEGATIVE)
+    rho: float = key("sam.rho", 0.1, "SAM radius: the perturbation's global L2 norm", NONNEGATIVE,
+                     search=Range(0.001, 0.5, log=True))
 
 
 def unit_scaled(direction: Tensors, radius: float) -> Tensors:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from flatflower.common.params import Range
+
 
 class ConfigError(ValueError):
     """A run-config value is missing, of the wrong type or out of range."""
@@ -52,6 +54,10 @@ class RunConfig:
     dirichlet_alpha: float = 0.5
     classes_per_client: int = 2
     partition_seed: int = -1
+    # a validation split carved from the training split before partitioning (flatflower tune's
+    # objective): this fraction of each class, drawn with the partition seed, is trained on by no
+    # client and is what the server evaluates instead of the test split (0 = none: the test split)
+    validation_fraction: float = 0.0
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
     # the user's own data (common/userdata.py) and Flower Datasets' partitioners
@@ -89,7 +95,7 @@ class RunConfig:
     client_state_dir: str = ""
     resume: bool = False
     # local training
-    lr: float = 0.1
+    lr: float = dataclasses.field(default=0.1, metadata={"search": Range(0.001, 0.3, log=True)})  # FedNSAM's grid
     lr_decay: float = 1.0
     local_epochs: int = 5
     local_steps: int = 0
@@ -251,6 +257,8 @@ class RunConfig:
             problems.append(f"train-transform={self.train_transform!r} is not one of: "
                             f"{', '.join(TRAIN_TRANSFORMS)}, or a package.module:callable"
                             f"{did_you_mean(self.train_transform, TRAIN_TRANSFORMS)}")
+        check(math.isfinite(self.validation_fraction) and 0.0 <= self.validation_fraction < 1.0,
+              f"validation-fraction must be in [0, 1) (got {self.validation_fraction})")
         check(-1 <= self.partition_seed <= MAX_SEED,
               f"partition-seed must be in [0, {MAX_SEED}], or -1 (use seed)")
         check(self.num_partitions >= 0,

@@ -11,11 +11,12 @@ node checks at its handshake that its data fits them (:func:`check_local_data`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 
-from flatflower.common.config import RunConfig, parse_shape
+from flatflower.common.config import ConfigError, RunConfig, parse_shape
 from flatflower.common.datasets import FederatedDataset, Split, load_dataset
 from flatflower.common import fds
 from flatflower.common.partition import partition_indices
@@ -36,14 +37,46 @@ def dataset_options(cfg: RunConfig) -> dict[str, float | str]:
 
 
 def dataset_for(cfg: RunConfig, data_dir: str = "") -> FederatedDataset:
-    """The run's dataset; a node's own ``data-dir`` wins over the run config's."""
-    return load_dataset(cfg.dataset, data_dir or cfg.data_dir, cfg.download, **dataset_options(cfg))
+    """The run's dataset; a node's own ``data-dir`` wins over the run config's. With
+    ``validation-fraction`` > 0 its test split is the validation split carved from its
+    training split (:func:`carve_validation`), and its training split is what is left."""
+    generator = tuple(sorted(dataset_options(cfg).items()))
+    return _dataset(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator,
+                    cfg.validation_fraction, cfg.data_seed())
+
+
+@functools.lru_cache(maxsize=8)
+def _dataset(dataset: str, data_dir: str, download: bool, generator: tuple, validation: float,
+             seed: int) -> FederatedDataset:
+    data = load_dataset(dataset, data_dir, download, **dict(generator))
+    return carve_validation(data, validation, seed) if validation > 0 else data
+
+
+def carve_validation(data: FederatedDataset, fraction: float, seed: int) -> FederatedDataset:
+    """``data`` with a validation split in place of its test split: ``fraction`` of each class
+    of the training split (rounded to the nearest whole example), drawn with ``seed`` (the
+    partition seed, so every trial and every seed of a tune sees the same one), and the
+    training split without those examples. The test split is not read: a tune's choices are
+    made without it (``flatflower tune``). ConfigError when either side would be empty."""
+    labels = data.train.y.numpy()
+    rng = np.random.default_rng(seed)
+    picked = [rng.permutation(np.flatnonzero(labels == c))[:int(round(fraction * np.sum(labels == c)))]
+              for c in np.unique(labels)]
+    held = np.sort(np.concatenate(picked)) if picked else np.zeros(0, dtype=np.int64)
+    kept = np.setdiff1d(np.arange(len(labels)), held)
+    if not len(held) or not len(kept):
+        raise ConfigError(f"validation-fraction={fraction:g} of {len(labels)} training examples leaves "
+                          f"{'no validation' if not len(held) else 'no training'} example")
+    groups = data.train_groups
+    return dataclasses.replace(data, train=data.train.subset(kept), test=data.train.subset(held),
+                               train_groups=None if groups is None else groups[kept],
+                               test_groups=None if groups is None else groups[held])
 
 
 @functools.lru_cache(maxsize=8)
 def _partitions(dataset: str, data_dir: str, download: bool, generator: tuple, scheme: str, n: int,
-                seed: int, alpha: float, cpc: int, args: str) -> tuple[np.ndarray, ...]:
-    data = load_dataset(dataset, data_dir, download, **dict(generator))
+                seed: int, alpha: float, cpc: int, args: str, validation: float = 0.0) -> tuple[np.ndarray, ...]:
+    data = _dataset(dataset, data_dir, download, generator, validation, seed)
     labels = data.train.y.numpy()
     if fds.is_fds(scheme):  # Flower Datasets' partitioner, with its keyword arguments ``args``
         return tuple(fds.partition(labels, n, scheme, args, seed))
@@ -56,7 +89,7 @@ def partitions_for(cfg: RunConfig, num_partitions: int, data_dir: str = "") -> t
     generator = tuple(sorted(dataset_options(cfg).items()))
     return _partitions(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator, cfg.partition,
                        num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client,
-                       cfg.partition_args)
+                       cfg.partition_args, cfg.validation_fraction)
 
 
 def model_shape(cfg: RunConfig, data_dir: str = "") -> tuple[tuple[int, ...], int]:
@@ -100,17 +133,18 @@ def client_split(cfg: RunConfig, partition_id: int, num_partitions: int, data_di
     generator = tuple(sorted(dataset_options(cfg).items()))
     return _client_split(cfg.dataset, data_dir or cfg.data_dir, cfg.download, generator, cfg.partition,
                          num_partitions, cfg.data_seed(), cfg.dirichlet_alpha, cfg.classes_per_client,
-                         cfg.partition_args, partition_id)
+                         cfg.partition_args, partition_id, cfg.validation_fraction)
 
 
 @functools.lru_cache(maxsize=4096)
 def _client_split(dataset: str, data_dir: str, download: bool, generator: tuple, scheme: str, n: int,
-                  seed: int, alpha: float, cpc: int, args: str, partition_id: int) -> Split:
+                  seed: int, alpha: float, cpc: int, args: str, partition_id: int,
+                  validation: float = 0.0) -> Split:
     """A client's split, kept: clients call for it every round (its rows are copied once; a
     kept split is only read, every batch is a new tensor)."""
-    indices = _partitions(dataset, data_dir, download, generator, scheme, n, seed, alpha, cpc, args)[partition_id]
-    data = load_dataset(dataset, data_dir, download, **dict(generator))
-    return data.train.subset(indices)
+    indices = _partitions(dataset, data_dir, download, generator, scheme, n, seed, alpha, cpc, args,
+                          validation)[partition_id]
+    return _dataset(dataset, data_dir, download, generator, validation, seed).train.subset(indices)
 
 
 def client_test_split(cfg: RunConfig, partition_id: int, num_partitions: int,

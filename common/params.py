@@ -45,10 +45,33 @@ def one_of(*choices: str) -> Check:
     return Check(lambda x: x in choices, "one of: " + ", ".join(sorted(choices)))
 
 
-def key(name: str, default: Any, meaning: str, check: Check | None = None) -> Any:
+@dataclass(frozen=True)
+class Range:
+    """A tunable key's search range for ``flatflower tune`` (tools/tune_space.py): ``low`` to
+    ``high``, sampled on a log scale when ``log`` (for a step size or a radius, whose useful
+    values span decades), whole numbers when ``integer``. Declared beside the key it tunes,
+    with the range its paper searched where the paper gives one."""
+
+    low: float
+    high: float
+    log: bool = False
+    integer: bool = False
+
+    def problem(self) -> str | None:
+        """What is wrong with the range itself (None: nothing)."""
+        if not (_finite(self.low) and _finite(self.high)) or self.low >= self.high:
+            return f"an empty or non-finite range [{self.low!r}, {self.high!r}] (low must be < high)"
+        if self.log and self.low <= 0:
+            return f"a log-scale range must stay above 0 (low = {self.low!r})"
+        return None
+
+
+def key(name: str, default: Any, meaning: str, check: Check | None = None, search: Range | None = None) -> Any:
     """A params field: run-config key ``name`` (``namespace.key``) with its default, what it
-    means (``flatflower algorithms`` and the docs show it) and its check."""
-    return dataclasses.field(default=default, metadata={"key": name, "meaning": meaning, "check": check})
+    means (``flatflower algorithms`` and the docs show it), its check and, for a key worth
+    tuning, its search range (:class:`Range`)."""
+    return dataclasses.field(default=default, metadata={"key": name, "meaning": meaning, "check": check,
+                                                        "search": search})
 
 
 UNSET = float("nan")  # the value of a required key the run did not set
@@ -57,14 +80,14 @@ PLACEHOLDER = ""  # a required key's value in pyproject.toml: Flower's run confi
 # config before and after a ClientApp call, and NaN != NaN reads as a modification)
 
 
-def required_key(name: str, meaning: str, check: Check, example: float) -> Any:
+def required_key(name: str, meaning: str, check: Check, example: float, search: Range | None = None) -> Any:
     """A float params field with no default: a run of the algorithm must set it (FedGF's T_D,
     whose authors' value is unknown). Unset it is :data:`UNSET`, and the run config (Flower's,
     pyproject.toml) holds :data:`PLACEHOLDER` for it, so every other algorithm's run config stays
     valid. ``example``: a value that runs every path of the algorithm, for what runs every
     algorithm (``flatflower bench``, the tests); not a recommendation."""
     return dataclasses.field(default=UNSET, metadata={"key": name, "meaning": meaning, "check": check,
-                                                      "required": True, "example": example})
+                                                      "required": True, "example": example, "search": search})
 
 
 def is_required(field: dataclasses.Field) -> bool:

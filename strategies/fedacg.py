@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flatflower.common.params import FRACTION, Params, key
+from flatflower.common.params import FRACTION, Params, Range, key
 from flatflower.common.protocol import MOMENTUM
 from flatflower.common.tensors import add_scaled
 from flatflower.strategies.fednsam import FedNSAM
@@ -23,7 +23,7 @@ from flatflower.strategies.fednsam import FedNSAM
 
 @dataclass(frozen=True)
 class FedACGServerParams(Params):
-    lam: float = key("fedacg.lambda", 0.85, "server momentum and look-ahead lambda", FRACTION)
+    lam: float = key("fedacg.lambda", 0.85, "server momentum and look-ahead lambda", FRACTION, search=Range(0.5, 0.95))
 
 
 class FedACG(FedNSAM):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from flatflower.client.sam import SAMParams
-from flatflower.common.params import Check, key, required_key
+from flatflower.common.params import Check, Range, key, required_key
 from flatflower.common.protocol import DIVERGENCE_WINDOW, MIX_WEIGHT, PERTURBED_GLOBAL
 from flatflower.common.tensors import EPS, add_scaled, clone, global_norm, sub
 from flatflower.strategies.fedavg import FedAvg
@@ -44,7 +44,8 @@ class FedGFServerParams(SAMParams):
                                     "2's c to 0 or 1, and c = 1 can diverge at many local steps (docs/algorithms.md)",
                                     Check(lambda x: isinstance(x, (int, float)) and not math.isnan(x),
                                           "a number (inf: never exceeded)"),
-                                    example=0.0)  # always exceeded: c = 1 from round 2
+                                    example=0.0,  # always exceeded: c = 1 from round 2
+                                    search=Range(0.0001, 10.0, log=True))
     window: int = key("fedgf.window", 30, "window W: c = the fraction of the last W rounds whose D > T_D "
                       "(the authors' script: 30)",
                       Check(lambda x: isinstance(x, int) and 1 <= x <= MAX_WINDOW, f"an integer in [1, {MAX_WINDOW}]"))

@@ -33,7 +33,7 @@ import torch
 
 from flatflower.client.algorithms.fedgloss import GloSSDualParams
 from flatflower.client.sam import SAMParams
-from flatflower.common.params import NONNEGATIVE, Check, key, one_of
+from flatflower.common.params import NONNEGATIVE, Check, Range, key, one_of
 from flatflower.common.protocol import DUAL, LOCAL_RADIUS, PSEUDO_GRADIENT
 from flatflower.common.tensors import EPS, add_scaled, global_norm, scale, sub, zeros_like
 from flatflower.strategies.fedavg import FedAvg
@@ -42,7 +42,8 @@ from flatflower.strategies.fedavg import FedAvg
 @dataclass(frozen=True)
 class FedGloSSServerParams(SAMParams, GloSSDualParams):
     rho_server: float = key("fedgloss.rho-server", 0.15, "server SAM radius rho_s: the clients start "
-                            "from w + rho_s pg/||pg|| (the authors' CIFAR-10 runs: 0.15)", NONNEGATIVE)
+                            "from w + rho_s pg/||pg|| (the authors' CIFAR-10 runs: 0.15)", NONNEGATIVE,
+                            search=Range(0.01, 1.0, log=True))
     dual: str = key("fedgloss.dual", "NM", "divisor of the server dual step: beta N M (the code) or "
                     "beta N (Alg. 1)", one_of("NM", "N"))
     warmup_rounds: int = key("fedgloss.warmup-rounds", 0, "warm-up T_s: rounds over which the radii grow "

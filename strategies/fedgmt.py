@@ -19,14 +19,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from flatflower.client.algorithms.fedgmt import ADMMParams
-from flatflower.common.params import FRACTION, key
+from flatflower.common.params import FRACTION, Range, key
 from flatflower.common.protocol import EMA_MODEL
 from flatflower.strategies.feddyn import FedDyn
 
 
 @dataclass(frozen=True)
 class FedGMTServerParams(ADMMParams):
-    alpha: float = key("fedgmt.alpha", 0.95, "decay alpha of the server's EMA model", FRACTION)
+    alpha: float = key("fedgmt.alpha", 0.95, "decay alpha of the server's EMA model", FRACTION,
+                       search=Range(0.5, 0.998))
 
 
 class FedGMTv2(FedDyn):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flatflower.common.params import UNIT, Params, key, one_of
+from flatflower.common.params import UNIT, Params, Range, key, one_of
 from flatflower.common.protocol import CONTROL_OFFSET, CONTROL_UPDATES, MOMENTUM_CONTROL
 from flatflower.common.tensors import add_scaled, zeros_like
 from flatflower.strategies.fedswa import FedSWA
@@ -27,7 +27,7 @@ from flatflower.strategies.fedswa import FedSWA
 @dataclass(frozen=True)
 class FedMoSWAServerParams(Params):
     gamma: float = key("fedmoswa.gamma", 0.2, "momentum gamma of the server control variate m "
-                       "(the paper's ablation optimum)", UNIT)
+                       "(the paper's ablation optimum)", UNIT, search=Range(0.0, 0.9))
     first: str = key("fedmoswa.first", "full", "m's first update: full (m = s, the code) or gamma "
                      "(m = gamma s)", one_of("full", "gamma"))
 

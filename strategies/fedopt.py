@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flatflower.common.params import FRACTION, POSITIVE, Params, key
+from flatflower.common.params import FRACTION, POSITIVE, Params, Range, key
 from flatflower.common.protocol import ADAPTIVE_M, ADAPTIVE_V
 from flatflower.common.tensors import zeros_like
 from flatflower.strategies.fedavg import FedAvg
@@ -29,10 +29,11 @@ from flatflower.strategies.fedavg import FedAvg
 
 @dataclass(frozen=True)
 class FedOptParams(Params):
-    eta: float = key("fedopt.eta", 0.01, "server step size eta (server-lr is not used)", POSITIVE)
+    eta: float = key("fedopt.eta", 0.01, "server step size eta (server-lr is not used)", POSITIVE,
+                     search=Range(0.001, 1.0, log=True))
     beta1: float = key("fedopt.beta1", 0.9, "first-moment decay beta1", FRACTION)
     beta2: float = key("fedopt.beta2", 0.99, "second-moment decay beta2", FRACTION)
-    tau: float = key("fedopt.tau", 0.001, "adaptivity tau", POSITIVE)
+    tau: float = key("fedopt.tau", 0.001, "adaptivity tau", POSITIVE, search=Range(1e-05, 0.1, log=True))
 
     def problems(self, cfg) -> list[str]:
         out = super().problems(cfg)

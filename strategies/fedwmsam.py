@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from flatflower.client.algorithms.fedwmsam import WMSAMSharedParams
-from flatflower.common.params import UNIT, key
+from flatflower.common.params import UNIT, Range, key
 from flatflower.common.protocol import CONTROL, GLOBAL_UPDATE, GRADIENT_WEIGHT, LOCAL_WEIGHT
 from flatflower.common.tensors import add_scaled, global_norm, scale, sub, zeros_like
 from flatflower.strategies.fedavg import FedAvg
@@ -31,8 +31,9 @@ from flatflower.strategies.fedcm import global_update
 @dataclass(frozen=True)
 class FedWMSAMServerParams(WMSAMSharedParams):
     alpha0: float = key("fedwmsam.alpha0", 0.1, "initial alpha, the weight of the local gradient against "
-                        "the momentum (paper and code: 0.1)", UNIT)
-    lam: float = key("fedwmsam.lambda", 0.01, "adaptation rate lambda of alpha (paper and code: 0.01)", UNIT)
+                        "the momentum (paper and code: 0.1)", UNIT, search=Range(0.01, 0.5, log=True))
+    lam: float = key("fedwmsam.lambda", 0.01, "adaptation rate lambda of alpha (paper and code: 0.01)", UNIT,
+                     search=Range(0.001, 0.1, log=True))
 
     def problems(self, cfg):
         out = super().problems(cfg)

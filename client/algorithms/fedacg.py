@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatflower.client.algorithms.fedprox import FedProxClient
-from flatflower.common.params import NONNEGATIVE, Params, key
+from flatflower.common.params import NONNEGATIVE, Params, Range, key
 
 
 @dataclass(frozen=True)
 class FedACGParams(Params):
-    beta: float = key("fedacg.beta", 0.01, "prox weight beta toward the look-ahead", NONNEGATIVE)
+    beta: float = key("fedacg.beta", 0.01, "prox weight beta toward the look-ahead", NONNEGATIVE,
+                      search=Range(0.001, 1.0, log=True))
 
 
 class FedACGClient(FedProxClient):

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 from flatflower.client.algorithms.base import ClientRule
 from flatflower.client.sam import SAMParams, asam_gradient
-from flatflower.common.params import NONNEGATIVE, key
+from flatflower.common.params import NONNEGATIVE, Range, key
 
 
 @dataclass(frozen=True)
 class FedASAMParams(SAMParams):
-    eta: float = key("fedasam.eta", 0.01, "ASAM's eta in the element-wise T_w = |w| + eta", NONNEGATIVE)
+    eta: float = key("fedasam.eta", 0.01, "ASAM's eta in the element-wise T_w = |w| + eta", NONNEGATIVE,
+                     search=Range(0.001, 0.1, log=True))
 
 
 class FedASAMClient(ClientRule):

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 from flatflower.client.algorithms.base import ClientRule
 from flatflower.common.tensors import add, scale
-from flatflower.common.params import UNIT, Params, key
+from flatflower.common.params import UNIT, Params, Range, key
 from flatflower.common.protocol import GLOBAL_UPDATE
 
 
 @dataclass(frozen=True)
 class FedCMParams(Params):
     alpha: float = key("fedcm.alpha", 0.1, "weight of the fresh local gradient against the "
-                       "global update Delta (1 = FedAvg)", UNIT)
+                       "global update Delta (1 = FedAvg)", UNIT, search=Range(0.01, 1.0, log=True))
 
 
 class FedCMClient(ClientRule):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from flatflower.client.algorithms.base import ClientRule
 from flatflower.common.tensors import Tensors, add, scale, sub, zeros_like
-from flatflower.common.params import POSITIVE, Params, key
+from flatflower.common.params import POSITIVE, Params, Range, key
 from flatflower.common.protocol import DUAL
 
 
@@ -26,7 +26,7 @@ class DualParams(Params):
     """The FedDyn family's coefficient (FedDyn, FedSpeed, FedSMOO, FedLESAM-D)."""
 
     alpha: float = key("feddyn.alpha", 0.1, "FedDyn coefficient a: the prox weight and the dual "
-                       "step", POSITIVE)
+                       "step", POSITIVE, search=Range(0.001, 1.0, log=True))
 
 
 class DualClient(ClientRule):

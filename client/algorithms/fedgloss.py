@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from flatflower.client.algorithms.feddyn import DualClient
 from flatflower.client.sam import sam_gradient
-from flatflower.common.params import POSITIVE, Params, key
+from flatflower.common.params import POSITIVE, Params, Range, key
 from flatflower.common.protocol import LOCAL_RADIUS
 
 
@@ -28,7 +28,7 @@ class GloSSDualParams(Params):
     """beta, read by both halves: the prox weight and both dual steps are 1/beta."""
 
     beta: float = key("fedgloss.beta", 10.0, "ADMM penalty beta: prox weight and dual step 1/beta "
-                      "(the authors' CIFAR-10 runs: 10)", POSITIVE)
+                      "(the authors' CIFAR-10 runs: 10)", POSITIVE, search=Range(1.0, 1000.0, log=True))
     admm: bool = key("fedgloss.admm", True, "the ADMM terms (FedDyn-style duals and prox); false: none, "
                      "the limit beta -> inf (with rho_s = 0: FedAvg / FedSAM with the server lr)")
 

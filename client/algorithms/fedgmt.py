@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from flatflower.client.algorithms.feddyn import DualClient
 from flatflower.client.batch import mean_cross_entropy, mean_kl
 from flatflower.common.tensors import Tensors, add, scale
-from flatflower.common.params import FRACTION, NONNEGATIVE, POSITIVE, Params, key, one_of
+from flatflower.common.params import FRACTION, NONNEGATIVE, POSITIVE, Params, Range, key, one_of
 from flatflower.common.protocol import CLIENT_EMA, EMA_MODEL
 
 
@@ -35,20 +35,23 @@ from flatflower.common.protocol import CLIENT_EMA, EMA_MODEL
 class ADMMParams(Params):
     """beta, read by both halves: the client's and the server's dual step 1/beta."""
 
-    beta: float = key("fedgmt.beta", 10.0, "ADMM penalty beta (dual step 1/beta)", POSITIVE)
+    beta: float = key("fedgmt.beta", 10.0, "ADMM penalty beta (dual step 1/beta)", POSITIVE,
+                      search=Range(1.0, 1000.0, log=True))
 
 
 @dataclass(frozen=True)
 class DistillParams(ADMMParams):
     """What FedGMT's and FedGMT-v2's clients share: the ADMM penalty and the distillation."""
 
-    gamma: float = key("fedgmt.gamma", 1.0, "weight gamma of the KL to the EMA model", NONNEGATIVE)
+    gamma: float = key("fedgmt.gamma", 1.0, "weight gamma of the KL to the EMA model", NONNEGATIVE,
+                       search=Range(0.5, 2.0, log=True))
     tau: float = key("fedgmt.tau", 3.0, "distillation temperature tau", POSITIVE)
 
 
 @dataclass(frozen=True)
 class FedGMTv2Params(DistillParams):
-    client_alpha: float = key("fedgmt-v2.alpha", 0.5, "decay of each client's own EMA model", FRACTION)
+    client_alpha: float = key("fedgmt-v2.alpha", 0.5, "decay of each client's own EMA model", FRACTION,
+                              search=Range(0.5, 0.998))
     init: str = key("fedgmt-v2.init", "initial", "a client's EMA before its first round: w^0 "
                     "(initial) or the received model (global)", one_of("initial", "global"))
 

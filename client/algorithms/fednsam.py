@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from flatflower.client.algorithms.base import ClientRule
 from flatflower.client.sam import SAMParams, unit_scaled
 from flatflower.common.tensors import scale, sub
-from flatflower.common.params import FRACTION, Params, key
+from flatflower.common.params import FRACTION, Params, Range, key
 from flatflower.common.protocol import MOMENTUM
 
 
@@ -24,7 +24,7 @@ from flatflower.common.protocol import MOMENTUM
 class MomentumParams(Params):
     """lambda, read by both halves: the server's momentum coefficient and the look-ahead."""
 
-    lam: float = key("fednsam.lambda", 0.85, "server momentum and look-ahead lambda", FRACTION)
+    lam: float = key("fednsam.lambda", 0.85, "server momentum and look-ahead lambda", FRACTION, search=Range(0.5, 0.95))
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 from flatflower.client.algorithms.base import ClientRule
 from flatflower.common.tensors import add, scale, sub
-from flatflower.common.params import NONNEGATIVE, Params, key
+from flatflower.common.params import NONNEGATIVE, Params, Range, key
 
 
 @dataclass(frozen=True)
 class FedProxParams(Params):
-    mu: float = key("fedprox.mu", 0.01, "prox weight mu in (mu/2)||w - w^t||^2", NONNEGATIVE)
+    mu: float = key("fedprox.mu", 0.01, "prox weight mu in (mu/2)||w - w^t||^2", NONNEGATIVE,
+                    search=Range(0.001, 1.0, log=True))
 
 
 class FedProxClient(ClientRule):

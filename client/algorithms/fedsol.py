@@ -28,14 +28,14 @@ import torch.nn.functional as F
 from flatflower.client.algorithms.base import ClientRule
 from flatflower.client.batch import mean_cross_entropy, mean_kl
 from flatflower.client.sam import unit_scaled
-from flatflower.common.params import NONNEGATIVE, POSITIVE, Params, key, one_of
+from flatflower.common.params import NONNEGATIVE, POSITIVE, Params, Range, key, one_of
 from flatflower.common.tensors import global_norm, sub
 
 
 @dataclass(frozen=True)
 class FedSOLParams(Params):
     rho: float = key("fedsol.rho", 1.0, "perturbation radius rho (the code's configs: 1.0; the "
-                     "adaptive scale is at most 1 per entry)", NONNEGATIVE)
+                     "adaptive scale is at most 1 per entry)", NONNEGATIVE, search=Range(0.01, 2.0, log=True))
     tau: float = key("fedsol.tau", 3.0, "temperature tau of the proximal KL (no tau^2 factor)", POSITIVE)
     mode: str = key("fedsol.mode", "adaptive", "perturbation: adaptive = rho N(|w - w^t|) * g_p/||g_p|| "
                     "(the main method), fixed = rho g_p/||g_p||", one_of("adaptive", "fixed"))

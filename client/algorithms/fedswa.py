@@ -14,13 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatflower.client.algorithms.base import ClientRule
-from flatflower.common.params import NONNEGATIVE, Params, key
+from flatflower.common.params import NONNEGATIVE, Params, Range, key
 
 
 @dataclass(frozen=True)
 class FedSWAParams(Params):
     ratio: float = key("fedswa.lr-ratio", 0.1, "rho: the in-round lr decays linearly from lr to "
-                       "rho * lr over the client's steps (1 = a constant lr, FedAvg)", NONNEGATIVE)
+                       "rho * lr over the client's steps (1 = a constant lr, FedAvg)", NONNEGATIVE,
+                       search=Range(0.01, 1.0, log=True))
 
 
 class FedSWAClient(ClientRule):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from flatflower.client.algorithms.feddyn import DualClient
 from flatflower.client.sam import SAMParams, unit_scaled
 from flatflower.common.tensors import add, scale
-from flatflower.common.params import NONNEGATIVE, POSITIVE, Params, key, one_of
+from flatflower.common.params import NONNEGATIVE, POSITIVE, Params, Range, key, one_of
 from flatflower.common.protocol import GLOBAL_UPDATE
 
 
@@ -33,7 +33,7 @@ class DualStepParams(Params):
     """a, read by both halves: the client's prox weight and dual step, the server's dual step."""
 
     alpha: float = key("fedtoga.alpha", 0.1, "prox and dual coefficient (see prox-scale)",
-                       POSITIVE)
+                       POSITIVE, search=Range(0.001, 1.0, log=True))
     prox_scale: str = key("fedtoga.prox-scale", "multiplier", "a = alpha (multiplier, notes "
                           "§6-A1) or 1/alpha (literal, as printed in Alg. 1)",
                           one_of("multiplier", "literal"))
@@ -45,8 +45,9 @@ class DualStepParams(Params):
 
 @dataclass(frozen=True)
 class FedTOGAParams(SAMParams, DualStepParams):
-    kappa: float = key("fedtoga.kappa", 1.0, "correction kappa of the perturbation by Delta", NONNEGATIVE)
-    beta: float = key("fedtoga.beta", 0.9, "correction beta of the step by Delta", NONNEGATIVE)
+    kappa: float = key("fedtoga.kappa", 1.0, "correction kappa of the perturbation by Delta", NONNEGATIVE,
+                       search=Range(0.0, 2.0))
+    beta: float = key("fedtoga.beta", 0.9, "correction beta of the step by Delta", NONNEGATIVE, search=Range(0.0, 1.0))
     perturbation: str = key("fedtoga.perturbation", "G", "G: fresh gradient + kappa Delta; N: "
                             "last SAM gradient (1 pass per step); fusion: both",
                             one_of("G", "N", "fusion"))

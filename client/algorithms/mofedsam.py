@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from flatflower.client.algorithms.fedcm import FedCMClient
 from flatflower.client.sam import SAMParams, sam_gradient
-from flatflower.common.params import UNIT, key
+from flatflower.common.params import UNIT, Range, key
 
 
 @dataclass(frozen=True)
 class MoFedSAMParams(SAMParams):
     beta: float = key("mofedsam.beta", 0.1, "weight of the local SAM gradient against the "
-                      "global update Delta (1 = FedSAM)", UNIT)
+                      "global update Delta (1 = FedSAM)", UNIT, search=Range(0.01, 1.0, log=True))
 
 
 class MoFedSAMClient(FedCMClient):
