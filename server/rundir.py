@@ -1,6 +1,6 @@
 """The run directory: everything needed to audit or reproduce a run.
 
-    config.json      resolved run config + versions + seed
+    config.json      resolved run config + versions + seed + the machines it ran on
     partition.json   partition id -> indices into the training split (partition = local: each
                      node's training and held-out sizes, as declared at its first handshake)
     metrics.jsonl    one line per round (round 0 = the initial model)
@@ -46,6 +46,7 @@ import torch
 from flatflower.common import protocol as P
 from flatflower.common import schema
 from flatflower.common.config import RunConfig, defaults, user_path
+from flatflower.server import machine
 from flatflower.server.files import RunWriteError, open_file, write_json, writing  # noqa: F401 - used through rundir too
 from flatflower.server.manifest import Manifest, digest
 
@@ -286,10 +287,26 @@ class RunDir:
         with contextlib.suppress(Exception):
             write_json(self.path / "summary.json", {"status": "failed", "error": reason[:500]})
 
-    def write_config(self, cfg: RunConfig, **extra: Any) -> None:
+    def write_config(self, cfg: RunConfig, device: torch.device | str | None = None, first_round: int = 1,
+                     **extra: Any) -> None:
+        """config.json: the run config, versions, seed, ``extra`` (the model, the engine) and
+        ``machines``: the machine (server/machine.py) of each stretch of the run, the one
+        running it now last (a resume keeps the list it finds, and adds a new machine at
+        ``first_round``)."""
+        previous = self._recorded("config.json").get("machines") if cfg.resume else None
         write_recorded(self.path / "config.json",
                    {"config": cfg.to_dict(), "seed": cfg.seed, "algorithm": cfg.algorithm,
-                    "versions": versions(), **extra})
+                    "versions": versions(), **extra,
+                    "machines": machine.history(previous, machine.fingerprint(device), first_round)})
+
+    def _recorded(self, name: str) -> dict[str, Any]:
+        """The JSON table ``name`` as the run wrote it ({} when missing or not a table)."""
+        try:
+            with open_file(self.path / name) as f:
+                data = json.load(f)
+        except (OSError, ValueError, RecursionError):
+            return {}
+        return data if isinstance(data, dict) else {}
 
     def write_partition(self, cfg: RunConfig, parts: Sequence[np.ndarray]) -> None:
         write_recorded(self.path / "partition.json", {

@@ -57,7 +57,24 @@ def report() -> argparse.ArgumentParser:
                         help="refuse runs whose settings differ (clients, rounds, dataset, partition) "
                              "instead of warning")
     parser.add_argument("--by-algorithm", action="store_true", help="always print the per-algorithm table")
+    parser.add_argument("--algorithms-csv", type=Path, default=None,
+                        help="also write one row per algorithm here: mean, std and 95%% CI over seeds, "
+                             "and its comparison with the best (test, statistic, Holm-adjusted p, verdict)")
+    parser.add_argument("--min-gap", type=gap, default=0.0,
+                        help="a last-k accuracy gap to the best below this (a fraction, e.g. 0.014: the "
+                             "spread of one run between two machines) is never called worse (default 0)")
     return parser
+
+
+def gap(text: str) -> float:
+    """argparse type: an accuracy gap, a fraction in [0, 1)."""
+    value = cli_float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), not {value}")
+    return value
+
+
+gap.__name__ = "fraction"
 
 
 def landscape() -> argparse.ArgumentParser:

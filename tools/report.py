@@ -35,6 +35,10 @@ from flatflower.common.schema import printable
 from flatflower.tools.parsers import FLATNESS_FILE
 from flatflower.tools.parsers import report as build_parser  # noqa: F401 (flatflower.tools.cli, tests)
 from flatflower.tools.runfiles import RunFileError, number, read_json, read_jsonl, table, whole
+from flatflower.tools.comparison import compare, plot_intervals, write_algorithms_csv
+from flatflower.tools.comparison import table as comparison_table
+from flatflower.tools.comparison import title as comparison_title
+from flatflower.tools.stats import mean_interval
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -187,6 +191,54 @@ def code_differences(runs: Sequence[RunSummary]) -> str | None:
         return None
     return "; ".join(f"{code} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
                      for code, names in codes.items())
+
+
+def machines(run: RunSummary) -> list[dict[str, Any]]:
+    """The machines config.json records for a run (server/machine.py), in the order they ran
+    it; [] for a run of a flatflower that recorded none."""
+    recorded = run.record.get("machines")
+    return [m for m in recorded if isinstance(m, dict) and isinstance(m.get("id"), str)] \
+        if isinstance(recorded, list) else []
+
+
+def machine_groups(runs: Sequence[RunSummary]) -> list[dict[str, Any]]:
+    """One entry per machine the runs ran on: its id, a line describing it and its runs' names
+    (a run resumed on another machine is under both)."""
+    from flatflower.server.machine import describe
+
+    groups: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for m in machines(run):
+            group = groups.setdefault(m["id"], {"id": m["id"], "description": printable(describe(m), 300),
+                                                "runs": []})
+            if run.run_dir.name not in group["runs"]:
+                group["runs"].append(run.run_dir.name)
+    return list(groups.values())
+
+
+def machine_differences(groups: Sequence[dict[str, Any]]) -> str | None:
+    """``"<machine> (run-a, run-b); <machine> (run-c)"`` when the runs ran on more than one
+    machine, else None."""
+    if len(groups) < 2:
+        return None
+    return "; ".join(f"{g['description']} ({', '.join(g['runs'][:3])}{', ...' if len(g['runs']) > 3 else ''})"
+                     for g in groups)
+
+
+def pairing_key(run: RunSummary) -> tuple:
+    """What makes two runs of different methods a pair: the same setting (clients, rounds,
+    dataset, partition with its seed), the same seed and, where the run kept one, the same
+    partition.json (its sha256: the partition itself)."""
+    path = run.run_dir / "partition.json"
+    partition = None
+    if path.is_file():
+        from flatflower.server.manifest import file_digest
+
+        try:
+            partition = file_digest(path)["sha256"]
+        except OSError:
+            partition = None
+    return (*setting(run.config).values(), run.seed, partition)
 
 
 def _make_label(config: dict[str, Any], run_dir: Path) -> str:
@@ -354,6 +406,9 @@ def group_by_algorithm(summaries: Sequence[dict[str, Any]]) -> list[dict[str, An
                 # each seed's mean of its last k rounds, then mean and std over the seeds
                 "last_k_mean": float(np.mean(tails)) if tails else None,
                 "last_k_std": float(np.std(tails)) if tails else None,
+                # half-widths of the t-based 95% intervals of those means (None: one seed)
+                "final_accuracy_ci95": mean_interval(finals).half_width,
+                "last_k_ci95": mean_interval(tails).half_width if tails else None,
                 "rounds_to_target_mean": _mean_or_none(reached),
                 "seeds_reaching_target": f"{len(reached)}/{len(runs)}",
                 "bytes_total_mean": float(np.mean([run["bytes_total"] for run in runs])),
@@ -559,10 +614,18 @@ def _format_cell(key: str, value: Any) -> str:
 
 
 def _merge_mean_std(row: dict[str, Any]) -> dict[str, str]:
-    """Format one row, fusing ``X_mean``/``X_std`` and ``last_k_mean``/``last_k_std`` pairs."""
+    """Format one row, fusing ``X_mean``/``X_std`` and ``last_k_mean``/``last_k_std`` pairs;
+    where the row has ``X_ci95`` (a per-algorithm row), ``X_mean`` ± its 95% CI instead of
+    the std (``n=1``: no interval)."""
     cells: dict[str, str] = {}
     for key, value in row.items():
-        if key.endswith("_std") and key[: -len("_std")] + "_mean" in row:
+        if key.endswith(("_std", "_ci95")) and key.rsplit("_", 1)[0] + "_mean" in row:
+            continue
+        if key.endswith("_mean") and key[: -len("_mean")] + "_ci95" in row:
+            ci = row[key[: -len("_mean")] + "_ci95"]
+            text = _format_cell(key, value)
+            cells[f"{key} ± 95% CI"] = (text if value is None else f"{text} (n=1)" if ci is None
+                                        else f"{text} ± {_format_cell(key, ci)}")
             continue
         if key.endswith("_mean") and key[: -len("_mean")] + "_std" in row:
             std = row[key[: -len("_mean")] + "_std"]
@@ -690,6 +753,10 @@ def main(argv: list[str] | None = None) -> int:
     if code:
         print(f"warning: the runs ran different or locally modified flatflower code (git commit): {code}",
               file=sys.stderr)
+    groups = machine_groups(runs)
+    if (where := machine_differences(groups)) is not None:
+        print(f"warning: the runs ran on different machines, whose CPU kernels can move numbers from round 0 "
+              f"on (docs/run-directory.md): {where}", file=sys.stderr)
     flatness = any(has_flatness(run) for run in runs)
     privacy = any(has_privacy(run) for run in runs)
     summaries = [summarize(run, last_k=args.last_k, target=args.target, flatness=flatness, privacy=privacy)
@@ -703,7 +770,13 @@ def main(argv: list[str] | None = None) -> int:
     grouped = group_by_algorithm(summaries)
     show_groups = args.by_algorithm or any(row["num_seeds"] > 1 for row in grouped)
     if show_groups:
-        print(render_table(grouped, title="Per algorithm (mean ± std over seeds)"))
+        print(render_table(grouped, title="Per algorithm (mean ± 95% CI over seeds, t-based; "
+                                          "report.json and --algorithms-csv also hold the std)"))
+    comparison = compare([(s["algorithm"], pairing_key(run), run.run_dir.name, s["last_k_mean"])
+                          for run, s in zip(runs, summaries) if s["last_k_mean"] is not None], args.min_gap)
+    if show_groups and comparison is not None:
+        print(render_table(comparison_table(comparison), title=comparison_title(comparison, args.last_k),
+                           width=200))
     drift_rows = drift_by_algorithm(runs)
     if drift_rows:
         print(render_table(drift_table(drift_rows),
@@ -711,7 +784,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "± std over seeds)"))
     try:
         write_outputs(args, runs, {"runs": summaries, "by_algorithm": grouped, "drift": drift_rows,
-                                   "setting_differences": differences})
+                                   "setting_differences": differences, "comparison": comparison,
+                                   "machines": groups, "different_machines": len(groups) > 1})
     except OSError as err:  # e.g. --out under a regular file
         print(f"error: cannot write the report: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
         return 2
@@ -736,6 +810,14 @@ def write_outputs(args: argparse.Namespace, runs: Sequence[RunSummary], payload:
     flatness_png = plot_flatness(runs, out.with_name(f"{out.stem}-flatness{out.suffix or '.png'}"))
     if flatness_png is not None:
         print(f"plot: {flatness_png}")
+    values: dict[str, list[float]] = {}
+    for summary in payload["runs"]:
+        if summary["last_k_mean"] is not None:
+            values.setdefault(summary["algorithm"], []).append(summary["last_k_mean"])
+    ci_png = out.with_name(f"{out.stem}-ci{out.suffix or '.png'}")
+    ci_png = plot_intervals(payload["by_algorithm"], values, payload["comparison"], ci_png, args.last_k,
+                            accuracy_name(runs))
+    print(f"plot: {ci_png}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
@@ -744,6 +826,8 @@ def write_outputs(args: argparse.Namespace, runs: Sequence[RunSummary], payload:
         print(f"csv: {write_csv(runs, args.csv)}")
     if args.runs_csv is not None:
         print(f"csv: {write_runs_csv(runs, args.runs_csv, args.last_k, args.target)}")
+    if args.algorithms_csv is not None:
+        print(f"csv: {write_algorithms_csv(payload['by_algorithm'], payload['comparison'], args.algorithms_csv)}")
 
 
 if __name__ == "__main__":
