@@ -5,6 +5,7 @@
     flatflower report   RUN_DIR [RUN_DIR ...]                        table + accuracy plot
     flatflower landscape RUN_DIR [RUN_DIR ...]                       loss surfaces (PNG + NPZ)
     flatflower sweep    --algorithms A,B --seeds 0,1,2 --out DIR     algorithms x seeds, then a report
+    flatflower tune     --algorithms A,B --trials N --out DIR        equal tuning budgets, validation objective
     flatflower flatness RUN_DIR                                      sharpness, Hessian of a saved model
     flatflower bench    [--quick | --full]                           cost, overhead, bytes, memory, throughput
     flatflower presets                                               list the presets
@@ -74,8 +75,13 @@ def _flatness(argv: list[str]) -> int:
     return main(argv)
 
 
+def _tune(argv: list[str]) -> int:
+    from flatflower.tools.tune import main
+    return main(argv)
+
+
 OWN_PARSERS = {"report": _report, "landscape": _landscape, "bench": _bench, "sweep": _sweep,
-               "flatness": _flatness}
+               "flatness": _flatness, "tune": _tune}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("sweep", help="several algorithms x seeds on one partition, then one report",
                    add_help=False)
+    sub.add_parser("tune", help="every algorithm tuned with the same budget on a validation split, "
+                   "then its best settings run for several seeds on the test set", add_help=False)
     sub.add_parser("flatness", help="sharpness, Hessian top eigenvalues (Lanczos), trace and density of a saved model",
                    add_help=False)
     sub.add_parser("presets", help="list the presets (paper settings)")

@@ -176,6 +176,37 @@ def sweep() -> argparse.ArgumentParser:
     return p
 
 
+def tune() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="flatflower tune", description="'flatflower tune': the same tuning budget for every algorithm "
+        "(trials x rounds x clients), chosen on a validation split of the clients' training data, then "
+        "the best settings run for --seeds on the test set and reported.",
+        allow_abbrev=False, epilog="The other options are `flatflower simulate`'s (docs/tuning.md).")
+    p.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedsam,fedtoga")
+    p.add_argument("--trials", type=positive_int, required=True, help="trials per algorithm (the budget)")
+    p.add_argument("--out", type=Path, required=True, help="directory for the trials, the records and the final runs")
+    p.add_argument("--seeds", default="0,1,2", help="seeds the best settings run with on the test set "
+                   "(default 0,1,2); the trials use the first")
+    p.add_argument("--last-k", type=positive_int, default=5,
+                   help="the objective: the validation accuracy's mean over the last K rounds (default 5)")
+    p.add_argument("--validation-fraction", type=cli_float, default=0.1,
+                   help="of each class of the training split, held out for the objective (default 0.1)")
+    p.add_argument("--space", type=Path, default=None, help="a TOML file that changes the declared search ranges")
+    p.add_argument("--pruner", choices=("median", "none"), default="median",
+                   help="stop a trial whose validation accuracy is below the median of earlier trials' at "
+                        "the same round (default median; none: every trial runs all rounds)")
+    p.add_argument("--workers", type=positive_int, default=1,
+                   help="trials at a time, each worker a process of this machine sharing the study (default 1)")
+    p.add_argument("--storage", default=None,
+                   help="Optuna storage URL shared by the workers (default: OUT/optuna.journal, a journal file)")
+    p.add_argument("--tune-seed", type=cli_int, default=0, help="seed of the sampler (TPE) (default 0)")
+    p.add_argument("--no-final", action="store_true", help="tune only: do not run the best settings on the test set")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a --workers process
+    add_run_arguments(p, per_run=False)  # each trial's algorithm, seed and directory: the tune's
+    add_simulate_arguments(p)
+    return p
+
+
 def flatness() -> argparse.ArgumentParser:
     p = Parser(prog="flatflower flatness", description="'flatflower flatness RUN_DIR': how flat a saved model's "
                                                       "minimum is, measured once.",
@@ -223,4 +254,5 @@ def flatness() -> argparse.ArgumentParser:
 
 
 # command -> its parser (tools/cli.py parses with it before it imports the command)
-PARSERS = {"report": report, "landscape": landscape, "bench": bench, "sweep": sweep, "flatness": flatness}
+PARSERS = {"report": report, "landscape": landscape, "bench": bench, "sweep": sweep, "flatness": flatness,
+           "tune": tune}

@@ -1,0 +1,235 @@
+"""``flatflower tune``: equal budgets, a validation objective that never reads the test split,
+search ranges declared beside the keys, resumable, bad input in one line (in-process engine)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+from flatflower.common.config import RunConfig
+from flatflower.common.data import carve_validation, client_split, dataset_for, partitions_for
+from flatflower.common.params import Range
+from flatflower.strategies.registry import ALGORITHMS
+from flatflower.tools.cli import main as cli
+from flatflower.tools.tune_space import SpaceError, declared, read_file, space_for
+
+FAST = ["--engine", "inprocess", "--clients", "3", "--rounds", "3", "--dataset", "digits",
+        "--model", "logreg", "--set", "local-steps=2", "--last-k", "2"]
+
+
+def tune(out, *extra, algorithms="fedavg,fedsam", trials="3", seeds="0,1"):
+    return cli(["tune", "--algorithms", algorithms, "--trials", trials, "--seeds", seeds, "--out", str(out),
+                *FAST, *extra])
+
+
+# ---------------------------------------------------------------- the validation split
+def test_validation_split_is_a_seeded_per_class_share_of_the_training_split_and_nothing_else():
+    data = dataset_for(RunConfig.from_mapping({"dataset": "digits"}))
+    carved = carve_validation(data, 0.25, seed=3)
+    labels = data.train.y.numpy()
+    for c in np.unique(labels):  # round(0.25 * n_c) of each class, as the docstring says
+        assert int(np.sum(carved.test.y.numpy() == c)) == int(round(0.25 * np.sum(labels == c)))
+    assert len(carved.train) + len(carved.test) == len(data.train)
+    # every validation row and every kept row is a row of the training split, none in both
+    rows = {tuple(x.tolist()) for x in data.train.x.reshape(len(data.train), -1)}
+    val = [tuple(x.tolist()) for x in carved.test.x.reshape(len(carved.test), -1)]
+    kept = [tuple(x.tolist()) for x in carved.train.x.reshape(len(carved.train), -1)]
+    assert set(val) <= rows and set(kept) <= rows
+    test_rows = {tuple(x.tolist()) for x in data.test.x.reshape(len(data.test), -1)}
+    assert not (set(val) & test_rows - rows), "a validation row came from the test split"
+    again = carve_validation(data, 0.25, seed=3)
+    assert np.array_equal(again.test.y.numpy(), carved.test.y.numpy())
+    other = carve_validation(data, 0.25, seed=4)
+    assert not np.array_equal(other.test.x.numpy(), carved.test.x.numpy())
+
+
+def test_a_run_with_a_validation_split_partitions_and_evaluates_only_training_rows():
+    cfg = RunConfig.from_mapping({"dataset": "digits", "validation-fraction": 0.2, "partition-seed": 5})
+    plain = dataset_for(RunConfig.from_mapping({"dataset": "digits"}))
+    data = dataset_for(cfg)
+    assert len(data.train) + len(data.test) == len(plain.train)
+    parts = partitions_for(cfg, 4)
+    assert sum(len(p) for p in parts) == len(data.train)  # no client holds a validation row
+    val = {tuple(x.tolist()) for x in data.test.x.reshape(len(data.test), -1)}
+    for pid in range(4):
+        split = client_split(cfg, pid, 4)
+        assert not {tuple(x.tolist()) for x in split.x.reshape(len(split), -1)} & val
+
+
+def test_validation_fraction_is_checked_and_off_by_default():
+    assert RunConfig().validation_fraction == 0.0
+    plain = RunConfig.from_mapping({"dataset": "digits"})
+    assert dataset_for(plain).test is dataset_for(plain).test  # the test split itself, untouched
+    for bad in (1.0, -0.1, math.nan):
+        with pytest.raises(ValueError, match="validation-fraction must be in"):
+            RunConfig.from_mapping({"validation-fraction": bad})
+    with pytest.raises(ValueError, match="leaves no validation example"):
+        dataset_for(RunConfig.from_mapping({"dataset": "digits", "validation-fraction": 0.0001}))
+
+
+# ---------------------------------------------------------------- the search space
+def test_every_declared_range_is_valid_and_accepted_by_its_key_at_both_ends():
+    for algorithm in ALGORITHMS:
+        space = space_for(algorithm)  # checks both ends of every range against the key's own check
+        assert space.ranges["lr"] == Range(0.001, 0.3, log=True)
+        for r in space.ranges.values():
+            assert r.problem() is None
+    assert set(declared("fedsam")) == {"lr", "sam.rho"}
+    assert set(declared("fedgmt")) == {"lr", "fedgmt.beta", "fedgmt.gamma", "fedgmt.alpha"}
+    assert declared("fedavg") == {"lr": Range(0.001, 0.3, log=True)}
+
+
+def test_a_space_file_changes_fixes_or_turns_off_keys(tmp_path):
+    path = tmp_path / "space.toml"
+    path.write_text('[all]\nlr = { low = 0.01, high = 0.2, log = true }\n'
+                    '[fedtoga]\n"fedtoga.kappa" = 1.5\n"fedtoga.beta" = false\n'
+                    '"fedtoga.alpha" = { low = 0.05, high = 0.5 }\n')
+    space = space_for("fedtoga", read_file(path))
+    assert space.ranges["lr"] == Range(0.01, 0.2, log=True)
+    assert space.ranges["fedtoga.alpha"] == Range(0.05, 0.5)
+    assert "fedtoga.beta" not in space.ranges and "fedtoga.beta" not in space.fixed
+    assert space.fixed == {"fedtoga.kappa": 1.5}
+    assert space_for("fedavg", read_file(path)).ranges == {"lr": Range(0.01, 0.2, log=True)}
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[fedsam]\n"sam.roh" = { low = 0.01, high = 0.1 }\n', "'sam.roh' is not a key fedsam reads"),
+    ('[fedsam]\n"fedtoga.kappa" = { low = 0.0, high = 1.0 }\n', "'fedtoga.kappa' is not a key fedsam reads"),
+    ('[fedsam]\n"sam.rho" = { low = 0.1, high = 0.1 }\n', "empty or non-finite range"),
+    ('[fedsam]\n"sam.rho" = { low = 0.0, high = 0.1, log = true }\n', "log-scale range must stay above 0"),
+    ('[fedsam]\n"sam.rho" = { low = -1.0, high = 0.1 }\n', "range's end -1.0 is refused"),
+    ('[fedsam]\nlr = { low = 0.1 }\n', "takes low, high"),
+    ('[fedsam]\nlr = 0.1\n"sam.rho" = false\n', "nothing left to tune"),
+    ('[fedsamm]\nlr = 0.1\n', "neither [all] nor an algorithm"),
+    ('[fedsam\n', "is not TOML"),
+])
+def test_a_bad_space_is_one_line_naming_the_problem(tmp_path, text, message):
+    path = tmp_path / "space.toml"
+    path.write_text(text)
+    with pytest.raises(SpaceError) as err:
+        space_for("fedsam", read_file(path))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- the command
+def test_tune_gives_every_algorithm_the_same_budget_then_tests_the_best_on_every_seed(tmp_path):
+    out = tmp_path / "tune"
+    assert tune(out) == 0
+    summary = json.loads((out / "tune.json").read_text())
+    assert summary["objective"].startswith("validation accuracy, mean of the last 2 rounds")
+    budgets = [e["budget"] for e in summary["algorithms"]]
+    assert budgets[0] == budgets[1] and budgets[0]["client_rounds_allotted"] == 3 * 3 * 3
+    for entry in summary["algorithms"]:
+        algorithm = entry["algorithm"]
+        with open(out / algorithm / "trials.csv") as f:
+            trials = list(csv.DictReader(f))
+        assert len(trials) == 3
+        assert entry["budget"]["client_rounds_spent"] == sum(int(t["rounds_run"]) for t in trials) * 3
+        best = max((t for t in trials if t["state"] == "complete"), key=lambda t: float(t["value"]))
+        assert entry["best"]["value"] == float(best["value"])
+        for t in trials:  # the objective is the mean of the last 2 rounds' validation accuracy
+            run = out / t["run_dir"]
+            config = json.loads((run / "config.json").read_text())["config"]
+            assert config["validation-fraction"] == 0.1 and config["num-server-rounds"] == 3
+            rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            assert float(t["value"]) == pytest.approx(np.mean([r["test_accuracy"] for r in rows[-2:]]))
+            assert config["lr"] == pytest.approx(float(t["lr"]))
+        for seed in (0, 1):  # the best point, on the test split, for every seed
+            run = out / "final" / f"{algorithm}-s{seed}"
+            config = json.loads((run / "config.json").read_text())["config"]
+            assert config["validation-fraction"] == 0.0 and config["seed"] == seed
+            for k, v in entry["best"]["params"].items():
+                assert config[k] == pytest.approx(v)
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["runs"]) == 4
+
+
+def test_a_tune_run_again_goes_on_where_it_stopped_and_more_trials_extend_it(tmp_path, capsys):
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    out = tmp_path / "tune"
+    assert tune(out, "--no-final", algorithms="fedavg", trials="2") == 0
+    storage = JournalStorage(JournalFileBackend(str(out / "optuna.journal")))
+    study = optuna.load_study(study_name="fedavg", storage=storage)
+    cut = study.ask({"lr": optuna.distributions.FloatDistribution(0.001, 0.3, log=True)})  # a killed trial
+    assert tune(out, "--no-final", algorithms="fedavg", trials="3") == 0
+    assert "1 trial(s) cut short by an interruption will run again" in capsys.readouterr().out
+    trials = optuna.load_study(study_name="fedavg", storage=storage).get_trials()
+    done = [t for t in trials if not t.user_attrs.get("flatflower.interrupted")]
+    assert len(done) == 3 and all(t.state == optuna.trial.TrialState.COMPLETE for t in done)
+    assert done[-1].params == cut.params, "the cut trial did not run again with its parameters"
+    with open(out / "fedavg" / "trials.csv") as f:
+        assert len(list(csv.DictReader(f))) == 3
+    assert tune(out, "--no-final", algorithms="fedavg", trials="3") == 0  # nothing left: no new trial
+    assert len(optuna.load_study(study_name="fedavg", storage=storage).get_trials()) == len(trials)
+
+
+def test_a_tune_with_other_settings_in_the_same_out_is_refused(tmp_path, capsys):
+    out = tmp_path / "tune"
+    assert tune(out, "--no-final", algorithms="fedavg", trials="1") == 0
+    capsys.readouterr()
+    assert tune(out, "--no-final", "--set", "lr-decay=0.9", algorithms="fedavg", trials="1") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "other settings (sets)" in err
+
+
+def test_a_pruned_trial_stops_early_and_counts_the_rounds_it_ran(tmp_path):
+    import argparse
+
+    from flatflower.tools import tune as tune_module
+    from flatflower.tools.parsers import tune as parser
+
+    class Trial:  # what run_trial asks of an Optuna trial: its reports, and whether to stop
+        def __init__(self):
+            self.reports = []
+
+        def report(self, value, step):
+            self.reports.append((step, value))
+
+        def should_prune(self):
+            return len(self.reports) >= 2
+
+    args = parser().parse_args(["--algorithms", "fedavg", "--trials", "1", "--out", str(tmp_path),
+                                "--engine", "inprocess", "--clients", "2", "--rounds", "200",
+                                "--dataset", "digits", "--model", "mlp", "--set", "local-epochs=2"])
+    args.first_seed = 0
+    one = tune_module._trial_args(args, "fedavg", {"lr": 0.05}, tmp_path / "t0")
+    trial = Trial()
+    outcome, rows = tune_module.run_trial(one, trial)
+    assert outcome == "pruned" and 2 <= len(rows) < 200
+    assert trial.reports == rows  # every round written was reported, in order
+    assert isinstance(args, argparse.Namespace)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--validation-fraction", "1"], "--validation-fraction must be in (0, 1)"),
+    (["--engine", "ray"], "--engine inprocess or vectorized"),
+    (["--last-k", "9"], "--last-k 9 is more than the trials' 3 rounds"),
+    (["--set", "validation-fraction=0.2"], "tune sets this key itself"),
+    (["--set", "lr=-1"], "lr"),
+])
+def test_bad_input_is_one_line_before_anything_starts(tmp_path, capsys, extra, message):
+    out = tmp_path / "tune"
+    assert tune(out, *extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("error:")
+    assert not out.exists()
+
+
+def test_budget_of_zero_and_unknown_algorithms_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:  # argparse's own one line
+        tune(tmp_path / "a", trials="0")
+    assert stopped.value.code == 2 and "--trials: must be >= 1, not 0" in capsys.readouterr().err
+    assert tune(tmp_path / "b", algorithms="fedsam,fedsamm") == 2
+    assert "did you mean 'fedsam'" in capsys.readouterr().err
+    space = tmp_path / "space.toml"
+    space.write_text('[fedsam]\n"sam.rho" = { low = 0.5, high = 0.1 }\n')
+    assert tune(tmp_path / "c", "--space", str(space)) == 2
+    assert "empty or non-finite range" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
