@@ -14,10 +14,11 @@ batch of an epoch) pads them; real rows weigh 1/b and padding 0 in the objective
 (flatflower.client.batch.batch_mean). A client with fewer steps than its group's longest is masked after
 its last step: its weights, momentum and rule tensors keep their values. :func:`groups` cuts
 clients (sorted by step count) so that padded work stays within PADDING_BUDGET of the real
-work; a group smaller than MIN_GROUP, or of a model whose batched gradient is slower on this
-device (:func:`batching_pays`), trains client by client with the ClientApp's own loop. The SGD
-step (clipping, weight decay, momentum, the step's lr) is the one client/train.py takes
-(client/sgd.py), on the stacked tensors, client by client.
+work; a group smaller than MIN_GROUP, or on a CPU of a model whose convolutions batch
+slower than they run alone (:func:`batching_pays`: a rule over the model's convolution
+FLOPs), trains client by client with the ClientApp's own loop. The SGD step (clipping,
+weight decay, momentum, the step's lr) is the one client/train.py takes (client/sgd.py), on
+the stacked tensors, client by client.
 
 Every client's data, shuffling RNG, rule and reply are those of its own ``train`` call
 (flatflower.client.app.TrainCall), so a vectorised run equals an in-process one up to the float rounding
@@ -31,9 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -531,15 +530,12 @@ def batching_key(call) -> str:
 
 
 def batching_pays(call) -> bool:
-    """Whether a batched gradient of CALIBRATION_CLIENTS clients costs less than as many single
-    ones for this call's model, batch size and device: measured once per process (about a
-    second for LeNet on a CPU, milliseconds for the MLP), unless a resumed run recorded it
-    (:func:`adopt_batching`); always on a GPU. On a CPU, convolutions batched under vmap
-    become grouped convolutions, which lose to each client's own (LeNet: 2-4x slower) while
-    small models win. A measurement can come out either way near the break-even point, so a
-    run records its choices (runtime/engines/inprocess.py: ``vectorized.json``) and its resume reuses them.
-    The run-config key ``batching`` (``on`` | ``off``) pins the choice instead, on every device:
-    then two fresh runs of one command take the same path."""
+    """Whether this call's model trains batched: decided by a rule over the model and the
+    batch shape (:func:`batching_rule`), never by a timing, so two fresh runs of one command
+    take the same path whatever the machine's load; always on a GPU. A run records its
+    choices (runtime/engines/inprocess.py: ``vectorized.json``) and its resume reuses them
+    (:func:`adopt_batching`; a run made when the choice was a timing keeps what it measured).
+    The run-config key ``batching`` (``on`` | ``off``) pins the choice instead, on every device."""
     if call.cfg.batching != "auto":
         return call.cfg.batching == "on"
     device = call.layout.device
@@ -547,11 +543,11 @@ def batching_pays(call) -> bool:
         return True
     key = batching_key(call)
     if key not in _PAYS:
-        x, y = call.data.get(torch.arange(min(len(call.data), call.cfg.batch_size)))
-        _PAYS[key] = _batched_is_faster(call.model, call.layout, x, y)
-        log.info("vectorised engine: %s for this model on %s (batched %s)", "batches clients"
-                 if _PAYS[key] else "trains clients one by one", device,
-                 "faster" if _PAYS[key] else "slower")
+        x, _ = call.data.get(torch.arange(min(len(call.data), call.cfg.batch_size)))
+        flops = conv_flops(call.model, x)
+        _PAYS[key] = batching_rule(flops, device)
+        log.info("vectorised engine: %s for this model on %s (%.3g convolution FLOPs a client step)",
+                 "batches clients" if _PAYS[key] else "trains clients one by one", device, flops)
     return _PAYS[key]
 
 
@@ -565,27 +561,34 @@ def adopt_batching(choices: dict[str, bool]) -> None:
     _PAYS.update({str(k): bool(v) for k, v in choices.items() if isinstance(v, bool)})
 
 
-CALIBRATION_CLIENTS = 16
+# On a CPU, convolutions batched under vmap become grouped convolutions, which lose to each
+# client's own once a step's convolutions are more than small; the matrix products of linear
+# layers batch into faster ones. Measured (docs/results/batching_rule.py, records in
+# docs/results/batching-cpu/; docs/benchmarks.md "Batching on a CPU"): a batched gradient of
+# 16 clients took 0.15-1.0x the CPU time of 16 single ones for every model without
+# convolutions and every convolutional step up to 1.3e7 FLOPs; from 1.6e7 up, 0.64-3.0x,
+# losing in most (grouped convolutions), never better than 0.64x.
+CONV_FLOPS_LIMIT = 1.5e7  # convolution FLOPs (2 x multiply-adds) of one client's forward step
 
 
-def _batched_is_faster(model: nn.Module, layout, x: torch.Tensor, y: torch.Tensor) -> bool:
-    n = CALIBRATION_CLIENTS
-    params = [p.detach().unsqueeze(0).expand(n, *p.shape).clone() for p in layout.params]
-    xs, ys = x.unsqueeze(0).expand(n, *x.shape), y.unsqueeze(0).expand(n, *y.shape)
-    batched = vmap(lambda w, x, y: FunctionalBatch(model, layout.names, w, x, y, None).grad()[1])
-    single = ModelBatch(model, x, y)
+def batching_rule(flops: float, device: torch.device) -> bool:
+    """Whether a group of clients trains batched, from its model's convolution FLOPs per
+    client step (:func:`conv_flops`) and the device: a pure function (no timing), always yes
+    off the CPU, on a CPU yes up to CONV_FLOPS_LIMIT."""
+    return device.type != "cpu" or flops <= CONV_FLOPS_LIMIT
 
-    def timed(work) -> float:
-        work()  # warm-up
-        best = math.inf
-        for _ in range(2):
-            start = time.perf_counter()
-            work()
-            best = min(best, time.perf_counter() - start)
-        return best
 
-    model.train()
-    return timed(lambda: batched(params, xs, ys)) < timed(lambda: [single.grad() for _ in range(n)])
+def conv_flops(model: nn.Module, x: torch.Tensor) -> float:
+    """The convolution FLOPs of one forward pass of ``model`` over the batch ``x`` (torch's
+    FLOP counter: every convolution, a module's or a functional one), counted on one row
+    (no gradients; a model with buffers or dropout never reaches here: check_batchable) and
+    scaled by the batch's rows."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(x[:1])
+    return float(counter.get_flop_counts().get("Global", {}).get(torch.ops.aten.convolution, 0)) * len(x)
 
 
 def train_together(calls: Sequence) -> list[LocalResult | Exception]:

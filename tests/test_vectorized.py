@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -72,16 +73,15 @@ def clients_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "clients.jsonl").read_text().splitlines()]
 
 
-MEASURED_BATCHING = vec._batched_is_faster  # the real probe, for the test of it
+BATCHING_RULE = vec.batching_rule  # the real rule, for the tests of it
 
 
 @pytest.fixture(autouse=True)
 def batching_always_pays(monkeypatch):
-    """The engine's "does batching pay" probe is a timing: on a loaded machine it can answer
-    no for the MLP, and a test that expects batched groups then sees none. Every test here
-    runs with the answer yes, in a fresh cache; the tests of the probe itself replace it."""
+    """Every test here batches whatever its model (the rule would train a convolutional
+    one client by client on a CPU), in a fresh cache; the tests of the rule replace it."""
     monkeypatch.setattr(vec, "_PAYS", {})
-    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: True)
+    monkeypatch.setattr(vec, "batching_rule", lambda *args: True)
 
 
 @pytest.fixture
@@ -586,12 +586,12 @@ def test_groups_too_small_to_batch_train_one_by_one_with_the_same_result(tmp_pat
 
 
 def test_a_model_whose_batching_does_not_pay_trains_one_by_one(tmp_path, monkeypatch):
-    """batching_pays measures once per model, batch size and device whether a batched gradient
+    """batching_pays decides once per model, batch size and device whether a batched gradient
     beats as many single ones (on a CPU LeNet's grouped convolutions lose); when not, every
     client trains alone, with the in-process result."""
     measured = []
     monkeypatch.setattr(vec, "_PAYS", {})
-    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: measured.append(1) or False)
+    monkeypatch.setattr(vec, "batching_rule", lambda *args: measured.append(1) or False)
     batched = []
     train_group = vec.train_group
     monkeypatch.setattr(vec, "train_group", lambda calls: batched.append(len(calls)) or train_group(calls))
@@ -601,11 +601,10 @@ def test_a_model_whose_batching_does_not_pay_trains_one_by_one(tmp_path, monkeyp
 
 @pytest.mark.parametrize("batching", ["on", "off"])
 def test_the_batching_key_pins_the_choice_without_measuring(tmp_path, monkeypatch, batching):
-    """batching = on | off decides without the timing (which near the break-even point can
-    answer either way in two fresh runs of one command): on batches every group, off trains
-    every client alone; both give the in-process result."""
+    """batching = on | off decides without the rule (nor counting the model's FLOPs): on
+    batches every group, off trains every client alone; both give the in-process result."""
     monkeypatch.setattr(vec, "_PAYS", {})
-    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: pytest.fail("measured despite batching"))
+    monkeypatch.setattr(vec, "conv_flops", lambda *args: pytest.fail("counted despite batching"))
     batched = []
     train_group = vec.train_group
     monkeypatch.setattr(vec, "train_group", lambda calls: batched.append(len(calls)) or train_group(calls))
@@ -614,18 +613,84 @@ def test_the_batching_key_pins_the_choice_without_measuring(tmp_path, monkeypatc
     assert bool(batched) == (batching == "on") and vec._PAYS == {}
 
 
-def test_batching_pays_is_measured_once_per_model_batch_and_device(monkeypatch):
-    """(Which way it goes is a measurement of this machine, not asserted.)"""
+class ZeroRows:
+    """A split of 100 zero rows of ``shape`` (what batching_pays reads: its length and rows)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def __len__(self) -> int:
+        return 100
+
+    def get(self, rows):
+        return torch.zeros(len(rows), *self.shape), torch.zeros(len(rows), dtype=torch.int64)
+
+
+def rule_call(name: str, batch_size: int, shape=(1, 8, 8)) -> SimpleNamespace:
+    """What batching_pays reads of a train call: a zoo model on a CPU and a digits split."""
+    cfg = RunConfig.from_mapping({"dataset": "digits", "batch-size": batch_size})
+    data = client_module.client_split(cfg, 0, 4)
+    if shape != (1, 8, 8):
+        data = ZeroRows(shape)
+    model = build_model(name, shape, 10, seed=0)
+    return SimpleNamespace(layout=client_module.Layout.of(model), model=model, data=data, cfg=cfg)
+
+
+def test_batching_pays_is_decided_once_per_model_batch_and_device(monkeypatch):
     monkeypatch.setattr(vec, "_PAYS", {})
     runs = []
-    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: runs.append(1) or MEASURED_BATCHING(*args))
-    cfg = RunConfig.from_mapping({"dataset": "digits"})
-    data = client_module.client_split(cfg, 0, 4)
+    monkeypatch.setattr(vec, "batching_rule", lambda *args: runs.append(1) or BATCHING_RULE(*args))
     for name in ("mlp", "mlp", "cnn"):
-        model = build_model(name, (1, 8, 8), 10, seed=0)
-        call = SimpleNamespace(layout=client_module.Layout.of(model), model=model, data=data, cfg=cfg)
-        assert vec.batching_pays(call) in (True, False)
-    assert len(runs) == 2 and len(vec._PAYS) == 2  # the second MLP is the first's measurement
+        vec.batching_pays(rule_call(name, 32))
+    assert len(runs) == 2 and len(vec._PAYS) == 2  # the second MLP is the first's decision
+
+
+def test_conv_flops_are_the_hand_counted_multiply_adds():
+    """The digits CNN on one 1x8x8 row: conv 1->16 (3x3, 'same') makes 16 x 64 outputs of 9
+    multiply-adds, conv 16->32 on the pooled 4x4 makes 32 x 16 outputs of 16 x 9: 82,944
+    multiply-adds, 165,888 FLOPs a row; linear layers count nothing; a batch scales it."""
+    cnn = build_model("cnn", (1, 8, 8), 10, seed=0)
+    assert vec.conv_flops(cnn, torch.zeros(1, 1, 8, 8)) == 2 * (16 * 64 * 9 + 32 * 16 * 16 * 9) == 165_888
+    assert vec.conv_flops(cnn, torch.zeros(32, 1, 8, 8)) == 32 * 165_888
+    assert vec.conv_flops(build_model("mlp", (1, 8, 8), 10, seed=0), torch.zeros(32, 1, 8, 8)) == 0
+
+
+def test_the_batching_rule_is_a_limit_on_convolution_flops():
+    """On a CPU: batched up to CONV_FLOPS_LIMIT convolution FLOPs a client step, one by one
+    above; on any other device, batched."""
+    cpu, cuda, limit = torch.device("cpu"), torch.device("cuda"), vec.CONV_FLOPS_LIMIT
+    assert BATCHING_RULE(0.0, cpu) and BATCHING_RULE(limit, cpu) and not BATCHING_RULE(limit + 1, cpu)
+    assert BATCHING_RULE(1e12, cuda)
+
+
+@pytest.fixture
+def busy_cpus():
+    """A busy loop on every core, in processes this test starts and ends."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    yield
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_batching_choice_does_not_flip_under_load(monkeypatch, busy_cpus):
+    """The choice is a function of the model, the batch shape and the device: fresh
+    decisions while every core is busy equal the rule's answer over the hand-counted FLOPs
+    (models without convolutions batch; the digits CNN's 165,888 a row batch up to batch 90
+    (14.9 M), not at 91; LeNet on 28x28 never)."""
+    monkeypatch.setattr(vec, "batching_rule", BATCHING_RULE)
+    assert 90 * 165_888 <= vec.CONV_FLOPS_LIMIT < 91 * 165_888
+    expected = {("logreg", 128): True, ("mlp", 128): True, ("cnn", 16): True, ("cnn", 90): True,
+                ("cnn", 91): False}
+    for _ in range(3):
+        for (name, batch), batches in expected.items():
+            monkeypatch.setattr(vec, "_PAYS", {})
+            assert vec.batching_pays(rule_call(name, batch)) is batches, (name, batch)
+        monkeypatch.setattr(vec, "_PAYS", {})
+        assert vec.batching_pays(rule_call("lenet", 16, shape=(1, 28, 28))) is False
 
 
 def test_a_client_that_opens_late_trains_alone_with_the_same_result(tmp_path, monkeypatch):
@@ -710,11 +775,11 @@ def test_an_empty_partition_gets_local_trains_own_error_and_fails_alone():
 
 
 def test_a_resumed_vectorised_run_batches_as_it_did(tmp_path, monkeypatch, capsys):
-    """batching_pays measures once per process, and near the break-even point a measurement
-    can go either way: a run records its choices (vectorized.json) and its resume reuses them,
-    never measuring again, so the same run takes the same path."""
+    """A run records its choices (vectorized.json) and its resume reuses them, never deciding
+    again: a run made when the choice was a timing (here: one by one for the MLP, which the
+    rule batches) takes the same path on resume."""
     monkeypatch.setattr(vec, "_PAYS", {})
-    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: False)  # this process: one by one
+    monkeypatch.setattr(vec, "batching_rule", lambda *args: False)  # as a timing once answered
     args = ["--engine", "vectorized", "--clients", "4", "--dataset", "digits", "--model", "mlp",
             "--set", "local-epochs=1", "--no-tensorboard"]
     run_dir = tmp_path / "run"
@@ -722,7 +787,7 @@ def test_a_resumed_vectorised_run_batches_as_it_did(tmp_path, monkeypatch, capsy
     recorded = json.loads((run_dir / "vectorized.json").read_text())
     assert list(recorded.values()) == [False]
     monkeypatch.setattr(vec, "_PAYS", {})  # as a new process would start
-    monkeypatch.setattr(vec, "_batched_is_faster", lambda *args: pytest.fail("measured again on resume"))
+    monkeypatch.setattr(vec, "batching_rule", lambda *args: pytest.fail("decided again on resume"))
     batched = []
     train_group = vec.train_group
     monkeypatch.setattr(vec, "train_group", lambda calls: batched.append(len(calls)) or train_group(calls))
