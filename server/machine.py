@@ -108,11 +108,11 @@ def machine_id(record: Mapping[str, Any]) -> str:
 
 
 def describe(record: Mapping[str, Any]) -> str:
-    """One line naming a fingerprint: ``AMD EPYC, AVX512, torch 2.14.1, 2 threads (id 1a2b...)``."""
+    """One line naming a fingerprint: ``AMD EPYC, AVX512, torch 2.14.1, threads 2 (id 1a2b...)``."""
     cuda = record.get("cuda")
     gpu = f", {cuda.get('device')}" if isinstance(cuda, dict) else ""
     return (f"{record.get('cpu', '?')}, {record.get('cpu_capability', '?')}, torch {record.get('torch', '?')}, "
-            f"{record.get('threads', '?')} threads{gpu} (id {record.get('id', '?')})")
+            f"threads {record.get('threads', '?')}{gpu} (id {record.get('id', '?')})")
 
 
 def history(previous: Any, current: Mapping[str, Any], first_round: int) -> list[dict[str, Any]]:

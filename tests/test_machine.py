@@ -112,7 +112,8 @@ def test_report_names_runs_of_different_machines(tmp_path, capsys):
     assert payload["different_machines"] is False and [g["runs"] for g in payload["machines"]] == [["a", "b"]]
     assert report([str(a), str(b), str(c), "--out", str(tmp_path / "p.png"), "--json", str(js)]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "machines" in line]
-    assert len(err) == 1 and err[0].startswith("warning: the runs ran on different machines")
+    assert len(err) == 1 and err[0].startswith("warning: the runs ran on different machines, whose CPU kernels "
+                                                "can move numbers from round 0 on (docs/run-directory.md): ")
     assert f"{describe(here)} (a, b); {describe(other)} (c)" in err[0]
     payload = json.loads(js.read_text())
     assert payload["different_machines"] is True
@@ -139,3 +140,20 @@ def test_a_cuda_device_is_named():
     fp = fingerprint("cuda")
     assert fp["cuda"]["device"] == torch.cuda.get_device_name(0)
     assert fp["cuda"]["cuda"] == torch.version.cuda and fp["id"] != fingerprint()["id"]
+
+
+def test_run_directory_md_documents_every_field_and_the_warning():
+    """docs/run-directory.md's table of a machine entry names every field a run records, says
+    which are no part of ``id``, and quotes report's warning as it is printed."""
+    import re
+
+    from tests.helpers import ROOT, markdown_section
+
+    text = markdown_section((ROOT / "docs" / "run-directory.md").read_text(), "## Bit for bit, on the same machine")
+    cells = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    documented = {name for cell in cells for name in re.findall(r"`([a-z_]+)`", cell)}
+    assert documented == {*fingerprint(), "from_round"}
+    assert set(fingerprint()) - {"id", *ID_FIELDS} == {"platform", "cpus"}
+    assert "(all but `platform` and `cpus`)" in text and "(recorded, no part of `id`)" in text
+    assert "`warning: the runs ran on different machines, whose CPU kernels can move numbers from round 0 on " \
+           "...: AMD EPYC, AVX512, torch 2.14.1, threads 1 (id ...) (a, b); ... (c)`" in " ".join(text.split())

@@ -422,3 +422,134 @@ def test_seed_curves_carry_their_std(tmp_path: Path) -> None:
     ((label, x, mean, std),) = _curves(runs, lambda run: run.rounds)
     assert "mean ± std of 2" in label and x == [0, 1, 2]
     assert mean == pytest.approx([0.1, 0.6, 0.8]) and std == pytest.approx([0.0, 0.1, 0.1])
+
+
+# ---------------------------------------------------------------- statistics over seeds (tools/stats.py)
+def _seeds(root: Path, algorithm: str, finals: list[float], partition_seed: int | None = 0) -> list[Path]:
+    """One run per seed whose last accuracy is ``finals[seed]`` (--last-k 1: the last-k mean)."""
+    dirs = [write_run(root, f"{algorithm}-s{s}", [0.1, 0.3, acc], algorithm=algorithm, seed=s)
+            for s, acc in enumerate(finals)]
+    if partition_seed is not None:
+        for d in dirs:
+            _with_config(d, **{**SAME, "num_server_rounds": 2, "partition_seed": partition_seed})
+    return dirs
+
+
+def _t_p(d: list[float]) -> tuple[float, float]:
+    """The paired t statistic of differences ``d`` (3 of them) and its two-sided p from the t
+    CDF with 2 degrees of freedom, 1/2 + t / (2 sqrt(2 + t^2)): p = 1 - |t| / sqrt(2 + t^2)."""
+    mean = sum(d) / 3
+    s = (sum((x - mean) ** 2 for x in d) / 2) ** 0.5
+    t = mean / (s / 3 ** 0.5)
+    return t, 1 - abs(t) / (2 + t * t) ** 0.5
+
+
+def test_per_algorithm_intervals_and_the_comparison_with_the_best(tmp_path: Path, capsys) -> None:
+    """a: 0.6, 0.7, 0.9 (the best); b: 0.5 every seed; c: 0.3, 0.35, 0.4, all on one partition.
+    a's interval: t(0.975, 2) * sqrt(0.07/3) / sqrt(3); b against a: differences 0.1, 0.2, 0.4
+    (t = sqrt 7); c against a: 0.3, 0.35, 0.5; Holm over the two. The table, report.json, the
+    per-algorithm CSV and report-ci.png carry the same numbers."""
+    import csv
+
+    runs = [*_seeds(tmp_path, "a", [0.6, 0.7, 0.9]), *_seeds(tmp_path, "b", [0.5, 0.5, 0.5]),
+            *_seeds(tmp_path, "c", [0.3, 0.35, 0.4])]
+    js, table_csv, png = tmp_path / "r.json", tmp_path / "alg.csv", tmp_path / "p.png"
+    assert main([*map(str, runs), "--last-k", "1", "--out", str(png), "--json", str(js),
+                 "--algorithms-csv", str(table_csv)]) == 0
+    out = capsys.readouterr().out
+    payload = json.loads(js.read_text())
+    rows = {row["algorithm"]: row for row in payload["by_algorithm"]}
+    half = 4.302652729749462 * 0.07 ** 0.5 / 3
+    assert rows["a"]["last_k_ci95"] == pytest.approx(half) and rows["a"]["final_accuracy_ci95"] == pytest.approx(half)
+    assert rows["b"]["last_k_ci95"] == pytest.approx(0.0)
+    assert "73.33% ± 37.95%" in out and "last k mean ± 95% CI" in out
+    comparison = payload["comparison"]
+    assert (comparison["best"], comparison["test"], comparison["metric"]) == ("a", "paired t", "last_k_mean")
+    (t_b, p_b), (t_c, p_c) = _t_p([0.1, 0.2, 0.4]), _t_p([0.3, 0.35, 0.5])
+    b, c = comparison["rows"]
+    assert (b["algorithm"], b["n"], b["test"]) == ("b", 3, "paired t")
+    assert (b["statistic"], b["p"], c["statistic"], c["p"]) == pytest.approx((t_b, p_b, t_c, p_c), rel=1e-9)
+    low, high = sorted([p_b, p_c])  # Holm: the smaller times 2, the larger times 1, never below it
+    assert (c["p_holm"], b["p_holm"]) == pytest.approx((2 * low, max(2 * low, high)))
+    assert (b["verdict"], c["verdict"]) == ("≈ best", "worse")
+    assert "vs the best (a)" in " ".join(out.split()) and "≈ best" in out and "worse" in out
+    with table_csv.open(newline="") as f:
+        written = {row["algorithm"]: row for row in csv.DictReader(f)}
+    assert written["a"]["verdict"] == "best" and written["a"]["p_holm"] == ""
+    assert float(written["c"]["p_holm"]) == pytest.approx(c["p_holm"]) and written["c"]["verdict"] == "worse"
+    assert float(written["a"]["last_k_ci95"]) == pytest.approx(half) and written["b"]["test"] == "paired t"
+    assert (tmp_path / "p-ci.png").read_bytes().startswith(PNG_MAGIC)
+    # a gap below --min-gap (e.g. the spread of one run between two machines) is never "worse"
+    assert main([*map(str, runs), "--last-k", "1", "--out", str(png), "--json", str(js), "--min-gap", "0.5"]) == 0
+    assert [r["verdict"] for r in json.loads(js.read_text())["comparison"]["rows"]] == ["≈ best", "≈ best"]
+
+
+def test_one_seed_each_gets_no_interval_and_no_verdict(tmp_path: Path, capsys) -> None:
+    runs = [*_seeds(tmp_path, "a", [0.9]), *_seeds(tmp_path, "b", [0.5])]
+    js = tmp_path / "r.json"
+    assert main([*map(str, runs), "--by-algorithm", "--out", str(tmp_path / "p.png"), "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    payload = json.loads(js.read_text())
+    assert [r["last_k_ci95"] for r in payload["by_algorithm"]] == [None, None] and "(n=1)" in out
+    (row,) = payload["comparison"]["rows"]
+    assert row["verdict"] == "not testable" and row["p"] is None and row["test"] is None
+    assert "no test" in row["note"] and "worse" not in out
+
+
+def test_runs_on_different_partitions_are_compared_unpaired_and_labelled(tmp_path: Path) -> None:
+    """a's runs on partition seed 0, b's on 1: no pair; Welch's test over their runs, named."""
+    from scipy import stats
+
+    runs = [*_seeds(tmp_path, "a", [0.6, 0.7, 0.9], 0), *_seeds(tmp_path, "b", [0.5, 0.52, 0.49], 1)]
+    js = tmp_path / "r.json"
+    assert main([*map(str, runs), "--last-k", "1", "--out", str(tmp_path / "p.png"), "--json", str(js)]) == 0
+    (row,) = json.loads(js.read_text())["comparison"]["rows"]
+    ref = stats.ttest_ind([0.6, 0.7, 0.9], [0.5, 0.52, 0.49], equal_var=False)
+    assert row["test"] == "Welch t (unpaired)" and "compared unpaired" in row["note"]
+    assert (row["statistic"], row["p"]) == pytest.approx((ref.statistic, ref.pvalue))
+
+
+def test_a_bad_min_gap_is_one_error_line(tmp_path: Path, capsys) -> None:
+    run_dir = write_run(tmp_path, "r", ACC)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(run_dir), "--min-gap", "1.5"])
+    assert exit_.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and "--min-gap" in err[0] and "[0, 1)" in err[0]
+    assert not (run_dir / "report.png").exists()
+
+
+def test_runs_pair_only_on_the_same_partition_json(tmp_path: Path) -> None:
+    """The same setting and seeds, but b's runs kept another partition.json (another
+    partition): no pair, Welch; the same partition.json: paired."""
+    def report_of(b_partition: dict) -> dict:
+        root = tmp_path / json.dumps(b_partition["partitions"]["0"])
+        runs = [*_seeds(root, "a", [0.6, 0.7, 0.9]), *_seeds(root, "b", [0.5, 0.52, 0.49])]
+        for run in runs:
+            mine = b_partition if run.name.startswith("b") else {"partitions": {"0": [1, 2]}}
+            (run / "partition.json").write_text(json.dumps(mine))
+        js = root / "r.json"
+        assert main([*map(str, runs), "--last-k", "1", "--out", str(root / "p.png"), "--json", str(js)]) == 0
+        return json.loads(js.read_text())["comparison"]["rows"][0]
+
+    assert report_of({"partitions": {"0": [1, 2]}})["test"] == "paired t"
+    assert report_of({"partitions": {"0": [2, 1]}})["test"] == "Welch t (unpaired)"
+
+
+def test_sweeps_md_states_the_tests_as_the_code_makes_them() -> None:
+    """docs/sweeps.md's statistics section: the default test, Welch's label, alpha, Wilcoxon's
+    smallest p and the number of pairs from which it is given."""
+    from flatflower.tools import stats
+    from tests.helpers import ROOT, markdown_section
+
+    text = " ".join(markdown_section((ROOT / "docs" / "sweeps.md").read_text(),
+                                     "### Statistics over seeds: intervals and the comparison with the best").split())
+    assert f"the **{stats.DEFAULT_TEST}-test**" in text and f"labelled `{stats.WELCH}`" in text
+    assert f"at least {stats.ALPHA}" in text and "its smallest two-sided p being 2 / 2^n" in text
+    n = stats.WILCOXON_MIN_PAIRS
+    assert f"the Wilcoxon p is given beside it from {n} pairs on" in text
+    assert 2 / 2 ** n < stats.ALPHA <= 2 / 2 ** (n - 1) and 2 / 2 ** 3 > stats.ALPHA  # never below 0.05 at 3 seeds
+    near = stats.paired([0.9, 0.8, 0.7, 0.6, 0.5, 0.4][: n - 1], [0.85, 0.78, 0.71, 0.55, 0.46, 0.4][: n - 1], "x")
+    assert near.wilcoxon_p is None
+    given = stats.paired([0.9, 0.8, 0.7, 0.6, 0.5, 0.45], [0.85, 0.78, 0.69, 0.55, 0.46, 0.4], "x")
+    assert given.wilcoxon_p == pytest.approx(2 / 2 ** n)  # every gap positive: the exact test's smallest p

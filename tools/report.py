@@ -6,7 +6,10 @@ round, ``clients.jsonl``: one per client per round) and backs ``flatflower repor
 the plots), client drift per algorithm (cosine of the clients' updates to their mean, spread of
 their norms), flatness (FedNSAM's flatness distance, sharpness and the Hessian's top eigenvalue,
 where the runs measured them), and a warning (``--strict``: a refusal) when the runs compared differ in their
-setting (clients, rounds, dataset, partition).
+setting (clients, rounds, dataset, partition). Per algorithm, the final and last-k accuracy's mean
+with its t-based 95% interval over seeds, and each algorithm against the best on the runs they
+share (tools/comparison.py, tools/stats.py: paired t, Holm-corrected); a warning when the runs ran
+on different machines (config.json's ``machines``, server/machine.py).
 
 A run's accuracy is the server's test split's (``test_accuracy``); a run with no evaluation set
 on the server (``partition = local`` without ``data-dir``) is measured by its federated

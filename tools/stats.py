@@ -114,7 +114,7 @@ def paired(best: Sequence[float], other: Sequence[float], algorithm: str) -> Com
         return out
     result = stats.ttest_rel(best, other)
     out.statistic, out.p = float(result.statistic), float(result.pvalue)
-    if d.size >= WILCOXON_MIN_PAIRS and np.any(np.abs(d) > FLAT):
+    if d.size >= WILCOXON_MIN_PAIRS:
         out.wilcoxon_p = float(stats.wilcoxon(d).pvalue)
     return out
 
