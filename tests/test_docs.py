@@ -25,7 +25,8 @@ DOCS = ROOT / "docs"
 GUIDES = ("configuration", "engines", "presets", "run-directory", "datasets", "flatness", "privacy",
           "sweeps", "reliability", "your-data", "models", "local-data", "deployment", "api", "protocol")
 OWN_PARSERS = {"report": "flatflower.tools.report", "landscape": "flatflower.tools.landscape", "bench": "flatflower.tools.bench",
-               "sweep": "flatflower.tools.sweep", "flatness": "flatflower.tools.flatness_cmd"}
+               "sweep": "flatflower.tools.sweep", "flatness": "flatflower.tools.flatness_cmd",
+               "tune": "flatflower.tools.tune"}
 
 
 

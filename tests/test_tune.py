@@ -146,6 +146,31 @@ def test_tune_gives_every_algorithm_the_same_budget_then_tests_the_best_on_every
                 assert config[k] == pytest.approx(v)
     report = json.loads((out / "report.json").read_text())
     assert len(report["runs"]) == 4
+    final = (out / "final" / "fedsam-s1" / "metrics.jsonl").read_text()
+    assert tune(out) == 0  # run again: nothing new, the final runs skipped, not redone
+    assert (out / "final" / "fedsam-s1" / "metrics.jsonl").read_text() == final
+    assert not list((out / "final").glob("*.incomplete-*"))
+
+
+def test_a_second_tune_in_the_same_out_is_refused_and_an_rdb_storage_serves_the_study(tmp_path, capsys):
+    import optuna
+
+    from flatflower.server.rundir import claim
+
+    out = tmp_path / "tune"
+    out.mkdir()
+    lock = claim(out / ".tune.lock", "held")
+    try:
+        assert tune(out, "--no-final", algorithms="fedavg", trials="1") == 2
+        assert "another tune is running in" in capsys.readouterr().err
+    finally:
+        import os
+
+        os.close(lock)
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    assert tune(out, "--no-final", "--storage", url, algorithms="fedavg", trials="2") == 0
+    assert len(optuna.load_study(study_name="fedavg", storage=url).get_trials()) == 2
+    assert not (out / "optuna.journal").exists()
 
 
 def test_a_tune_run_again_goes_on_where_it_stopped_and_more_trials_extend_it(tmp_path, capsys):
@@ -233,3 +258,22 @@ def test_budget_of_zero_and_unknown_algorithms_are_refused(tmp_path, capsys):
     assert tune(tmp_path / "c", "--space", str(space)) == 2
     assert "empty or non-finite range" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+# ---------------------------------------------------------------- docs/tuning.md
+def test_the_tuning_guides_space_file_and_quoted_ranges_are_what_the_code_does(tmp_path):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "tuning.md").read_text()
+    toml = re.search(r"```toml\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "space.toml").write_text(toml)
+    space = space_for("fedtoga", read_file(tmp_path / "space.toml"))
+    assert space.ranges["lr"] == Range(0.01, 0.3, log=True) and space.fixed == {"fedtoga.kappa": 1.0}
+    assert "fedtoga.beta" not in space.ranges
+    gmt = declared("fedgmt")  # "FedGMT's Table 7 (beta in 1-1000, gamma 0.5-2, alpha 0.5-0.998"
+    assert (gmt["fedgmt.beta"], gmt["fedgmt.gamma"], gmt["fedgmt.alpha"]) == (
+        Range(1.0, 1000.0, log=True), Range(0.5, 2.0, log=True), Range(0.5, 0.998))
+    assert declared("mofedsam")["mofedsam.beta"] == Range(0.01, 1.0, log=True)
+    assert declared("fedtoga")["fedtoga.beta"] == Range(0.0, 1.0)
+    assert "search=Range(0.001, 0.5, log=True)" in text and declared("fedsam")["sam.rho"] == Range(0.001, 0.5, log=True)
