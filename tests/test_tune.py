@@ -277,3 +277,19 @@ def test_the_tuning_guides_space_file_and_quoted_ranges_are_what_the_code_does(t
     assert declared("mofedsam")["mofedsam.beta"] == Range(0.01, 1.0, log=True)
     assert declared("fedtoga")["fedtoga.beta"] == Range(0.0, 1.0)
     assert "search=Range(0.001, 0.5, log=True)" in text and declared("fedsam")["sam.rho"] == Range(0.001, 0.5, log=True)
+
+
+@pytest.mark.slow
+def test_workers_share_the_study_and_never_overshoot_the_budget(tmp_path):
+    """Two workers (this process and one more) draw trials from one journal file: each
+    algorithm ends with exactly --trials trials, every one complete, run by both workers."""
+    out = tmp_path / "tune"
+    assert tune(out, "--no-final", "--workers", "2", "--pruner", "none", "--rounds", "6", "--set", "local-steps=300",
+                trials="5") == 0
+    for algorithm in ("fedavg", "fedsam"):
+        with open(out / algorithm / "trials.csv") as f:
+            trials = list(csv.DictReader(f))
+        assert len(trials) == 5 and {t["state"] for t in trials} == {"complete"}
+        assert len({t["run_dir"] for t in trials}) == 5
+    log = (out / "worker-1.log").read_text()
+    assert "tune: fedavg trial" in log or "tune: fedsam trial" in log, "the second worker ran no trial"
