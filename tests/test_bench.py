@@ -33,7 +33,7 @@ def report(tmp_path_factory):
 
 def test_report_has_every_section_and_the_machine(report):
     assert {"machine", "settings", "compute", "overhead", "communication", "memory", "throughput",
-            "flatness", "seconds"} <= set(report)
+            "flatness", "trial", "seconds"} <= set(report)
     assert report["machine"]["cpus"] >= 1 and report["machine"]["torch"]
     assert report["settings"]["quick"] is True
 
@@ -104,6 +104,28 @@ def test_throughput_times_every_model_clients_and_engine_and_counts_the_same_wor
         assert r["client_steps_per_round"] == sum(-(-len(p) // cfg.batch_size) for p in parts), r
         assert r["examples_per_round"] == sum(len(p) for p in parts) == 1437
     assert all(r["speedup_vs_inprocess_cpu"] == 1.0 for r in t["rows"] if r["engine"] == "inprocess")
+
+
+def test_trial_records_each_engines_fixed_cost_and_per_client_overhead(report):
+    """--quick: one fresh-process run of each eager engine; every figure is computed from that
+    run's own stamps (the parts of the fixed cost add up to it, the share is the formula's)."""
+    t = report["trial"]
+    assert (t["model"], t["clients"], t["repeats"], t["trial_rounds"]) == ("mlp", 10, 1, 20)
+    assert [(r["variant"], r["engine"]) for r in t["rows"]] == [("inprocess", "inprocess"),
+                                                                ("vectorized", "vectorized")]
+    for r in t["rows"]:
+        [run] = r["runs"]
+        assert {k: v for k, v in r.items() if k not in ("variant", "engine", "runs")} == run
+        parts = ("interpreter_and_torch", "engine_imports", "setup_to_first_round", "first_round_extra")
+        assert r["fixed_seconds"] == pytest.approx(sum(r[k] for k in parts))
+        assert r["interpreter_and_torch"] > 0 and r["engine_imports"] > 0 and r["setup_to_first_round"] > 0
+        assert r["first_round_seconds"] - r["steady_round_seconds"] == pytest.approx(r["first_round_extra"])
+        assert r["share_of_20_round_trial"] == pytest.approx(
+            r["fixed_seconds"] / (r["fixed_seconds"] + 20 * r["steady_round_seconds"]))
+        assert 0 <= r["overhead_seconds_per_round"] <= r["steady_round_seconds"] * 1.5
+        assert r["overhead_seconds_per_client"] > 0
+    table = print_tables({"trial": t})
+    assert "overhead/client (ms)" in table and "fixed / 20-round trial" in table and "vectorized" in table
 
 
 def test_throughput_table_says_what_ran_and_warns_on_a_loaded_machine(report):

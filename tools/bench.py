@@ -25,6 +25,9 @@
   trained the model (in-process engine: the MLP and the CNN on digits, LeNet on
   ``synthetic-cifar10``); and what ``flatness-every 10`` adds to that digits run, measured in
   it: sum(flatness_seconds) / sum(seconds) over its rows.
+* **trial** — what a short run pays besides training (tools/trial.py): a fresh process's fixed
+  cost (imports, setup, the first round's extra) and a steady round's framework time per
+  sampled client, on the in-process and vectorised engines (``--full``: also compiled).
 
 Targets (docs/benchmarks.md) are reported, never asserted: timings belong here, not in tests.
 """
@@ -65,6 +68,8 @@ from flatflower.tools.parsers import BENCH_SECTIONS as SECTIONS
 from flatflower.tools.parsers import bench as build_parser
 from flatflower.tools.throughput import ThroughputSettings, bench_throughput
 from flatflower.tools.throughput import render as render_throughput
+from flatflower.tools.trial import TrialSettings, bench_trial
+from flatflower.tools.trial import render as render_trial
 
 # Variants measured besides each algorithm's defaults: (label, algorithm, run-config overrides).
 VARIANTS = [(name, name, {}) for name in ALGORITHMS] + [
@@ -89,6 +94,9 @@ FLATNESS_RUNS = {  # model -> the in-process FedAvg run (iid) whose rounds are t
               "flatness-every": 0, "repeats": 1},
 }
 RUN_HVP = inspect.signature(measure).parameters["hvp"].default  # what a run's flatness-every uses
+# the trial section: --quick keeps `make test` fast (two short eager runs); --full adds compile = on
+TRIAL_QUICK = {"clients": 10, "rounds": 4, "repeats": 1, "variants": ("inprocess", "vectorized")}
+TRIAL_FULL = {"clients": 100, "rounds": 6, "repeats": 2}
 FLATNESS_TARGET = 0.10  # issue 24: flatness-every 10 adds <= 10% to a digits-CNN run
 _RUN_IDS = itertools.count()
 
@@ -108,6 +116,7 @@ class Settings:
     sections: tuple[str, ...] = SECTIONS
     throughput: ThroughputSettings | None = None
     flatness_models: tuple[str, ...] = ()  # () = FLATNESS_QUICK's or FLATNESS_FULL's
+    trial: TrialSettings | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Settings:
@@ -143,7 +152,8 @@ class Settings:
         return cls(quick=args.quick, model=args.model, input_shape=shape, num_classes=args.classes,
                    batch_size=args.batch_size, steps=args.steps, repeats=args.repeats,
                    device=args.device, full_overhead=args.full, threads=args.threads,
-                   sections=sections, throughput=throughput, flatness_models=flatness_models)
+                   sections=sections, throughput=throughput, flatness_models=flatness_models,
+                   trial=TrialSettings(**(TRIAL_QUICK if args.quick else TRIAL_FULL)))
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -701,6 +711,8 @@ def run_bench(settings: Settings, workdir: Path, say=_silent) -> dict[str, Any]:
         report["throughput"] = bench_throughput(settings.throughput or ThroughputSettings(), workdir, say)
     if "flatness" in settings.sections:
         report["flatness"] = bench_flatness(settings, workdir, say)
+    if "trial" in settings.sections:
+        report["trial"] = bench_trial(settings.trial or TrialSettings(), workdir, say)
     report["seconds"] = time.perf_counter() - t0
     return report
 
@@ -719,6 +731,8 @@ def print_tables(report: dict[str, Any]) -> str:
         out.append(render_throughput(report["throughput"]))
     if "flatness" in report:
         out.append(_flatness_table(report))
+    if "trial" in report:
+        out.append(render_trial(report["trial"]))
     return "\n".join(out)
 
 

@@ -1,0 +1,31 @@
+"""tools/trial.py's arithmetic on hand-made stamps: the covered time of overlapping training
+intervals, and a run's fixed cost, steady round and per-client overhead (the bench's trial
+section reads real runs with it: tests/test_bench.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flatflower.tools.trial import figures, union_seconds
+
+
+def test_union_counts_overlapping_intervals_once_and_only_inside_the_window():
+    assert union_seconds([], 0.0, 10.0) == 0.0
+    assert union_seconds([(1.0, 3.0), (2.0, 4.0), (6.0, 7.0)], 0.0, 10.0) == 4.0  # 1-4 and 6-7
+    assert union_seconds([(1.0, 9.0), (2.0, 3.0)], 0.0, 10.0) == 8.0  # one inside another
+    assert union_seconds([(-5.0, 2.0), (8.0, 20.0), (11.0, 12.0)], 0.0, 10.0) == 4.0  # clipped, one outside
+
+
+def test_figures_of_a_hand_made_run():
+    """Launched at 0, torch at 2, engine imports at 3, round 1 sent at 4; rounds 1, 2, 3 last
+    3, 1 and 1 s (4 clients each); in rounds 2 and 3 the clients train 0.6 and 0.8 s."""
+    stamps = {"launched": 0.0, "torch": 2.0, "imports": 3.0}
+    rounds = {1: 4.0, 2: 7.0, 3: 8.0, 4: 9.0}
+    training = [(4.5, 6.5), (7.0, 7.4), (7.2, 7.6), (8.1, 8.9)]
+    out = figures(stamps, rounds, training, {1: 4, 2: 4, 3: 4}, last=3)
+    assert out["interpreter_and_torch"] == 2.0 and out["engine_imports"] == 1.0
+    assert out["setup_to_first_round"] == 1.0 and out["first_round_extra"] == 2.0  # 3 s against 1 s
+    assert out["fixed_seconds"] == 6.0 and out["steady_round_seconds"] == 1.0
+    assert out["overhead_seconds_per_round"] == pytest.approx(0.3)  # median of 0.4 and 0.2
+    assert out["overhead_seconds_per_client"] == pytest.approx(0.3 / 4)
+    assert out["share_of_20_round_trial"] == pytest.approx(6.0 / 26.0)
