@@ -20,7 +20,7 @@ SPLITS = ("test", "train")
 FLATNESS_FILE = "flatness.json"  # `flatflower flatness RUN --json RUN/flatness.json`: the final model's
 DEFAULT_SPAN, INTERPOLATE_SPAN, DEFAULT_STEPS = 1.0, 0.5, 21  # landscape's grid
 ITERS, PROBES = 100, 100  # flatness's defaults: more precise than the per-round 20 and 10
-BENCH_SECTIONS = ("compute", "overhead", "communication", "memory", "throughput", "flatness")
+BENCH_SECTIONS = ("compute", "overhead", "communication", "memory", "throughput", "flatness", "trial")
 
 
 def positive_int(text: str) -> int:
