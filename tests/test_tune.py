@@ -293,3 +293,16 @@ def test_workers_share_the_study_and_never_overshoot_the_budget(tmp_path):
         assert len({t["run_dir"] for t in trials}) == 5
     log = (out / "worker-1.log").read_text()
     assert "tune: fedavg trial" in log or "tune: fedsam trial" in log, "the second worker ran no trial"
+
+
+def test_report_calls_a_trials_accuracy_validation_accuracy(tmp_path):
+    from flatflower.tools.report import accuracy_name, load_run
+
+    out = tmp_path / "tune"
+    assert tune(out, "--no-final", algorithms="fedavg", trials="1") == 0
+    trial = load_run(out / "fedavg" / "trials" / "t0000")
+    assert accuracy_name([trial]) == "validation accuracy"
+    cli(["simulate", "--algorithm", "fedavg", "--run-dir", str(tmp_path / "plain"), *FAST[:-2]])
+    plain = load_run(tmp_path / "plain")
+    assert accuracy_name([plain]) == "test accuracy"
+    assert accuracy_name([trial, plain]).startswith("accuracy (validation in runs with")

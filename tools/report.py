@@ -492,7 +492,18 @@ def accuracy_name(runs: Sequence[RunSummary]) -> str:
     measures = {run.measure for run in runs}
     if measures == {"federated"}:
         return "federated accuracy"
-    return "test accuracy" if measures == {"test"} else "accuracy (test; federated where no test set)"
+    validated = {validation_run(run) for run in runs}  # a tune's trials: the server's split is a validation split
+    if measures == {"test"}:
+        return {frozenset({True}): "validation accuracy", frozenset({False}): "test accuracy"}.get(
+            frozenset(validated), "accuracy (validation in runs with validation-fraction > 0, test in the others)")
+    return "accuracy (test; federated where no test set)"
+
+
+def validation_run(run: RunSummary) -> bool:
+    """Whether the run's server evaluated a validation split carved from the training split
+    (``validation-fraction`` > 0, as ``flatflower tune``'s trials do) instead of the test split."""
+    value = run.config.get("validation-fraction", 0)
+    return isinstance(value, (int, float)) and value > 0
 
 
 def plot_accuracy(runs: Sequence[RunSummary], out_png: str | Path, x: str = "round") -> Path:
