@@ -306,3 +306,9 @@ def test_report_calls_a_trials_accuracy_validation_accuracy(tmp_path):
     plain = load_run(tmp_path / "plain")
     assert accuracy_name([plain]) == "test accuracy"
     assert accuracy_name([trial, plain]).startswith("accuracy (validation in runs with")
+
+
+def test_the_samplers_random_start_is_half_the_budget_between_2_and_10():
+    from flatflower.tools.tune import startup_trials
+
+    assert [startup_trials(n) for n in (1, 3, 4, 8, 19, 20, 40)] == [2, 2, 2, 4, 9, 10, 10]

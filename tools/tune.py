@@ -219,7 +219,9 @@ def _study(args: argparse.Namespace, space: Space, rounds: int, clients: int) ->
                                           n_warmup_steps=max(1, rounds // 4))
               if args.pruner == "median" else optuna.pruners.NopPruner())
     study = optuna.create_study(study_name=space.algorithm, storage=_storage(args), direction="maximize",
-                                sampler=optuna.samplers.TPESampler(seed=args.tune_seed), pruner=pruner,
+                                sampler=optuna.samplers.TPESampler(seed=args.tune_seed,
+                                                                   n_startup_trials=startup_trials(args.trials)),
+                                pruner=pruner,
                                 load_if_exists=True)
     wanted = json.loads(json.dumps(settings(args, space, rounds, clients)))
     found = study.user_attrs.get(SETTINGS_ATTR)
@@ -230,6 +232,12 @@ def _study(args: argparse.Namespace, space: Space, rounds: int, clients: int) ->
         raise UsageError(f"{args.out} holds a tune of {space.algorithm} with other settings ({', '.join(differ)}): "
                          f"run it with the same command, or use another --out")
     return study
+
+
+def startup_trials(trials: int) -> int:
+    """Random trials before TPE models the results: Optuna's 10, or half a smaller budget (at
+    least 2), so that a budget of a few trials is not random search alone."""
+    return max(2, min(10, trials // 2))
 
 
 def budget_used(study: Any) -> int:
