@@ -138,6 +138,8 @@ def test_tune_gives_every_algorithm_the_same_budget_then_tests_the_best_on_every
             rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             assert float(t["value"]) == pytest.approx(np.mean([r["test_accuracy"] for r in rows[-2:]]))
             assert config["lr"] == pytest.approx(float(t["lr"]))
+            assert float(t["round_seconds"]) == pytest.approx(sum(r.get("seconds", 0) for r in rows), abs=1e-3)
+            assert 0 < float(t["round_seconds"]) < float(t["seconds"])
         for seed in (0, 1):  # the best point, on the test split, for every seed
             run = out / "final" / f"{algorithm}-s{seed}"
             config = json.loads((run / "config.json").read_text())["config"]

@@ -149,6 +149,16 @@ def _accuracies(run_dir: Path) -> list[tuple[int, float]]:
             if isinstance(r, dict) and isinstance(r.get("test_accuracy"), (int, float))]
 
 
+def round_seconds(run_dir: Path) -> float:
+    """The seconds the run's rounds took (metrics.jsonl's ``seconds``): a trial's wall time
+    less this is its fixed cost (configuration, data, model, the initial evaluation)."""
+    try:
+        rows = [row for _, row in read_jsonl(run_dir / "metrics.jsonl")]
+    except (RunFileError, OSError):
+        return 0.0
+    return float(sum(r["seconds"] for r in rows if isinstance(r, dict) and isinstance(r.get("seconds"), (int, float))))
+
+
 def run_trial(one: argparse.Namespace, trial: Any) -> tuple[str, list[tuple[int, float]]]:
     """Run one trial's simulation in this process, reporting each round's validation accuracy
     to ``trial`` and stopping the run when the pruner says so. ("ok" | "pruned" | "failed:<code>",
@@ -299,6 +309,7 @@ def tune_trials(args: argparse.Namespace, space: Space, rounds: int, clients: in
             raise
         trial.set_user_attr("rounds_run", rows[-1][0] if rows else 0)
         trial.set_user_attr("seconds", round(time.monotonic() - started, 3))
+        trial.set_user_attr("round_seconds", round(round_seconds(run_dir), 3))
         if outcome == "ok" and rows:
             value = objective_value(rows, args.last_k)
             study.tell(trial, value)
@@ -326,11 +337,13 @@ def records(args: argparse.Namespace, space: Space, rounds: int, clients: int) -
     keys = list(space.ranges) + list(space.fixed)
     with open(folder / "trials.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["trial", "state", "value", "rounds_run", "seconds", *keys, "run_dir", "error"])
+        writer.writerow(["trial", "state", "value", "rounds_run", "seconds", "round_seconds", *keys, "run_dir",
+                         "error"])
         for t in trials:
             params = {**space.fixed, **t.params}
             writer.writerow([t.number, t.state.name.lower(), "" if t.value is None else repr(t.value),
                              t.user_attrs.get("rounds_run", ""), t.user_attrs.get("seconds", ""),
+                             t.user_attrs.get("round_seconds", ""),
                              *(params.get(k, "") for k in keys), t.user_attrs.get("run_dir", ""),
                              t.user_attrs.get("error", "")])
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
