@@ -29,3 +29,23 @@ def test_figures_of_a_hand_made_run():
     assert out["overhead_seconds_per_round"] == pytest.approx(0.3)  # median of 0.4 and 0.2
     assert out["overhead_seconds_per_client"] == pytest.approx(0.3 / 4)
     assert out["share_of_20_round_trial"] == pytest.approx(6.0 / 26.0)
+
+
+def test_the_docs_trial_figures_are_the_record():
+    """docs/benchmarks.md's trial table and the first compiled round it and engines.md quote
+    are docs/results/trial-cpu/bench-trial.json's."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    rows = json.loads((root / "docs/results/trial-cpu/bench-trial.json").read_text())["trial"]["rows"]
+    bench_doc = (root / "docs/benchmarks.md").read_text()
+    for r in rows:
+        assert (f"| {r['variant']} | {r['fixed_seconds']:.2f} | {r['interpreter_and_torch']:.2f} | "
+                f"{r['engine_imports']:.2f} | {r['setup_to_first_round']:.2f} | {r['first_round_extra']:.2f} | "
+                f"{r['steady_round_seconds']:.3f} | {r['overhead_seconds_per_client'] * 1e3:.2f} | "
+                f"{r['share_of_20_round_trial']:.1%} |") in bench_doc
+    compiled = next(r for r in rows if r["variant"] == "vectorized, compile = on")
+    engines_doc = " ".join((root / "docs/engines.md").read_text().split())
+    assert f"{compiled['first_round_extra']:.1f} s beyond a steady one" in " ".join(bench_doc.split())
+    assert f"its first round compiles ({compiled['first_round_extra']:.1f} s beyond a steady round" in engines_doc
