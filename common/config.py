@@ -104,7 +104,7 @@ class RunConfig:
     momentum: float = 0.0
     clip_norm: float = 0.0
     amp: str = "off"
-    batching: str = "auto"  # vectorised engine: auto (measured once, recorded) | on | off
+    batching: str = "auto"  # vectorised engine: auto (a rule over the model's FLOPs, recorded) | on | off
     compile: str = "off"  # vectorised engine: on = its batched step under torch.compile
     eval_batch_size: int = 512
     # the server's own evaluation and flatness measurements (server/run.py): their device, and
