@@ -135,6 +135,8 @@ def test_tune_gives_every_algorithm_the_same_budget_then_tests_the_best_on_every
             run = out / t["run_dir"]
             config = json.loads((run / "config.json").read_text())["config"]
             assert config["validation-fraction"] == 0.1 and config["num-server-rounds"] == 3
+            assert config["checkpoint-every"] == 0 and not config["tensorboard"]
+            assert not (run / "checkpoint.pt").exists()
             rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             assert float(t["value"]) == pytest.approx(np.mean([r["test_accuracy"] for r in rows[-2:]]))
             assert config["lr"] == pytest.approx(float(t["lr"]))
@@ -144,6 +146,7 @@ def test_tune_gives_every_algorithm_the_same_budget_then_tests_the_best_on_every
             run = out / "final" / f"{algorithm}-s{seed}"
             config = json.loads((run / "config.json").read_text())["config"]
             assert config["validation-fraction"] == 0.0 and config["seed"] == seed
+            assert config["checkpoint-every"] == 1 and (run / "checkpoint.pt").is_file()
             for k, v in entry["best"]["params"].items():
                 assert config[k] == pytest.approx(v)
     report = json.loads((out / "report.json").read_text())

@@ -116,9 +116,16 @@ def _trial_args(args: argparse.Namespace, algorithm: str, values: dict[str, Any]
     one = copy.copy(args)
     one.algorithm, one.seed, one.run_dir, one.resume = algorithm, seed if seed is not None else args.first_seed, \
         str(run_dir), None
-    one.sets = [*args.sets, *(f"{k}={_toml(v)}" for k, v in values.items()),
+    one.sets = [*(TRIAL_DEFAULTS if validation else []), *args.sets, *(f"{k}={_toml(v)}" for k, v in values.items()),
                 *([f"validation-fraction={args.validation_fraction!r}"] if validation else [])]
+    if validation and args.tensorboard is None:
+        one.tensorboard = False  # a trial's curves are in its metrics.jsonl and the study
     return one
+
+
+# what a trial skips unless the command sets it: checkpoints (a trial cut short runs again from
+# its start) and TensorBoard files; neither changes a number of the run
+TRIAL_DEFAULTS = ("checkpoint-every=0",)
 
 
 def _toml(value: Any) -> str:
