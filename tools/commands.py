@@ -107,7 +107,8 @@ def simulate(args: argparse.Namespace) -> int:
             outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
                                       timeout=args.timeout, on_poll=progress,
                                       **{k: v for k, v in (("cpus_per_client", args.cpus_per_client),
-                                                           ("gpus_per_client", args.gpus_per_client))
+                                                           ("gpus_per_client", args.gpus_per_client),
+                                                           ("ray_address", getattr(args, "ray_address", None)))
                                          if v is not None})
     except BaseException:
         progress.close()

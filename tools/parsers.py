@@ -34,6 +34,17 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "int"
 
 
+def jobs_count(text: str) -> int:
+    """argparse type of ``--jobs``: a whole number (the sweep refuses one < 1), or ``auto``
+    (this machine's cores)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if text.strip() == "auto" else cli_int(text)
+
+
+jobs_count.__name__ = "int or auto"
+
+
 def report() -> argparse.ArgumentParser:
     """The ``flatflower report`` argument parser."""
     parser = Parser(prog="flatflower report", description="Summarize run directories.")
@@ -168,9 +179,14 @@ def sweep() -> argparse.ArgumentParser:
     p.add_argument("--resume-existing", action="store_true",
                    help="skip (algorithm, seed) runs that already finished in OUT, continue "
                         "interrupted ones from their checkpoint")
-    p.add_argument("--jobs", "-j", type=cli_int, default=1,
+    p.add_argument("--jobs", "-j", type=jobs_count, default=None,
                    help="runs at a time, each in its own process (default 1: one after the other, "
-                        "in this process); at most the number of CPU cores helps")
+                        "in this process; 'auto': this machine's cores; with --ray-address: all at "
+                        "once, Ray queues them); at most the number of CPU cores helps")
+    p.add_argument("--cpus-per-run", type=cli_float, default=None,
+                   help="with --ray-address: the CPUs each run's Ray task holds (default 1)")
+    p.add_argument("--gpus-per-run", type=cli_float, default=None,
+                   help="with --ray-address: the GPUs each run's Ray task holds, e.g. 0.5 or 1 (default 0)")
     add_run_arguments(p, per_run=False)  # each run's algorithm, seed and directory: the sweep's
     add_simulate_arguments(p)
     return p

@@ -102,6 +102,10 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="Ray's CPUs per client actor (--engine ray only; default 1)")
     p.add_argument("--gpus-per-client", type=cli_float, default=None,
                    help="Ray's GPU share per client actor, e.g. 0.25 (--engine ray only; default 0)")
+    p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                   help="a Ray cluster that already runs (its head: 'ray start --head --port PORT'): "
+                        "simulate --engine ray runs its clients there, sweep runs each run there as a "
+                        "Ray task (docs/engines.md)")
     p.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
 
 
@@ -289,10 +293,17 @@ def check_engine_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--cpus-per-client must be >= 1 (got {args.cpus_per_client})")
     if args.gpus_per_client is not None and not 0 <= args.gpus_per_client <= 1:
         raise UsageError(f"--gpus-per-client must be in [0, 1] (got {args.gpus_per_client:g})")
+    address = getattr(args, "ray_address", None)
+    if address is not None and args.engine != "ray":
+        raise UsageError(f"--ray-address runs Flower's Ray simulation engine on a cluster; the "
+                         f"{args.engine} engine runs every client in this process: add --engine ray")
     if args.engine == "ray" and not ray_installed():
         raise UsageError("--engine ray is Flower's simulation engine, which needs Ray: "
                          "pip install 'flwr[simulation]==1.39.0' (or --engine inprocess: the same "
                          "result, without Ray)")
+    if address is not None:
+        check_cluster(address, args.cpus_per_client or 1, args.gpus_per_client or 0.0, "each client")
+        return
     # Ray sizes its actor pool from what the machine has; a client that fits nowhere ends the
     # simulation after Ray's start-up with "ActorPool is empty": say so before anything starts
     cpus = os.cpu_count() or 1
@@ -303,6 +314,17 @@ def check_engine_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--gpus-per-client {args.gpus_per_client:g} gives each client a share of a GPU, "
                          f"and PyTorch sees no CUDA GPU here: Ray could place no client (leave the flag "
                          f"out to run the clients on the CPU)")
+
+
+def check_cluster(address: str, cpus: float, gpus: float, what: str) -> None:
+    """UsageError unless the Ray cluster at ``address`` answers and one of its nodes has
+    ``cpus`` CPUs and ``gpus`` GPUs for ``what`` (runtime/cluster.py: within seconds)."""
+    from flatflower.runtime.cluster import ClusterError, Job, check_fits, probe
+
+    try:
+        check_fits([Job(what, Path("."), argv=("-V",), num_cpus=cpus, num_gpus=gpus)], probe(address), address)
+    except ClusterError as err:
+        raise UsageError(str(err)) from None
 
 
 def check_device(text: str) -> None:

@@ -15,7 +15,11 @@ from its checkpoint (``simulate --resume``: a sweep stopped at run k goes on at 
 its last checkpointed round); an interrupted run without a checkpoint is moved aside (to
 ``<run>.incomplete-<i>``, nothing is deleted) and run afresh. ``--jobs N`` runs N runs at a
 time, each ``flatflower simulate`` in its own process with its output in OUT/<run>.log, and
-shows which are running and how far they are.
+shows which are running and how far they are (``--jobs auto``: as many as this machine has
+cores). ``--ray-address HOST:PORT`` sends every run to a Ray cluster that already runs, each a
+Ray task holding ``--cpus-per-run`` CPUs and ``--gpus-per-run`` GPUs, its run directory and log
+written here as it finishes (runtime/cluster.py; each run's engine, in-process or vectorised,
+runs inside its task).
 """
 
 from __future__ import annotations
@@ -23,9 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from flatflower.common.schema import printable
 from flatflower.strategies.registry import ALGORITHMS
 from flatflower.tools import commands
 from flatflower.tools.parsers import sweep as build_parser
-from flatflower.tools.prepare import UsageError, check_engine_options, engine_of
+from flatflower.tools.prepare import UsageError, check_cluster, check_engine_options, engine_of
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
@@ -52,9 +54,28 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
         raise ValueError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds must be distinct integers >= 0, got {args.seeds!r}")
-    if args.jobs < 1:
+    if args.jobs is not None and args.jobs < 1:
         raise ValueError("--jobs must be >= 1")
     return algorithms, seeds
+
+
+def task_size(args: argparse.Namespace, engine: str | None) -> tuple[float, float]:
+    """(CPUs, GPUs) each run's Ray task holds; UsageError for sizes without --ray-address, or
+    for a Ray engine inside the tasks."""
+    given = [flag for flag, value in (("--cpus-per-run", args.cpus_per_run),
+                                      ("--gpus-per-run", args.gpus_per_run)) if value is not None]
+    if args.ray_address is None:
+        if given:
+            raise UsageError(f"{' and '.join(given)} size each run's Ray task: add --ray-address")
+        return 1.0, 0.0
+    if engine == "ray":
+        raise UsageError("--ray-address runs each run of the sweep as a Ray task with its own engine: "
+                         "use --engine inprocess or vectorized there (or 'simulate --engine ray "
+                         "--ray-address' for one run whose clients are the cluster's actors)")
+    cpus, gpus = args.cpus_per_run if args.cpus_per_run is not None else 1.0, args.gpus_per_run or 0.0
+    if cpus <= 0 or gpus < 0:
+        raise UsageError(f"--cpus-per-run must be > 0 and --gpus-per-run >= 0 (got {cpus:g}, {gpus:g})")
+    return cpus, gpus
 
 
 def partition_seed_given(args: argparse.Namespace, preset: Any) -> str | None:
@@ -138,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         if partition_seed_given(args, preset) is None:
             args.sets = [*args.sets, f"partition-seed={existing_partition_seed(Path(args.out), seeds[0])}"]
         engine = engine_of(args, preset)
+        size = task_size(args, engine)
+        address, args.ray_address = args.ray_address, None  # the sweep's, not its runs'
         check_engine_options(argparse.Namespace(**{**vars(args), "engine": engine}))
+        if address is not None:
+            check_cluster(address, *size, "each run")
     except (PresetError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -163,13 +188,14 @@ def main(argv: list[str] | None = None) -> int:
             one.resume = None
             todo.append(one)
     fresh = [one for one in todo if not one.resume]  # a resumed run's check would claim its directory
-    if args.jobs > 1 and todo:
+    alone = (args.jobs or 1) == 1 and address is None  # one after the other, in this process
+    if not alone and todo:
         if fresh and commands.run("check", copy.copy(fresh[0])) == EXIT_USAGE:
             print("sweep: stopped, the first run's options are invalid (nothing was run)", file=sys.stderr)
             return EXIT_USAGE
-        done, failed = run_parallel(todo, args.jobs, args.out)
+        done, failed = run_parallel(todo, args.jobs or (None if address else 1), args.out, address, size)
         runs += done
-    for one in todo if args.jobs == 1 else []:
+    for one in todo if alone else []:
         run_dir = directory(one)
         print(f"sweep: {run_dir.name} -> {run_dir}" if one.resume else
               f"sweep: {one.algorithm}, seed {one.seed} -> {run_dir}", flush=True)
@@ -242,45 +268,45 @@ def _status(run_dir: Path) -> str:
         return f"{run_dir.name} starting"
 
 
-def run_parallel(todo: list[argparse.Namespace], jobs: int, out: Path) -> tuple[list[Path], list[str]]:
-    """Each run as its own ``flatflower simulate`` process, ``jobs`` at a time, output in
-    OUT/<run>.log; (finished run directories, names of the failed runs)."""
+def run_parallel(todo: list[argparse.Namespace], jobs: int | None, out: Path, address: str | None = None,
+                 size: tuple[float, float] = (1.0, 0.0)) -> tuple[list[Path], list[str]]:
+    """Each run as its own ``flatflower simulate`` process, ``jobs`` at a time (None: all at
+    once, on a Ray cluster), output in OUT/<run>.log; on this machine, or with ``address`` as
+    Ray tasks of ``size`` (CPUs, GPUs) on that cluster (runtime/cluster.py); (finished run
+    directories, names of the failed runs)."""
+    from flatflower.runtime.cluster import Job, run_jobs
     from flatflower.tools.progress import Steps
 
     out.mkdir(parents=True, exist_ok=True)
-    waiting, running, runs, failed = list(todo), {}, [], []
+    planned = [Job(directory(one).name, directory(one), argv=("-m", "flatflower.tools.cli", *simulate_argv(one)),
+                   log=out / f"{directory(one).name}.log", num_cpus=size[0], num_gpus=size[1]) for one in todo]
+    runs, failed, started = [], [], []
+    where = f"on the Ray cluster at {address}" if address else ""
     steps = Steps("sweep", every=30.0)
+
+    def start(job: Job) -> None:
+        started.append(job)
+        print(f"sweep: started {job.name} ({len(started)}/{len(todo)}){' ' + where if where else ''}, "
+              f"log {job.log.name}", flush=True)
+
+    def done(result) -> None:
+        if result.ok:
+            runs.append(result.job.run_dir)
+            print(f"sweep: {result.job.name} finished ({_status(result.job.run_dir)})"
+                  f"{' on ' + result.where if address else ''}", flush=True)
+        else:
+            failed.append(result.job.name)
+            print(f"sweep: {result.job.name} failed ({result.error}; see {result.job.log.name}); going on",
+                  file=sys.stderr, flush=True)
+
+    def poll(running: list[Job]) -> None:
+        steps(f"{len(runs) + len(failed)}/{len(todo)} done; running "
+              + ", ".join(f"{j.name} {where}" if address else _status(j.run_dir) for j in running))
+
     try:
-        while waiting or running:
-            while waiting and len(running) < jobs:
-                one = waiting.pop(0)
-                run_dir = directory(one)
-                log = open(out / f"{run_dir.name}.log", "a")  # a resumed run adds to its log
-                proc = subprocess.Popen([sys.executable, "-m", "flatflower.tools.cli", *simulate_argv(one)],
-                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                running[proc] = (run_dir, log)
-                print(f"sweep: started {run_dir.name} ({len(todo) - len(waiting)}/{len(todo)}), "
-                      f"log {log.name}", flush=True)
-            time.sleep(1.0)
-            for proc in [p for p in running if p.poll() is not None]:
-                run_dir, log = running.pop(proc)
-                log.close()
-                if proc.returncode == 0:
-                    runs.append(run_dir)
-                    print(f"sweep: {run_dir.name} finished ({_status(run_dir)})", flush=True)
-                else:
-                    failed.append(run_dir.name)
-                    print(f"sweep: {run_dir.name} failed (exit {proc.returncode}; see {log.name}); "
-                          "going on", file=sys.stderr, flush=True)
-            if running:
-                steps(f"{len(runs) + len(failed)}/{len(todo)} done; running "
-                      + ", ".join(_status(d) for d, _ in running.values()))
+        run_jobs(planned, ray_address=address, parallel=jobs, on_start=start, on_done=done, on_poll=poll)
     finally:
         steps.close()
-        for proc, (_, log) in running.items():  # interrupted: stop the runs this sweep started
-            proc.terminate()
-            proc.wait()
-            log.close()
     return runs, failed
 
 

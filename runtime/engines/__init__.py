@@ -137,17 +137,23 @@ def run_local(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: f
 
 
 def run_ray(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: float,
-            on_poll: OnPoll, cpus_per_client: int = 1, gpus_per_client: float = 0.0) -> Outcome:
-    """Flower's simulation engine (Ray) with ``clients`` virtual SuperNodes."""
+            on_poll: OnPoll, cpus_per_client: int = 1, gpus_per_client: float = 0.0,
+            ray_address: str | None = None) -> Outcome:
+    """Flower's simulation engine (Ray) with ``clients`` virtual SuperNodes: on a private Ray
+    of this machine, or with ``ray_address`` (HOST:PORT of a cluster's head) on that cluster,
+    which the simulation process joins (``RAY_ADDRESS``, which Flower's ``ray.init`` reads)."""
     work = Path(tempfile.mkdtemp(prefix="flatflower-"))
     try:
         fed = LocalFederation(0, work, logs, simulation=True)
         fed.env["RAY_TMPDIR"] = str(work / "ray")
+        if ray_address is not None:
+            fed.env["RAY_ADDRESS"] = ray_address
         fed.env = hand_user_code(fed.env, cfg, app)
-        print(f"Ray simulation: {clients} virtual clients, {cfg.algorithm}", flush=True)
+        where = f" on the Ray cluster at {ray_address}" if ray_address is not None else ""
+        print(f"Ray simulation: {clients} virtual clients, {cfg.algorithm}{where}", flush=True)
         with fed:
-            run_id = fed.submit(app, cfg.to_dict(), ray_federation_config(clients, cpus_per_client,
-                                                                         gpus_per_client))
+            run_id = fed.submit(app, cfg.to_dict(), ray_federation_config(
+                clients, cpus_per_client, gpus_per_client, joins=ray_address is not None))
             row = fed.wait(run_id, timeout, poll=0.5, on_poll=on_poll)
             fed.save_log(run_id, logs / "run.log")
         return Outcome(row.get("status") == COMPLETED, row.get("status-details", ""))
@@ -155,10 +161,14 @@ def run_ray(cfg: RunConfig, clients: int, app: Path, logs: Path, *, timeout: flo
         shutil.rmtree(work, ignore_errors=True)
 
 
-def ray_federation_config(clients: int, cpus_per_client: int = 1, gpus_per_client: float = 0.0) -> dict:
-    """The simulation federation's settings (``flwr run --federation-config``)."""
+def ray_federation_config(clients: int, cpus_per_client: int = 1, gpus_per_client: float = 0.0,
+                          joins: bool = False) -> dict:
+    """The simulation federation's settings (``flwr run --federation-config``). ``joins``: Ray
+    joins a cluster that already runs, whose size is its own (``ray.init`` refuses
+    ``num_cpus`` there), so this machine's CPU count is not given."""
+    sizes = {} if joins else {"init-args-num-cpus": os.cpu_count() or 1}
     return {"num-supernodes": clients, "client-resources-num-cpus": cpus_per_client,
-            "client-resources-num-gpus": gpus_per_client, "init-args-num-cpus": os.cpu_count() or 1}
+            "client-resources-num-gpus": gpus_per_client, **sizes}
 
 
 @contextlib.contextmanager
