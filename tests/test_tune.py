@@ -178,6 +178,19 @@ def test_a_second_tune_in_the_same_out_is_refused_and_an_rdb_storage_serves_the_
     assert not (out / "optuna.journal").exists()
 
 
+def test_final_rounds_and_a_final_run_made_with_other_values_is_refused_not_reported(tmp_path, capsys):
+    out = tmp_path / "tune"
+    assert tune(out, "--final-rounds", "4", algorithms="fedavg", trials="2", seeds="0") == 0
+    config = json.loads((out / "final" / "fedavg-s0" / "config.json").read_text())["config"]
+    assert config["num-server-rounds"] == 4
+    trial = json.loads((out / "fedavg" / "trials" / "t0000" / "config.json").read_text())["config"]
+    assert trial["num-server-rounds"] == 3
+    capsys.readouterr()
+    assert tune(out, "--final-rounds", "5", algorithms="fedavg", trials="2", seeds="0") == 2
+    err = capsys.readouterr().err
+    assert "ran other values of num-server-rounds" in err and err.count("\n") == 1
+
+
 def test_a_tune_run_again_goes_on_where_it_stopped_and_more_trials_extend_it(tmp_path, capsys):
     import optuna
     from optuna.storages import JournalStorage

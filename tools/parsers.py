@@ -216,6 +216,8 @@ def tune() -> argparse.ArgumentParser:
     p.add_argument("--storage", default=None,
                    help="Optuna storage URL shared by the workers (default: OUT/optuna.journal, a journal file)")
     p.add_argument("--tune-seed", type=cli_int, default=0, help="seed of the sampler (TPE) (default 0)")
+    p.add_argument("--final-rounds", type=positive_int, default=None,
+                   help="rounds of the final runs on the test set (default: the trials' --rounds)")
     p.add_argument("--no-final", action="store_true", help="tune only: do not run the best settings on the test set")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a --workers process
     add_run_arguments(p, per_run=False)  # each trial's algorithm, seed and directory: the tune's

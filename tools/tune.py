@@ -371,8 +371,10 @@ def records(args: argparse.Namespace, space: Space, rounds: int, clients: int) -
 
 
 # --------------------------------------------------------------------------- the final runs
-def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: list[int]) -> tuple[list[Path], list[str]]:
-    """Each algorithm's best parameters, once per seed, on the test split (validation off)."""
+def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: list[int],
+               rounds: int) -> tuple[list[Path], list[str]]:
+    """Each algorithm's best parameters, once per seed, ``rounds`` rounds (``--final-rounds``,
+    else the trials'), on the test split (validation off)."""
     from flatflower.tools.sweep import finished, set_aside
 
     done, failed = [], []
@@ -383,18 +385,40 @@ def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: l
             continue
         for seed in seeds:
             run_dir = args.out / "final" / f"{entry['algorithm']}-s{seed}"
+            one = _trial_args(args, entry["algorithm"], entry["best"]["params"], run_dir, seed, validation=False)
+            one.rounds = rounds
             if finished(run_dir):
+                check_final(run_dir, {"seed": seed, "num-server-rounds": rounds,
+                                      "validation-fraction": 0.0, **entry["best"]["params"]})
                 done.append(run_dir)
                 continue
             if run_dir.exists():
                 print(f"tune: {run_dir} was interrupted: moved to {set_aside(run_dir).name}, run afresh", flush=True)
             print(f"tune: final {entry['algorithm']}, seed {seed} -> {run_dir}", flush=True)
-            one = _trial_args(args, entry["algorithm"], entry["best"]["params"], run_dir, seed, validation=False)
             code = commands.run("simulate", one)
             if code == commands.EXIT_INTERRUPTED:
                 raise KeyboardInterrupt
             (done if code == 0 else failed).append(run_dir if code == 0 else run_dir.name)
     return done, failed
+
+
+def check_final(run_dir: Path, wanted: dict[str, Any]) -> None:
+    """UsageError when a finished final run in OUT ran other values than the tune's best
+    (a best that changed since, other --final-rounds): it would be reported as this tune's."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"{run_dir} has no readable config.json: move it away to run it again") from None
+    differ = [k for k, v in wanted.items() if v is not None and not _same(config.get(k), v)]
+    if differ:
+        raise UsageError(f"{run_dir} ran other values of {', '.join(differ)} than this tune's final run: "
+                         f"move it away to run it again")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+    return a == b
 
 
 # --------------------------------------------------------------------------- the command
@@ -487,7 +511,10 @@ def _run(args: argparse.Namespace, argv: list[str], algorithms: list[str], seeds
     if args.no_final:
         return 0
     try:
-        runs, failed = final_runs(args, entries, seeds)
+        runs, failed = final_runs(args, entries, seeds, args.final_rounds or rounds)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("tune: interrupted; run the same command again to go on (finished runs are kept)", file=sys.stderr)
         return commands.EXIT_INTERRUPTED
