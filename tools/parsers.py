@@ -212,14 +212,20 @@ def tune() -> argparse.ArgumentParser:
                    help="stop a trial whose validation accuracy is below the median of earlier trials' at "
                         "the same round (default median; none: every trial runs all rounds)")
     p.add_argument("--workers", type=positive_int, default=1,
-                   help="trials at a time, each worker a process of this machine sharing the study (default 1)")
+                   help="trials at a time, each worker a process sharing the study (default 1); with "
+                        "--ray-address, each worker a Ray task on the cluster")
     p.add_argument("--storage", default=None,
                    help="Optuna storage URL shared by the workers (default: OUT/optuna.journal, a journal file)")
     p.add_argument("--tune-seed", type=cli_int, default=0, help="seed of the sampler (TPE) (default 0)")
     p.add_argument("--final-rounds", type=positive_int, default=None,
                    help="rounds of the final runs on the test set (default: the trials' --rounds)")
     p.add_argument("--no-final", action="store_true", help="tune only: do not run the best settings on the test set")
+    p.add_argument("--cpus-per-trial", type=cli_float, default=1.0,
+                   help="with --ray-address: the CPUs each worker's Ray task holds (default 1)")
+    p.add_argument("--gpus-per-trial", type=cli_float, default=0.0,
+                   help="with --ray-address: the GPUs each worker's Ray task holds, e.g. 0.5 or 1 (default 0)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a --workers process
+    p.add_argument("--worker-index", type=cli_int, default=0, help=argparse.SUPPRESS)  # its sampler's seed
     add_run_arguments(p, per_run=False)  # each trial's algorithm, seed and directory: the tune's
     add_simulate_arguments(p)
     return p

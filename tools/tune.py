@@ -116,6 +116,7 @@ def _trial_args(args: argparse.Namespace, algorithm: str, values: dict[str, Any]
     one = copy.copy(args)
     one.algorithm, one.seed, one.run_dir, one.resume = algorithm, seed if seed is not None else args.first_seed, \
         str(run_dir), None
+    one.ray_address = None  # the tune's cluster runs whole trials and runs, not their clients
     one.sets = [*(TRIAL_DEFAULTS if validation else []), *args.sets, *(f"{k}={_toml(v)}" for k, v in values.items()),
                 *([f"validation-fraction={args.validation_fraction!r}"] if validation else [])]
     if validation and args.tensorboard is None:
@@ -220,6 +221,16 @@ def objective_value(rows: list[tuple[int, float]], last_k: int) -> float:
 
 # --------------------------------------------------------------------------- the study
 def _storage(args: argparse.Namespace) -> Any:
+    if getattr(args, "storage_proxy", None):  # a cluster worker: the driver's storage, over gRPC
+        import warnings
+
+        from optuna.exceptions import ExperimentalWarning
+        from optuna.storages import GrpcStorageProxy
+
+        warnings.filterwarnings("ignore", category=ExperimentalWarning)
+
+        host, port = args.storage_proxy
+        return GrpcStorageProxy(host=host, port=port)
     if args.storage:
         return args.storage
     from optuna.storages import JournalStorage
@@ -236,7 +247,7 @@ def _study(args: argparse.Namespace, space: Space, rounds: int, clients: int) ->
                                           n_warmup_steps=max(1, rounds // 4))
               if args.pruner == "median" else optuna.pruners.NopPruner())
     study = optuna.create_study(study_name=space.algorithm, storage=_storage(args), direction="maximize",
-                                sampler=optuna.samplers.TPESampler(seed=args.tune_seed,
+                                sampler=optuna.samplers.TPESampler(seed=sampler_seed(args),
                                                                    n_startup_trials=startup_trials(args.trials)),
                                 pruner=pruner,
                                 load_if_exists=True)
@@ -249,6 +260,15 @@ def _study(args: argparse.Namespace, space: Space, rounds: int, clients: int) ->
         raise UsageError(f"{args.out} holds a tune of {space.algorithm} with other settings ({', '.join(differ)}): "
                          f"run it with the same command, or use another --out")
     return study
+
+
+def sampler_seed(args: argparse.Namespace) -> int:
+    """The sampler's seed in this worker: ``--tune-seed`` for the first, another for each other
+    worker (the same seed would draw the same random points in every worker)."""
+    import numpy as np
+
+    index = getattr(args, "worker_index", 0)
+    return args.tune_seed if not index else int(np.random.SeedSequence([args.tune_seed, index]).generate_state(1)[0])
 
 
 def startup_trials(trials: int) -> int:
@@ -291,21 +311,33 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def tune_trials(args: argparse.Namespace, space: Space, rounds: int, clients: int) -> None:
-    """This worker's trials of one algorithm, until the study's budget is used."""
+def tune_trials(args: argparse.Namespace, space: Space, rounds: int, clients: int, quota: int | None = None,
+                root: Path | None = None, prefix: str = "") -> None:
+    """This worker's trials of one algorithm: until the study's budget is used (counted under
+    OUT's lock), or ``quota`` trials (a cluster worker's share of what is left, which the
+    driver counted). Their run directories go to ``root`` (default OUT)/<algorithm>/trials,
+    named in the study relative to OUT as ``prefix`` + that path."""
     import optuna
 
     study = _study(args, space, rounds, clients)
-    folder = args.out / space.algorithm / "trials"
+    root = Path(root or args.out)
+    folder = root / space.algorithm / "trials"
     folder.mkdir(parents=True, exist_ok=True)
+    asked = 0
     while True:
-        with _locked(args.out / ".budget.lock"):
-            if budget_used(study) >= args.trials:
+        if quota is not None:
+            if asked >= quota:
                 return
             trial = study.ask()
+        else:
+            with _locked(args.out / ".budget.lock"):
+                if budget_used(study) >= args.trials:
+                    return
+                trial = study.ask()
+        asked += 1
         values = space.suggest(trial)
         run_dir = folder / f"t{trial.number:04d}"
-        trial.set_user_attr("run_dir", str(run_dir.relative_to(args.out)))
+        trial.set_user_attr("run_dir", prefix + str(run_dir.relative_to(root)))
         started = time.monotonic()
         try:
             outcome, rows = run_trial(_trial_args(args, space.algorithm, values, run_dir), trial)
@@ -333,6 +365,93 @@ def tune_trials(args: argparse.Namespace, space: Space, rounds: int, clients: in
               flush=True)
 
 
+# --------------------------------------------------------------------------- a Ray cluster
+def cluster_worker(run_dir: Path, args: argparse.Namespace, spaces: list[Space], quotas: dict[str, int],
+                   rounds: int, clients: int, prefix: str) -> dict[str, int]:
+    """(A Ray task's job, on any node) ``quotas[algorithm]`` trials of each algorithm, one after
+    another in this process, their run directories under ``run_dir`` (shipped back to OUT/``prefix``
+    by runtime/cluster.py), the study reached through the driver's storage (args.storage_proxy)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for space in spaces:
+        tune_trials(args, space, rounds, clients, quota=quotas.get(space.algorithm, 0), root=run_dir, prefix=prefix)
+    return dict(quotas)
+
+
+def shares(left: int, workers: int) -> list[int]:
+    """``left`` trials split over ``workers`` as evenly as whole trials allow."""
+    return [left // workers + (1 if i < left % workers else 0) for i in range(workers)]
+
+
+def _driver_host(address: str) -> str:
+    """This machine's address as the cluster's head sees it (the interface that reaches it)."""
+    import socket
+
+    from flatflower.runtime.cluster import split_address
+
+    host, port = split_address(address)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
+def serve_storage(args: argparse.Namespace, host: str) -> tuple[str, int]:
+    """The study's storage served over gRPC (Optuna's proxy) on a free port of ``host``, in a
+    daemon thread of this process: the cluster's workers reach the one storage through it."""
+    import socket
+    import threading
+
+    import warnings
+
+    from optuna.exceptions import ExperimentalWarning
+    from optuna.storages import run_grpc_proxy_server
+
+    warnings.filterwarnings("ignore", category=ExperimentalWarning)  # the proxy is Optuna's, since 4.2
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    threading.Thread(target=run_grpc_proxy_server, args=(_storage(args),), kwargs={"host": host, "port": port},
+                     daemon=True, name="flatflower-tune-storage").start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+            return host, port
+        time.sleep(0.1)
+    raise UsageError(f"could not serve the study's storage on {host}:{port} for the cluster's workers")
+
+
+def tune_on_cluster(args: argparse.Namespace, spaces: list[Space], rounds: int, clients: int) -> list[str]:
+    """What is left of every algorithm's budget, as ``--workers`` Ray tasks on the cluster at
+    ``--ray-address`` (each a process running its share of trials); the failures, one line each."""
+    from flatflower.runtime.cluster import Job, run_jobs
+
+    proxy = serve_storage(args, _driver_host(args.ray_address))
+    left = {space.algorithm: max(0, args.trials - budget_used(_study(args, space, rounds, clients)))
+            for space in spaces}
+    workers = max(1, min(args.workers, max(left.values(), default=0)))
+    split = {a: shares(n, workers) for a, n in left.items()}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    jobs = []
+    for i in range(workers):
+        quotas = {a: split[a][i] for a in left}
+        if not any(quotas.values()):
+            continue
+        name = f"ray-{stamp}-w{i}"
+        remote = copy.copy(args)
+        remote.ray_address, remote.storage_proxy, remote.worker_index = None, proxy, i + 1
+        jobs.append(Job(name=name, run_dir=args.out / name, call=cluster_worker,
+                        args=(remote, spaces, quotas, rounds, clients, f"{name}/"),
+                        num_cpus=args.cpus_per_trial, num_gpus=args.gpus_per_trial))
+    if not jobs:
+        return []
+    print(f"tune: {sum(left.values())} trial(s) as {len(jobs)} Ray task(s) on {args.ray_address}", flush=True)
+    results = run_jobs(jobs, ray_address=args.ray_address, parallel=len(jobs))
+    return [f"{r.job.name} on {r.where}: {r.error.strip().splitlines()[-1] if r.error else 'failed'}"
+            for r in results if not r.ok]
+
+
 # --------------------------------------------------------------------------- records
 def records(args: argparse.Namespace, space: Space, rounds: int, clients: int) -> dict[str, Any]:
     """The algorithm's trials.csv and best.json; its entry of tune.json."""
@@ -341,6 +460,7 @@ def records(args: argparse.Namespace, space: Space, rounds: int, clients: int) -
     study = _study(args, space, rounds, clients)
     trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(INTERRUPTED_ATTR)]
     folder = args.out / space.algorithm
+    folder.mkdir(parents=True, exist_ok=True)  # a cluster's trials are under OUT/ray-*/
     keys = list(space.ranges) + list(space.fixed)
     with open(folder / "trials.csv", "w", newline="") as f:
         writer = csv.writer(f)
@@ -374,10 +494,11 @@ def records(args: argparse.Namespace, space: Space, rounds: int, clients: int) -
 def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: list[int],
                rounds: int) -> tuple[list[Path], list[str]]:
     """Each algorithm's best parameters, once per seed, ``rounds`` rounds (``--final-rounds``,
-    else the trials'), on the test split (validation off)."""
-    from flatflower.tools.sweep import finished, set_aside
+    else the trials'), on the test split (validation off): one after another here, or with
+    ``--ray-address`` all at once as Ray tasks on the cluster (the sweep's way: tools/sweep.py)."""
+    from flatflower.tools.sweep import finished, run_parallel, set_aside
 
-    done, failed = [], []
+    done, failed, todo = [], [], []
     for entry in entries:
         if entry["best"] is None:
             print(f"tune: {entry['algorithm']} has no complete trial: no final run", file=sys.stderr)
@@ -394,11 +515,18 @@ def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: l
                 continue
             if run_dir.exists():
                 print(f"tune: {run_dir} was interrupted: moved to {set_aside(run_dir).name}, run afresh", flush=True)
+            if args.ray_address:
+                todo.append(one)
+                continue
             print(f"tune: final {entry['algorithm']}, seed {seed} -> {run_dir}", flush=True)
             code = commands.run("simulate", one)
             if code == commands.EXIT_INTERRUPTED:
                 raise KeyboardInterrupt
             (done if code == 0 else failed).append(run_dir if code == 0 else run_dir.name)
+    if todo:
+        ran, lost = run_parallel(todo, None, args.out / "final", args.ray_address,
+                                 (args.cpus_per_trial, args.gpus_per_trial))
+        done, failed = done + ran, failed + lost
     return done, failed
 
 
@@ -427,7 +555,8 @@ def _workers(args: argparse.Namespace, argv: list[str]) -> list[subprocess.Popen
     extra = []
     for i in range(1, args.workers):
         log = open(args.out / f"worker-{i}.log", "a")
-        extra.append(subprocess.Popen([sys.executable, "-m", "flatflower.tools.cli", "tune", *argv, "--worker"],
+        extra.append(subprocess.Popen([sys.executable, "-m", "flatflower.tools.cli", "tune", *argv, "--worker",
+                                       "--worker-index", str(i)],
                                       stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     return extra
 
@@ -440,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
 
         preset = load_preset(args.preset) if args.preset else None
         args.engine = engine_of(args, preset)
+        address, args.ray_address = args.ray_address, None  # the tune's cluster, not its trials' engine
         check_engine_options(args)
         algorithms, seeds = _parse(args)
         args.first_seed = seeds[0]
@@ -451,6 +581,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.last_k > rounds:
             raise UsageError(f"--last-k {args.last_k} is more than the trials' {rounds} rounds")
         spaces = [space_for(a, overrides, base) for a in algorithms]
+        if address is not None:
+            if args.worker:
+                raise UsageError("a --worker process runs on this machine: no --ray-address")
+            if not (args.cpus_per_trial > 0 and args.gpus_per_trial >= 0):
+                raise UsageError("--cpus-per-trial must be > 0 and --gpus-per-trial >= 0")
+            from flatflower.tools.prepare import check_cluster
+
+            check_cluster(address, args.cpus_per_trial, args.gpus_per_trial, "each tune worker")
+        elif (args.cpus_per_trial, args.gpus_per_trial) != (1.0, 0.0):
+            raise UsageError("--cpus-per-trial and --gpus-per-trial size each worker's Ray task: add --ray-address")
+        args.ray_address = address
         args.out.mkdir(parents=True, exist_ok=True)
     except (UsageError, SpaceError, PresetError, ConfigError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -488,10 +629,14 @@ def _run(args: argparse.Namespace, argv: list[str], algorithms: list[str], seeds
         return EXIT_USAGE
     print(f"tune: {len(algorithms)} algorithm(s) x {args.trials} trials x {rounds} rounds x {clients} clients; "
           f"objective: {objective_name(args.last_k, args.validation_fraction)}", flush=True)
-    workers = _workers(args, argv)
+    workers = [] if args.ray_address else _workers(args, argv)
     try:
-        for space in spaces:
-            tune_trials(args, space, rounds, clients)
+        failures = tune_on_cluster(args, spaces, rounds, clients) if args.ray_address else []
+        for failure in failures:
+            print(f"tune: a cluster worker failed: {failure}", file=sys.stderr, flush=True)
+        if not args.ray_address:
+            for space in spaces:
+                tune_trials(args, space, rounds, clients)
     except KeyboardInterrupt:
         print("tune: interrupted; run the same command again to go on (finished trials are kept)", file=sys.stderr)
         return commands.EXIT_INTERRUPTED
@@ -508,6 +653,10 @@ def _run(args: argparse.Namespace, argv: list[str], algorithms: list[str], seeds
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e["best"]["params"].items())
         print(f"tune: {e['algorithm']}: {best} (client-rounds {b['client_rounds_spent']} of "
               f"{b['client_rounds_allotted']}; {b['trials_by_state']})", flush=True)
+    if failures:  # the budgets are not all spent: no final run would compare equals
+        print("tune: some trials did not run; run the same command again to finish the budget (finished "
+              "trials are kept)", file=sys.stderr)
+        return EXIT_FAILED
     if args.no_final:
         return 0
     try:
