@@ -330,3 +330,30 @@ def test_the_samplers_random_start_is_half_the_budget_between_2_and_10():
     from flatflower.tools.tune import startup_trials
 
     assert [startup_trials(n) for n in (1, 3, 4, 8, 19, 20, 40)] == [2, 2, 2, 4, 9, 10, 10]
+
+
+def test_an_unreachable_ray_address_and_sizes_without_one_are_one_line_before_anything_runs(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "tune"
+    assert tune(out, "--ray-address", f"127.0.0.1:{port}") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --ray-address") and "nothing answers there" in err and err.count("\n") == 1
+    assert tune(out, "--cpus-per-trial", "2") == 2
+    assert "add --ray-address" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_each_worker_draws_with_its_own_sampler_seed_and_the_shares_add_up():
+    import argparse
+
+    from flatflower.tools.tune import sampler_seed, shares
+
+    seeds = {sampler_seed(argparse.Namespace(tune_seed=3, worker_index=i)) for i in range(4)}
+    assert len(seeds) == 4 and sampler_seed(argparse.Namespace(tune_seed=3)) == 3
+    for left, workers in ((7, 3), (2, 4), (0, 2), (8, 2)):
+        split = shares(left, workers)
+        assert sum(split) == left and max(split) - min(split) <= 1 and len(split) == workers
