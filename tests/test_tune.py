@@ -357,3 +357,14 @@ def test_each_worker_draws_with_its_own_sampler_seed_and_the_shares_add_up():
     for left, workers in ((7, 3), (2, 4), (0, 2), (8, 2)):
         split = shares(left, workers)
         assert sum(split) == left and max(split) - min(split) <= 1 and len(split) == workers
+
+
+def test_without_an_engine_the_trials_run_vectorised_where_it_applies(tmp_path):
+    out = tmp_path / "tune"
+    fast = [a for a in FAST if a not in ("--engine", "inprocess")]
+    base = ["tune", "--trials", "1", "--seeds", "0", "--no-final", *fast]
+    assert cli([*base, "--algorithms", "fedavg", "--out", str(out / "mlp")]) == 0
+    assert json.loads((out / "mlp" / "fedavg" / "trials" / "t0000" / "config.json").read_text())["engine"] == "vectorized"
+    bn = ["--model", "tests.bn_models:small_bn_cnn"]  # BatchNorm: the vectorised engine refuses it
+    assert cli([*base, *bn, "--algorithms", "fedavg", "--out", str(out / "bn")]) == 0
+    assert json.loads((out / "bn" / "fedavg" / "trials" / "t0000" / "config.json").read_text())["engine"] == "inprocess"

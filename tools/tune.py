@@ -129,6 +129,22 @@ def _trial_args(args: argparse.Namespace, algorithm: str, values: dict[str, Any]
 TRIAL_DEFAULTS = ("checkpoint-every=0",)
 
 
+def default_engine(base: dict[str, Any], algorithms: list[str]) -> str:
+    """The trials' engine when neither the command nor its preset names one: the vectorised
+    engine where it applies (a model it batches: no BatchNorm, no dropout; docs/engines.md),
+    else the in-process one. Both give the same numbers to float rounding."""
+    from flatflower.common.config import RunConfig
+    from flatflower.runtime.engines.inprocess import check_vectorizable
+
+    try:
+        for algorithm in algorithms:
+            check_vectorizable(RunConfig.from_mapping({**base, "algorithm": algorithm,
+                                                       **ALGORITHMS[algorithm].params.examples()}))
+    except (ValueError, ConfigError):
+        return "inprocess"
+    return "vectorized"
+
+
 def _toml(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (str, bool)) else repr(value)
 
@@ -568,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         from flatflower.tools.presets import PresetError, load_preset
 
         preset = load_preset(args.preset) if args.preset else None
+        chosen = args.engine or (preset.engine if preset else None)
         args.engine = engine_of(args, preset)
         address, args.ray_address = args.ray_address, None  # the tune's cluster, not its trials' engine
         check_engine_options(args)
@@ -577,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
             args.sets = [*args.sets, f"partition-seed={seeds[0]}"]
         overrides = read_file(args.space) if args.space else {}
         base, args.clients = _base_values(args)
+        if chosen is None:  # neither the command nor its preset names one
+            args.engine = default_engine(base, algorithms)
         rounds, clients = int(base["num-server-rounds"]), args.clients
         if args.last_k > rounds:
             raise UsageError(f"--last-k {args.last_k} is more than the trials' {rounds} rounds")
