@@ -218,3 +218,27 @@ def test_a_job_too_large_for_every_node_is_refused_before_anything_starts(tmp_pa
     with pytest.raises(ClusterError, match="big asks for 2 CPU and 0 GPU, and no node"):
         run_jobs([job], ray_address=ray_cluster)
     assert not (tmp_path / "big.log").exists()
+
+
+def test_the_cluster_docs_promises_are_the_codes():
+    """docs/engines.md's cluster section: its flags exist where it says, its error line is the
+    one an unusable address gives, and the defaults it states are the code's."""
+    import re
+
+    from flatflower.runtime import cluster
+    from flatflower.tools.parsers import sweep
+    from tests.test_docs import DOCS
+
+    text = (DOCS / "engines.md").read_text().split("## A Ray cluster that already runs", 1)[1].split("\n## ")[0]
+    helps = {flag: action.help for action in sweep()._actions for flag in action.option_strings}
+    for flag in ("--ray-address", "--cpus-per-run", "--gpus-per-run", "--jobs"):
+        assert flag in text and flag in helps, flag
+    words = " ".join(text.split())
+    assert "(default 1)" in helps["--cpus-per-run"] and "`--cpus-per-run` CPUs (default 1)" in words
+    assert "(default 0)" in helps["--gpus-per-run"] and "`--gpus-per-run` GPUs (default 0)" in words
+    assert "within a minute" in text and cluster.PROBE_TIMEOUT == 60.0
+    quoted = re.search(r"`(error: --ray-address [^`]*?); \.\.\.`", text.replace("\n  ", " ")).group(1)
+    with pytest.raises(ClusterError) as err:
+        probe(f"127.0.0.1:{free_port()}")
+    assert re.sub(r"127\.0\.0\.1:\d+", "10.0.0.1:6379", f"error: {err.value}").startswith(quoted)
+    assert "engines.md#a-ray-cluster-that-already-runs---ray-address" in (DOCS / "sweeps.md").read_text()
