@@ -242,3 +242,35 @@ def test_the_cluster_docs_promises_are_the_codes():
         probe(f"127.0.0.1:{free_port()}")
     assert re.sub(r"127\.0\.0\.1:\d+", "10.0.0.1:6379", f"error: {err.value}").startswith(quoted)
     assert "engines.md#a-ray-cluster-that-already-runs---ray-address" in (DOCS / "sweeps.md").read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_tune_on_a_cluster_spends_each_budget_exactly_and_its_final_runs_are_the_local_ones(
+        tmp_path, capsys, ray_cluster):
+    """``tune --ray-address --workers 2``: the trials as two Ray tasks (one a node) reaching the
+    study through this process's storage proxy; each algorithm ends with exactly --trials
+    trials, their directories written back here; the final runs go to the cluster too and give
+    the models the same runs make here."""
+    import csv
+
+    out = tmp_path / "tune"
+    args = ["tune", "--algorithms", "fedavg,fedsam", "--trials", "3", "--seeds", "0", "--out", str(out),
+            "--engine", "inprocess", "--last-k", "2", "--pruner", "none", *RUN]
+    assert cli([*args, "--workers", "2", "--ray-address", ray_cluster]) == 0
+    assert f"6 trial(s) as 2 Ray task(s) on {ray_cluster}" in capsys.readouterr().out
+    summary = json.loads((out / "tune.json").read_text())
+    for entry in summary["algorithms"]:
+        with open(out / entry["algorithm"] / "trials.csv") as f:
+            trials = list(csv.DictReader(f))
+        assert len(trials) == 3 and {t["state"] for t in trials} == {"complete"}
+        for t in trials:  # each trial's run directory came back, under the worker that ran it
+            assert t["run_dir"].startswith("ray-") and (out / t["run_dir"] / "metrics.jsonl").is_file()
+        assert len({t["run_dir"].split("/")[0] for t in trials}) == 2, "one worker ran them all"
+        best = entry["best"]["params"]
+        local = tmp_path / f"local-{entry['algorithm']}"
+        sets = [a for k, v in best.items() for a in ("--set", f"{k}={v!r}")]
+        assert cli(["simulate", "--algorithm", entry["algorithm"], "--seed", "0", "--engine", "inprocess",
+                    "--set", "partition-seed=0", *sets, *RUN, "--run-dir", str(local)]) == 0
+        assert final_models_equal(out / "final" / f"{entry['algorithm']}-s0", local)
