@@ -41,22 +41,28 @@ from flatflower.tools.prepare import UsageError, check_cluster, check_engine_opt
 EXIT_USAGE, EXIT_FAILED = 2, 1
 
 
-def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+def algorithms_and_seeds(algorithms_text: str, seeds_text: str) -> tuple[list[str], list[int]]:
+    """``--algorithms`` (known names, each once) and ``--seeds`` (distinct integers >= 0) of a
+    sweep or a tune; ValueError naming what is wrong."""
+    algorithms = list(dict.fromkeys(a.strip() for a in algorithms_text.split(",") if a.strip()))
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if not algorithms or unknown:
         hint = did_you_mean(unknown[0], ALGORITHMS) if unknown else ""
         raise ValueError(f"unknown algorithm(s) {', '.join(unknown) or '(none given)'}{hint}; "
                          f"valid names: {', '.join(sorted(ALGORITHMS))}")
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        seeds = [int(s) for s in seeds_text.split(",") if s.strip()]
     except ValueError:
-        raise ValueError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
+        raise ValueError(f"--seeds expects comma-separated integers, got {seeds_text!r}") from None
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds must be distinct integers >= 0, got {args.seeds!r}")
+        raise ValueError(f"--seeds must be distinct integers >= 0, got {seeds_text!r}")
+    return algorithms, seeds
+
+
+def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     if args.jobs is not None and args.jobs < 1:
         raise ValueError("--jobs must be >= 1")
-    return algorithms, seeds
+    return algorithms_and_seeds(args.algorithms, args.seeds)
 
 
 def task_size(args: argparse.Namespace, engine: str | None) -> tuple[float, float]:

@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from flatflower.common.config import ConfigError, did_you_mean
+from flatflower.common.config import ConfigError
 from flatflower.strategies.registry import ALGORITHMS
 from flatflower.tools import commands
 from flatflower.tools.parsers import tune as build_parser
@@ -73,18 +73,12 @@ class TrialRunFailed(RuntimeError):
 
 # --------------------------------------------------------------------------- the plan
 def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
-    algorithms = list(dict.fromkeys(a.strip() for a in args.algorithms.split(",") if a.strip()))
-    unknown = [a for a in algorithms if a not in ALGORITHMS]
-    if not algorithms or unknown:
-        hint = did_you_mean(unknown[0], ALGORITHMS) if unknown else ""
-        raise UsageError(f"unknown algorithm(s) {', '.join(unknown) or '(none given)'}{hint}; "
-                         f"valid names: {', '.join(sorted(ALGORITHMS))}")
+    from flatflower.tools.sweep import algorithms_and_seeds
+
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        raise UsageError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise UsageError(f"--seeds must be distinct integers >= 0, got {args.seeds!r}")
+        algorithms, seeds = algorithms_and_seeds(args.algorithms, args.seeds)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if not (math.isfinite(args.validation_fraction) and 0 < args.validation_fraction < 1):
         raise UsageError(f"--validation-fraction must be in (0, 1), got {args.validation_fraction:g}")
     if args.engine not in ENGINES:
