@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,12 +193,24 @@ def measure_inprocess(cfg: dict[str, Any], clients: int, vectorized: bool) -> li
     """One run on the in-process grid (``vectorized``: the vectorised engine's); its timed rounds.
     The ServerApp gets the grid with its ``push_messages`` wrapped to stamp each round's first
     train push (as server/progress.py watches it), so nothing of the engines is changed."""
-    from flwr.app import MessageType
-
-    from flatflower.server.app import app as server_app
     from flatflower.runtime.engines.inprocess import run_inprocess
 
     stamps: dict[int, tuple[float, float]] = {}
+
+    def stamp(rnd: int, _sent: int) -> None:
+        stamps.setdefault(rnd, (time.perf_counter(), time.process_time()))
+
+    run_dir, _ = run_inprocess(cfg, clients, server_app=watching_train(stamp), vectorized=vectorized)
+    return _timed_rows(run_dir, _rounds(stamps, int(cfg["num-server-rounds"])))
+
+
+def watching_train(on_train: Callable[[int, int], None]) -> Callable[[Any, Any], None]:
+    """flatflower's ServerApp with its grid's ``push_messages`` wrapped to call ``on_train(round,
+    messages)`` for each push of train messages (as server/progress.py watches them), before
+    they go: nothing of the engines is changed."""
+    from flwr.app import MessageType
+
+    from flatflower.server.app import app as server_app
 
     def serve(grid, context) -> None:
         push = grid.push_messages
@@ -206,14 +219,13 @@ def measure_inprocess(cfg: dict[str, Any], clients: int, vectorized: bool) -> li
             messages = list(messages)
             train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
             if train:
-                stamps.setdefault(int(train[0].metadata.group_id or 0), (time.perf_counter(), time.process_time()))
+                on_train(int(train[0].metadata.group_id or 0), len(train))
             return push(messages)
 
         grid.push_messages = push_messages
         server_app(grid, context)
 
-    run_dir, _ = run_inprocess(cfg, clients, server_app=serve, vectorized=vectorized)
-    return _timed_rows(run_dir, _rounds(stamps, int(cfg["num-server-rounds"])))
+    return serve
 
 
 def _timed_rows(run_dir: Path, timed: dict[int, tuple[float, float | None]]) -> list[dict[str, Any]]:

@@ -89,12 +89,11 @@ def probe(cfg: dict[str, Any], clients: int, vectorized: bool, launched: float) 
     import torch  # noqa: F401 - its import is what is timed
 
     stamps["torch"] = time.time()
-    from flwr.app import MessageType
-
     import flatflower.client.app as client_app
     import flatflower.runtime.engines.inprocess as inprocess
+    import flatflower.server.app  # noqa: F401 - the ServerApp's imports are timed here too
     from flatflower.runtime.engines import quiet_flower
-    from flatflower.server.app import app as server_app
+    from flatflower.tools.throughput import watching_train
 
     stamps["imports"] = time.time()
     rounds: dict[int, float] = {}
@@ -113,23 +112,12 @@ def probe(cfg: dict[str, Any], clients: int, vectorized: bool, launched: float) 
     client_app.local_train = timed(client_app.local_train)
     inprocess.train_together = timed(inprocess.train_together)
 
-    def serve(grid, context) -> None:
-        push = grid.push_messages
-
-        def push_messages(messages):
-            messages = list(messages)
-            train = [m for m in messages if m.metadata.message_type == MessageType.TRAIN]
-            if train:
-                r = int(train[0].metadata.group_id or 0)
-                rounds.setdefault(r, time.time())
-                sampled[r] = sampled.get(r, 0) + len(train)
-            return push(messages)
-
-        grid.push_messages = push_messages
-        server_app(grid, context)
+    def sent(r: int, messages: int) -> None:
+        rounds.setdefault(r, time.time())
+        sampled[r] = sampled.get(r, 0) + messages
 
     with quiet_flower():
-        inprocess.run_inprocess(cfg, clients, server_app=serve, vectorized=vectorized)
+        inprocess.run_inprocess(cfg, clients, server_app=watching_train(sent), vectorized=vectorized)
     return {"stamps": stamps, "rounds": rounds, "training": training, "clients": sampled}
 
 
