@@ -225,7 +225,7 @@ def test_a_tune_with_other_settings_in_the_same_out_is_refused(tmp_path, capsys)
 def test_a_pruned_trial_stops_early_and_counts_the_rounds_it_ran(tmp_path):
     import argparse
 
-    from flatflower.tools import tune as tune_module
+    from flatflower.tools.tune_trial import run_trial, trial_args
     from flatflower.tools.parsers import tune as parser
 
     class Trial:  # what run_trial asks of an Optuna trial: its reports, and whether to stop
@@ -242,9 +242,9 @@ def test_a_pruned_trial_stops_early_and_counts_the_rounds_it_ran(tmp_path):
                                 "--engine", "inprocess", "--clients", "2", "--rounds", "200",
                                 "--dataset", "digits", "--model", "mlp", "--set", "local-epochs=2"])
     args.first_seed = 0
-    one = tune_module._trial_args(args, "fedavg", {"lr": 0.05}, tmp_path / "t0")
+    one = trial_args(args, "fedavg", {"lr": 0.05}, tmp_path / "t0")
     trial = Trial()
-    outcome, rows = tune_module.run_trial(one, trial)
+    outcome, rows = run_trial(one, trial)
     assert outcome == "pruned" and 2 <= len(rows) < 200
     assert trial.reports == rows  # every round written was reported, in order
     assert isinstance(args, argparse.Namespace)
@@ -327,7 +327,7 @@ def test_report_calls_a_trials_accuracy_validation_accuracy(tmp_path):
 
 
 def test_the_samplers_random_start_is_half_the_budget_between_2_and_10():
-    from flatflower.tools.tune import startup_trials
+    from flatflower.tools.tune_study import startup_trials
 
     assert [startup_trials(n) for n in (1, 3, 4, 8, 19, 20, 40)] == [2, 2, 2, 4, 9, 10, 10]
 
@@ -350,7 +350,8 @@ def test_an_unreachable_ray_address_and_sizes_without_one_are_one_line_before_an
 def test_each_worker_draws_with_its_own_sampler_seed_and_the_shares_add_up():
     import argparse
 
-    from flatflower.tools.tune import sampler_seed, shares
+    from flatflower.tools.tune_cluster import shares
+    from flatflower.tools.tune_study import sampler_seed
 
     seeds = {sampler_seed(argparse.Namespace(tune_seed=3, worker_index=i)) for i in range(4)}
     assert len(seeds) == 4 and sampler_seed(argparse.Namespace(tune_seed=3)) == 3

@@ -34,16 +34,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import csv
-import fcntl
 import json
 import math
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,23 +47,13 @@ from flatflower.strategies.registry import ALGORITHMS
 from flatflower.tools import commands
 from flatflower.tools.parsers import tune as build_parser
 from flatflower.tools.prepare import UsageError, check_engine_options, engine_of
-from flatflower.tools.runfiles import RunFileError, read_jsonl
+from flatflower.tools.tune_cluster import tune_on_cluster
 from flatflower.tools.tune_space import Space, SpaceError, read_file, space_for
+from flatflower.tools.tune_study import reclaim_interrupted, records, study_of, tune_trials
+from flatflower.tools.tune_trial import objective_name, trial_args
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 ENGINES = ("inprocess", "vectorized")  # a trial is pruned between rounds of this process's run
-STORAGE_FILE = "optuna.journal"
-SETTINGS_ATTR = "flatflower.settings"  # the study's user attribute that a resumed tune must match
-INTERRUPTED_ATTR = "flatflower.interrupted"  # a trial cut short: not in the budget, run again
-
-
-def objective_name(last_k: int, fraction: float) -> str:
-    return (f"validation accuracy, mean of the last {last_k} rounds (validation split: {fraction:g} of each "
-            f"class of the training split, trained on by no client; the test split is not read)")
-
-
-class TrialRunFailed(RuntimeError):
-    """A trial's run failed (it diverged, its model went non-finite, ...): a FAIL in the budget."""
 
 
 # --------------------------------------------------------------------------- the plan
@@ -96,31 +81,12 @@ def _base_values(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     the number of clients)."""
     from flatflower.tools.prepare import apply_preset, resolve_config
 
-    one = _trial_args(args, args.algorithms.split(",")[0].strip(), {}, args.out / ".check")
+    one = trial_args(args, args.algorithms.split(",")[0].strip(), {}, args.out / ".check")
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         apply_preset(one)
     cfg = resolve_config(one)
     return {k: v for k, v in cfg.to_dict().items() if k not in ("run-dir", "algorithm", "client-state-dir")
             and k not in cfg.params.to_dict()}, one.clients
-
-
-def _trial_args(args: argparse.Namespace, algorithm: str, values: dict[str, Any], run_dir: Path,
-                seed: int | None = None, validation: bool = True) -> argparse.Namespace:
-    """``flatflower simulate``'s arguments for one trial (or, ``validation`` off, one final run)."""
-    one = copy.copy(args)
-    one.algorithm, one.seed, one.run_dir, one.resume = algorithm, seed if seed is not None else args.first_seed, \
-        str(run_dir), None
-    one.ray_address = None  # the tune's cluster runs whole trials and runs, not their clients
-    one.sets = [*(TRIAL_DEFAULTS if validation else []), *args.sets, *(f"{k}={_toml(v)}" for k, v in values.items()),
-                *([f"validation-fraction={args.validation_fraction!r}"] if validation else [])]
-    if validation and args.tensorboard is None:
-        one.tensorboard = False  # a trial's curves are in its metrics.jsonl and the study
-    return one
-
-
-# what a trial skips unless the command sets it: checkpoints (a trial cut short runs again from
-# its start) and TensorBoard files; neither changes a number of the run
-TRIAL_DEFAULTS = ("checkpoint-every=0",)
 
 
 def default_engine(base: dict[str, Any], algorithms: list[str]) -> str:
@@ -139,367 +105,6 @@ def default_engine(base: dict[str, Any], algorithms: list[str]) -> str:
     return "vectorized"
 
 
-def _toml(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (str, bool)) else repr(value)
-
-
-def settings(args: argparse.Namespace, space: Space, rounds: int, clients: int) -> dict[str, Any]:
-    """What makes two tunes of one algorithm the same tune (a resumed one must match it; more
-    ``--trials`` extend it, for every algorithm of the command alike)."""
-    return {"algorithm": space.algorithm, "rounds": rounds, "clients": clients,
-            "last_k": args.last_k, "validation_fraction": args.validation_fraction, "space": space.describe(),
-            "engine": args.engine, "sets": list(args.sets), "preset": args.preset, "dataset": args.dataset,
-            "model": args.model, "partition": args.partition, "fraction": args.fraction,
-            "pruner": args.pruner, "tune_seed": args.tune_seed, "trial_seed": args.first_seed}
-
-
-# --------------------------------------------------------------------------- one trial
-def _accuracies(run_dir: Path) -> list[tuple[int, float]]:
-    """(round, validation accuracy) of the rounds the run has written so far."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    try:
-        rows = [row for _, row in read_jsonl(path)]
-    except RunFileError:
-        return []
-    return [(int(r["round"]), float(r["test_accuracy"])) for r in rows
-            if isinstance(r, dict) and isinstance(r.get("test_accuracy"), (int, float))]
-
-
-def round_seconds(run_dir: Path) -> float:
-    """The seconds the run's rounds took (metrics.jsonl's ``seconds``): a trial's wall time
-    less this is its fixed cost (configuration, data, model, the initial evaluation)."""
-    try:
-        rows = [row for _, row in read_jsonl(run_dir / "metrics.jsonl")]
-    except (RunFileError, OSError):
-        return 0.0
-    return float(sum(r["seconds"] for r in rows if isinstance(r, dict) and isinstance(r.get("seconds"), (int, float))))
-
-
-def run_trial(one: argparse.Namespace, trial: Any) -> tuple[str, list[tuple[int, float]]]:
-    """Run one trial's simulation in this process, reporting each round's validation accuracy
-    to ``trial`` and stopping the run when the pruner says so. ("ok" | "pruned" | "failed:<code>",
-    the (round, accuracy) rows); KeyboardInterrupt when the user interrupts."""
-    from flatflower.runtime import engines
-    from flatflower.runtime.engines.inprocess import LIVE, RunStopped
-    from flatflower.tools.prepare import preflight, resolve_config
-
-    state = {"reported": 0, "pruned": False}
-
-    def handler(a: argparse.Namespace) -> int:
-        cfg = resolve_config(a)
-        preflight(cfg, a.clients, a.engine)
-        run_dir = Path(cfg.run_dir)
-
-        def poll() -> None:
-            rows = _accuracies(run_dir)
-            for rnd, acc in rows[state["reported"]:]:
-                trial.report(acc, rnd)
-            state["reported"] = len(rows)
-            if rows and not state["pruned"] and trial.should_prune():
-                state["pruned"] = True
-                for grid in list(LIVE):  # no further message: the run ends after this round
-                    grid.stopping = True
-
-        try:
-            outcome = engines.run_in_process(cfg, a.clients, on_poll=poll, vectorized=a.engine == "vectorized")
-        except RunStopped:
-            if state["pruned"]:
-                poll()  # the round that ended after the pruner's word
-                return PRUNED
-            raise
-        poll()
-        return 0 if outcome.ok else EXIT_FAILED
-
-    with engines.quiet_flower(), open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        code = commands.run("simulate", one, handler=handler)
-    rows = _accuracies(Path(one.run_dir))
-    if code == commands.EXIT_INTERRUPTED and not state["pruned"]:
-        raise KeyboardInterrupt
-    return ("pruned" if code == PRUNED else "ok" if code == 0 else f"failed:{code}"), rows
-
-
-PRUNED = -1  # run_trial's handler: the pruner stopped the run
-
-
-def objective_value(rows: list[tuple[int, float]], last_k: int) -> float:
-    """The mean validation accuracy of the last ``last_k`` evaluated rounds."""
-    tail = [acc for _, acc in rows[-last_k:]]
-    return sum(tail) / len(tail)
-
-
-# --------------------------------------------------------------------------- the study
-def _storage(args: argparse.Namespace) -> Any:
-    if getattr(args, "storage_proxy", None):  # a cluster worker: the driver's storage, over gRPC
-        import warnings
-
-        from optuna.exceptions import ExperimentalWarning
-        from optuna.storages import GrpcStorageProxy
-
-        warnings.filterwarnings("ignore", category=ExperimentalWarning)
-
-        host, port = args.storage_proxy
-        return GrpcStorageProxy(host=host, port=port)
-    if args.storage:
-        return args.storage
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    return JournalStorage(JournalFileBackend(str(args.out / STORAGE_FILE)))
-
-
-def _study(args: argparse.Namespace, space: Space, rounds: int, clients: int) -> Any:
-    """The algorithm's study (created, or the one OUT holds when its settings match)."""
-    import optuna
-
-    pruner = (optuna.pruners.MedianPruner(n_startup_trials=min(5, max(1, args.trials // 4)),
-                                          n_warmup_steps=max(1, rounds // 4))
-              if args.pruner == "median" else optuna.pruners.NopPruner())
-    study = optuna.create_study(study_name=space.algorithm, storage=_storage(args), direction="maximize",
-                                sampler=optuna.samplers.TPESampler(seed=sampler_seed(args),
-                                                                   n_startup_trials=startup_trials(args.trials)),
-                                pruner=pruner,
-                                load_if_exists=True)
-    wanted = json.loads(json.dumps(settings(args, space, rounds, clients)))
-    found = study.user_attrs.get(SETTINGS_ATTR)
-    if found is None:
-        study.set_user_attr(SETTINGS_ATTR, wanted)
-    elif found != wanted:
-        differ = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
-        raise UsageError(f"{args.out} holds a tune of {space.algorithm} with other settings ({', '.join(differ)}): "
-                         f"run it with the same command, or use another --out")
-    return study
-
-
-def sampler_seed(args: argparse.Namespace) -> int:
-    """The sampler's seed in this worker: ``--tune-seed`` for the first, another for each other
-    worker (the same seed would draw the same random points in every worker)."""
-    import numpy as np
-
-    index = getattr(args, "worker_index", 0)
-    return args.tune_seed if not index else int(np.random.SeedSequence([args.tune_seed, index]).generate_state(1)[0])
-
-
-def startup_trials(trials: int) -> int:
-    """Random trials before TPE models the results: Optuna's 10, or half a smaller budget (at
-    least 2), so that a budget of a few trials is not random search alone."""
-    return max(2, min(10, trials // 2))
-
-
-def budget_used(study: Any) -> int:
-    """Trials that count in the budget: finished (complete, pruned, failed) or running, less
-    those an interruption cut short."""
-    import optuna
-
-    counted = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL,
-               optuna.trial.TrialState.RUNNING)
-    return sum(1 for t in study.get_trials(deepcopy=False, states=counted)
-               if not t.user_attrs.get(INTERRUPTED_ATTR))
-
-
-def reclaim_interrupted(study: Any) -> int:
-    """Trials left running by a tune that was killed (no worker of this OUT runs now: the
-    lock says so): marked interrupted and failed, their parameters queued to run again."""
-    import optuna
-
-    stale = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-    for t in stale:
-        study._storage.set_trial_user_attr(t._trial_id, INTERRUPTED_ATTR, True)
-        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-        study.enqueue_trial(t.params, skip_if_exists=False)
-    return len(stale)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def tune_trials(args: argparse.Namespace, space: Space, rounds: int, clients: int, quota: int | None = None,
-                root: Path | None = None, prefix: str = "") -> None:
-    """This worker's trials of one algorithm: until the study's budget is used (counted under
-    OUT's lock), or ``quota`` trials (a cluster worker's share of what is left, which the
-    driver counted). Their run directories go to ``root`` (default OUT)/<algorithm>/trials,
-    named in the study relative to OUT as ``prefix`` + that path."""
-    import optuna
-
-    study = _study(args, space, rounds, clients)
-    root = Path(root or args.out)
-    folder = root / space.algorithm / "trials"
-    folder.mkdir(parents=True, exist_ok=True)
-    asked = 0
-    while True:
-        if quota is not None:
-            if asked >= quota:
-                return
-            trial = study.ask()
-        else:
-            with _locked(args.out / ".budget.lock"):
-                if budget_used(study) >= args.trials:
-                    return
-                trial = study.ask()
-        asked += 1
-        values = space.suggest(trial)
-        run_dir = folder / f"t{trial.number:04d}"
-        trial.set_user_attr("run_dir", prefix + str(run_dir.relative_to(root)))
-        started = time.monotonic()
-        try:
-            outcome, rows = run_trial(_trial_args(args, space.algorithm, values, run_dir), trial)
-        except BaseException:
-            study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED_ATTR, True)
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            study.enqueue_trial(trial.params, skip_if_exists=False)
-            raise
-        trial.set_user_attr("rounds_run", rows[-1][0] if rows else 0)
-        trial.set_user_attr("seconds", round(time.monotonic() - started, 3))
-        trial.set_user_attr("round_seconds", round(round_seconds(run_dir), 3))
-        if outcome == "ok" and rows:
-            value = objective_value(rows, args.last_k)
-            study.tell(trial, value)
-            shown = f"{value:.4f}"
-        elif outcome == "pruned":
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            shown = f"pruned after round {rows[-1][0] if rows else 0}"
-        else:
-            trial.set_user_attr("error", outcome)
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            shown = f"failed ({outcome}; {run_dir}/summary.json says why)"
-        print(f"tune: {space.algorithm} trial {trial.number}: {shown}  "
-              + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()),
-              flush=True)
-
-
-# --------------------------------------------------------------------------- a Ray cluster
-def cluster_worker(run_dir: Path, args: argparse.Namespace, spaces: list[Space], quotas: dict[str, int],
-                   rounds: int, clients: int, prefix: str) -> dict[str, int]:
-    """(A Ray task's job, on any node) ``quotas[algorithm]`` trials of each algorithm, one after
-    another in this process, their run directories under ``run_dir`` (shipped back to OUT/``prefix``
-    by runtime/cluster.py), the study reached through the driver's storage (args.storage_proxy)."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    for space in spaces:
-        tune_trials(args, space, rounds, clients, quota=quotas.get(space.algorithm, 0), root=run_dir, prefix=prefix)
-    return dict(quotas)
-
-
-def shares(left: int, workers: int) -> list[int]:
-    """``left`` trials split over ``workers`` as evenly as whole trials allow."""
-    return [left // workers + (1 if i < left % workers else 0) for i in range(workers)]
-
-
-def _driver_host(address: str) -> str:
-    """This machine's address as the cluster's head sees it (the interface that reaches it)."""
-    import socket
-
-    from flatflower.runtime.cluster import split_address
-
-    host, port = split_address(address)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))
-        return probe.getsockname()[0]
-
-
-def serve_storage(args: argparse.Namespace, host: str) -> tuple[str, int]:
-    """The study's storage served over gRPC (Optuna's proxy) on a free port of ``host``, in a
-    daemon thread of this process: the cluster's workers reach the one storage through it."""
-    import socket
-    import threading
-
-    import warnings
-
-    from optuna.exceptions import ExperimentalWarning
-    from optuna.storages import run_grpc_proxy_server
-
-    warnings.filterwarnings("ignore", category=ExperimentalWarning)  # the proxy is Optuna's, since 4.2
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    threading.Thread(target=run_grpc_proxy_server, args=(_storage(args),), kwargs={"host": host, "port": port},
-                     daemon=True, name="flatflower-tune-storage").start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
-            return host, port
-        time.sleep(0.1)
-    raise UsageError(f"could not serve the study's storage on {host}:{port} for the cluster's workers")
-
-
-def tune_on_cluster(args: argparse.Namespace, spaces: list[Space], rounds: int, clients: int) -> list[str]:
-    """What is left of every algorithm's budget, as ``--workers`` Ray tasks on the cluster at
-    ``--ray-address`` (each a process running its share of trials); the failures, one line each."""
-    from flatflower.runtime.cluster import Job, run_jobs
-
-    proxy = serve_storage(args, _driver_host(args.ray_address))
-    left = {space.algorithm: max(0, args.trials - budget_used(_study(args, space, rounds, clients)))
-            for space in spaces}
-    workers = max(1, min(args.workers, max(left.values(), default=0)))
-    split = {a: shares(n, workers) for a, n in left.items()}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    jobs = []
-    for i in range(workers):
-        quotas = {a: split[a][i] for a in left}
-        if not any(quotas.values()):
-            continue
-        name = f"ray-{stamp}-w{i}"
-        remote = copy.copy(args)
-        remote.ray_address, remote.storage_proxy, remote.worker_index = None, proxy, i + 1
-        jobs.append(Job(name=name, run_dir=args.out / name, call=cluster_worker,
-                        args=(remote, spaces, quotas, rounds, clients, f"{name}/"),
-                        num_cpus=args.cpus_per_trial, num_gpus=args.gpus_per_trial))
-    if not jobs:
-        return []
-    print(f"tune: {sum(left.values())} trial(s) as {len(jobs)} Ray task(s) on {args.ray_address}", flush=True)
-    results = run_jobs(jobs, ray_address=args.ray_address, parallel=len(jobs))
-    return [f"{r.job.name} on {r.where}: {r.error.strip().splitlines()[-1] if r.error else 'failed'}"
-            for r in results if not r.ok]
-
-
-# --------------------------------------------------------------------------- records
-def records(args: argparse.Namespace, space: Space, rounds: int, clients: int) -> dict[str, Any]:
-    """The algorithm's trials.csv and best.json; its entry of tune.json."""
-    import optuna
-
-    study = _study(args, space, rounds, clients)
-    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(INTERRUPTED_ATTR)]
-    folder = args.out / space.algorithm
-    folder.mkdir(parents=True, exist_ok=True)  # a cluster's trials are under OUT/ray-*/
-    keys = list(space.ranges) + list(space.fixed)
-    with open(folder / "trials.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["trial", "state", "value", "rounds_run", "seconds", "round_seconds", *keys, "run_dir",
-                         "error"])
-        for t in trials:
-            params = {**space.fixed, **t.params}
-            writer.writerow([t.number, t.state.name.lower(), "" if t.value is None else repr(t.value),
-                             t.user_attrs.get("rounds_run", ""), t.user_attrs.get("seconds", ""),
-                             t.user_attrs.get("round_seconds", ""),
-                             *(params.get(k, "") for k in keys), t.user_attrs.get("run_dir", ""),
-                             t.user_attrs.get("error", "")])
-    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-    best = max(complete, key=lambda t: (t.value, -t.number)) if complete else None
-    spent = sum(int(t.user_attrs.get("rounds_run", 0)) for t in trials) * clients
-    entry = {
-        "algorithm": space.algorithm, "objective": objective_name(args.last_k, args.validation_fraction),
-        "best": None if best is None else {"trial": best.number, "value": best.value,
-                                           "params": {**space.fixed, **best.params}},
-        "budget": {"trials": args.trials, "rounds": rounds, "clients": clients,
-                   "client_rounds_allotted": args.trials * rounds * clients, "client_rounds_spent": spent,
-                   "trials_by_state": {s: sum(1 for t in trials if t.state.name.lower() == s)
-                                       for s in ("complete", "pruned", "fail")}},
-        "space": space.describe(),
-    }
-    (folder / "best.json").write_text(json.dumps(entry, indent=2) + "\n")
-    return entry
-
-
 # --------------------------------------------------------------------------- the final runs
 def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: list[int],
                rounds: int) -> tuple[list[Path], list[str]]:
@@ -516,7 +121,7 @@ def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: l
             continue
         for seed in seeds:
             run_dir = args.out / "final" / f"{entry['algorithm']}-s{seed}"
-            one = _trial_args(args, entry["algorithm"], entry["best"]["params"], run_dir, seed, validation=False)
+            one = trial_args(args, entry["algorithm"], entry["best"]["params"], run_dir, seed, validation=False)
             one.rounds = rounds
             if finished(run_dir):
                 check_final(run_dir, {"seed": seed, "num-server-rounds": rounds,
@@ -634,7 +239,7 @@ def _run(args: argparse.Namespace, argv: list[str], algorithms: list[str], seeds
     """The tune itself, under OUT's lock."""
     try:
         for space in spaces:  # a tune with other settings in OUT is refused before any trial runs
-            study = _study(args, space, rounds, clients)
+            study = study_of(args, space, rounds, clients)
             if n := reclaim_interrupted(study):
                 print(f"tune: {space.algorithm}: {n} trial(s) cut short by an interruption will run again", flush=True)
     except UsageError as err:
