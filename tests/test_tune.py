@@ -191,6 +191,24 @@ def test_final_rounds_and_a_final_run_made_with_other_values_is_refused_not_repo
     assert "ran other values of num-server-rounds" in err and err.count("\n") == 1
 
 
+def test_an_interrupted_final_run_goes_on_from_its_checkpoint_to_the_uninterrupted_model(tmp_path, capsys):
+    import torch
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert tune(full, "--final-rounds", "4", algorithms="fedavg", trials="2", seeds="0") == 0
+    assert tune(cut, "--final-rounds", "2", algorithms="fedavg", trials="2", seeds="0") == 0
+    run = cut / "final" / "fedavg-s0"
+    (run / "summary.json").unlink()  # as a kill after round 2 leaves it: its checkpoint kept
+    (run / "model_final.pt").unlink()
+    capsys.readouterr()
+    assert tune(cut, "--final-rounds", "4", algorithms="fedavg", trials="2", seeds="0") == 0
+    assert f"tune: {run} was interrupted: resumed from its checkpoint" in capsys.readouterr().out
+    a, b = (torch.load(d / "final" / "fedavg-s0" / "model_final.pt") for d in (full, cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rounds = [json.loads(line)["round"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [0, 1, 2, 3, 4]
+
+
 def test_a_tune_run_again_goes_on_where_it_stopped_and_more_trials_extend_it(tmp_path, capsys):
     import optuna
     from optuna.storages import JournalStorage

@@ -111,7 +111,7 @@ def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: l
     """Each algorithm's best parameters, once per seed, ``rounds`` rounds (``--final-rounds``,
     else the trials'), on the test split (validation off): one after another here, or with
     ``--ray-address`` all at once as Ray tasks on the cluster (the sweep's way: tools/sweep.py)."""
-    from flatflower.tools.sweep import finished, run_parallel, set_aside
+    from flatflower.tools.sweep import finished, resumed, run_parallel, set_aside
 
     done, failed, todo = [], [], []
     for entry in entries:
@@ -123,13 +123,19 @@ def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: l
             run_dir = args.out / "final" / f"{entry['algorithm']}-s{seed}"
             one = trial_args(args, entry["algorithm"], entry["best"]["params"], run_dir, seed, validation=False)
             one.rounds = rounds
+            wanted = {"seed": seed, "num-server-rounds": rounds, "validation-fraction": 0.0, **entry["best"]["params"]}
             if finished(run_dir):
-                check_final(run_dir, {"seed": seed, "num-server-rounds": rounds,
-                                      "validation-fraction": 0.0, **entry["best"]["params"]})
+                check_final(run_dir, wanted)
                 done.append(run_dir)
                 continue
-            if run_dir.exists():
-                print(f"tune: {run_dir} was interrupted: moved to {set_aside(run_dir).name}, run afresh", flush=True)
+            if (run_dir / "checkpoint.pt").is_file():  # interrupted: it goes on from its last round
+                check_final(run_dir, {k: v for k, v in wanted.items() if k != "num-server-rounds"})  # to `rounds`
+                print(f"tune: {run_dir} was interrupted: resumed from its checkpoint", flush=True)
+                one = resumed(args, run_dir, args.engine)
+                one.rounds, one.ray_address = rounds, None
+            elif run_dir.exists():
+                print(f"tune: {run_dir} was interrupted before its first checkpoint: moved to "
+                      f"{set_aside(run_dir).name}, run afresh", flush=True)
             if args.ray_address:
                 todo.append(one)
                 continue
