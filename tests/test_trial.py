@@ -49,3 +49,24 @@ def test_the_docs_trial_figures_are_the_record():
     engines_doc = " ".join((root / "docs/engines.md").read_text().split())
     assert f"{compiled['first_round_extra']:.1f} s beyond a steady one" in " ".join(bench_doc.split())
     assert f"its first round compiles ({compiled['first_round_extra']:.1f} s beyond a steady round" in engines_doc
+
+
+def test_a_tune_workers_next_trial_is_timed_from_its_own_start_after_a_first_run(tmp_path):
+    """``warm``: the same setting runs twice in one process; the stamps are the second run's,
+    starting when it is called (no interpreter, torch or import time: a tune worker's next
+    trial pays only its setup and its first round's extra)."""
+    import time
+
+    from flatflower.tools.throughput import run_config
+    from flatflower.tools.trial import VARIANTS, probe
+
+    assert VARIANTS["inprocess, tune worker"] == ("inprocess", {}, True)
+    cfg = run_config("fedavg", "mlp", tmp_path / "run", 4)
+    out = probe(cfg, 3, vectorized=False, launched=time.time(), warm=True)
+    stamps = out["stamps"]
+    assert stamps["launched"] == stamps["torch"] == stamps["imports"]
+    assert sorted(out["rounds"]) == [1, 2, 3, 4] and min(out["rounds"].values()) > stamps["launched"]
+    assert all(start >= stamps["launched"] for start, _ in out["training"])  # the first run's left out
+    assert (tmp_path / "run-first" / "summary.json").is_file() and (tmp_path / "run" / "summary.json").is_file()
+    f = figures(stamps, out["rounds"], out["training"], out["clients"], last=3)
+    assert f["interpreter_and_torch"] == 0 and f["engine_imports"] == 0 and f["setup_to_first_round"] > 0

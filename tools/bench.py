@@ -68,6 +68,7 @@ from flatflower.tools.parsers import BENCH_SECTIONS as SECTIONS
 from flatflower.tools.parsers import bench as build_parser
 from flatflower.tools.throughput import ThroughputSettings, bench_throughput
 from flatflower.tools.throughput import render as render_throughput
+from flatflower.tools.trial import VARIANTS as TRIAL_VARIANTS
 from flatflower.tools.trial import TrialSettings, bench_trial
 from flatflower.tools.trial import render as render_trial
 
@@ -95,8 +96,9 @@ FLATNESS_RUNS = {  # model -> the in-process FedAvg run (iid) whose rounds are t
 }
 RUN_HVP = inspect.signature(measure).parameters["hvp"].default  # what a run's flatness-every uses
 # the trial section: --quick keeps `make test` fast (two short eager runs); --full adds compile = on
+# and a tune worker's next trial (the same setting run twice in one process, the second timed)
 TRIAL_QUICK = {"clients": 10, "rounds": 4, "repeats": 1, "variants": ("inprocess", "vectorized")}
-TRIAL_FULL = {"clients": 100, "rounds": 6, "repeats": 2}
+TRIAL_FULL = {"clients": 100, "rounds": 6, "repeats": 2, "variants": tuple(TRIAL_VARIANTS)}
 FLATNESS_TARGET = 0.10  # issue 24: flatness-every 10 adds <= 10% to a digits-CNN run
 _RUN_IDS = itertools.count()
 

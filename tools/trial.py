@@ -34,11 +34,14 @@ from pathlib import Path
 from typing import Any
 
 TRIAL_ROUNDS = 20  # the trial whose fixed-cost share is reported (issue 56: under 10%)
-VARIANTS = {  # label -> (engine, run-config overrides)
-    "inprocess": ("inprocess", {}),
-    "vectorized": ("vectorized", {}),
-    "vectorized, compile = on": ("vectorized", {"compile": "on"}),
+VARIANTS = {  # label -> (engine, run-config overrides, warm: a tune worker's next trial)
+    "inprocess": ("inprocess", {}, False),
+    "vectorized": ("vectorized", {}, False),
+    "vectorized, compile = on": ("vectorized", {"compile": "on"}, False),
+    "inprocess, tune worker": ("inprocess", {}, True),
+    "vectorized, tune worker": ("vectorized", {}, True),
 }
+DEFAULT_VARIANTS = ("inprocess", "vectorized", "inprocess, tune worker", "vectorized, tune worker")
 
 
 @dataclass
@@ -47,7 +50,7 @@ class TrialSettings:
     clients: int = 100
     rounds: int = 6  # per run; rounds 2 .. rounds - 1 are steady
     repeats: int = 2  # interleaved runs per variant
-    variants: tuple[str, ...] = tuple(VARIANTS)
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     timeout: float = 600.0  # seconds per run
 
 
@@ -83,8 +86,12 @@ def figures(stamps: dict[str, float], rounds: dict[int, float], training: list[t
             "share_of_20_round_trial": fixed / (fixed + TRIAL_ROUNDS * steady)}
 
 
-def probe(cfg: dict[str, Any], clients: int, vectorized: bool, launched: float) -> dict[str, Any]:
-    """Run one trial in this (fresh) process and return its stamps: what ``main`` prints."""
+def probe(cfg: dict[str, Any], clients: int, vectorized: bool, launched: float, warm: bool = False) -> dict[str, Any]:
+    """Run one trial in this (fresh) process and return its stamps: what ``main`` prints.
+    ``warm``: a tune worker's next trial: a first run of the same setting in this process
+    (another run directory) before the timed one, whose stamps start when it is called, so
+    its fixed cost is its setup and first round's extra alone (imports, data, compiled steps
+    already there, as ``flatflower tune`` reuses them)."""
     stamps = {"launched": launched}
     import torch  # noqa: F401 - its import is what is timed
 
@@ -117,6 +124,11 @@ def probe(cfg: dict[str, Any], clients: int, vectorized: bool, launched: float) 
         sampled[r] = sampled.get(r, 0) + messages
 
     with quiet_flower():
+        if warm:
+            first = {**cfg, "run-dir": f"{cfg['run-dir']}-first"}
+            inprocess.run_inprocess(first, clients, server_app=watching_train(lambda r, n: None), vectorized=vectorized)
+            training.clear()
+            stamps.update(dict.fromkeys(("launched", "torch", "imports"), time.time()))
         inprocess.run_inprocess(cfg, clients, server_app=watching_train(sent), vectorized=vectorized)
     return {"stamps": stamps, "rounds": rounds, "training": training, "clients": sampled}
 
@@ -125,9 +137,9 @@ def _one_run(label: str, settings: TrialSettings, run_dir: Path) -> dict[str, An
     """One trial of ``label`` in a fresh process; its figures."""
     from flatflower.tools.throughput import run_config
 
-    engine, overrides = VARIANTS[label]
+    engine, overrides, warm = VARIANTS[label]
     cfg = {**run_config("fedavg", settings.model, run_dir, settings.rounds), **overrides}
-    args = json.dumps({"cfg": cfg, "clients": settings.clients, "vectorized": engine == "vectorized"})
+    args = json.dumps({"cfg": cfg, "clients": settings.clients, "vectorized": engine == "vectorized", "warm": warm})
     launched = time.time()
     done = subprocess.run([sys.executable, "-m", "flatflower.tools.trial", args, repr(launched)],
                           capture_output=True, text=True, timeout=settings.timeout)
@@ -196,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     """The child process of one run: ``python -m flatflower.tools.trial ARGS_JSON LAUNCHED``."""
     argv = sys.argv[1:] if argv is None else argv
     args, launched = json.loads(argv[0]), float(argv[1])
-    out = probe(args["cfg"], int(args["clients"]), bool(args["vectorized"]), launched)
+    out = probe(args["cfg"], int(args["clients"]), bool(args["vectorized"]), launched, bool(args.get("warm")))
     print(json.dumps(out))
     return 0
 
