@@ -70,3 +70,28 @@ def test_a_tune_workers_next_trial_is_timed_from_its_own_start_after_a_first_run
     assert (tmp_path / "run-first" / "summary.json").is_file() and (tmp_path / "run" / "summary.json").is_file()
     f = figures(stamps, out["rounds"], out["training"], out["clients"], last=3)
     assert f["interpreter_and_torch"] == 0 and f["engine_imports"] == 0 and f["setup_to_first_round"] > 0
+
+
+def test_the_docs_tune_worker_figures_are_their_record():
+    """docs/benchmarks.md's second trial table and its sentence on a tune worker's next trial
+    are docs/results/trial-cpu/bench-trial-tune.json's."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    rows = {r["variant"]: r for r in
+            json.loads((root / "docs/results/trial-cpu/bench-trial-tune.json").read_text())["trial"]["rows"]}
+    assert {"inprocess, tune worker", "vectorized, tune worker"} <= set(rows)
+    text = (root / "docs/benchmarks.md").read_text()
+    for r in rows.values():
+        assert (f"| {r['variant']} | {r['fixed_seconds']:.2f} | {r['interpreter_and_torch']:.2f} | "
+                f"{r['engine_imports']:.2f} | {r['setup_to_first_round']:.2f} | {r['first_round_extra']:.2f} | "
+                f"{r['steady_round_seconds']:.3f} | {r['overhead_seconds_per_client'] * 1e3:.2f} | "
+                f"{r['share_of_20_round_trial']:.1%} |") in text
+    warm_in, warm_vec = rows["inprocess, tune worker"], rows["vectorized, tune worker"]
+    assert max(warm_in["share_of_20_round_trial"], warm_vec["share_of_20_round_trial"]) < 0.10
+    assert (f"A tune worker's next 20-round trial pays {warm_in['fixed_seconds']:.2f} s in-process and "
+            f"{warm_vec['fixed_seconds']:.2f} s vectorised besides its rounds: "
+            f"{warm_in['share_of_20_round_trial']:.1%} and {warm_vec['share_of_20_round_trial']:.1%} of it, under "
+            f"the issue's 10%, against {rows['inprocess']['share_of_20_round_trial']:.1%} and "
+            f"{rows['vectorized']['share_of_20_round_trial']:.1%} for a run in a fresh process") in " ".join(text.split())
