@@ -387,3 +387,33 @@ def test_without_an_engine_the_trials_run_vectorised_where_it_applies(tmp_path):
     bn = ["--model", "tests.bn_models:small_bn_cnn"]  # BatchNorm: the vectorised engine refuses it
     assert cli([*base, *bn, "--algorithms", "fedavg", "--out", str(out / "bn")]) == 0
     assert json.loads((out / "bn" / "fedavg" / "trials" / "t0000" / "config.json").read_text())["engine"] == "inprocess"
+
+
+def test_a_trial_whose_run_fails_is_a_failed_trial_in_the_budget_and_no_final_runs_without_a_best(tmp_path, capsys):
+    import logging
+
+    space = tmp_path / "space.toml"
+    space.write_text("[all]\nlr = { low = 1e8, high = 1e9, log = true }\n")  # every update refused: every round skipped
+    out = tmp_path / "tune"
+    shown = []
+
+    class Console(logging.Handler):  # one more of Flower's log handlers, as its console's
+        def emit(self, record):
+            shown.append(record)
+
+    console = Console(logging.DEBUG)
+    logging.getLogger("flwr").addHandler(console)
+    try:
+        assert tune(out, "--space", str(space), algorithms="fedavg", trials="2", seeds="0") == 1
+    finally:
+        logging.getLogger("flwr").removeHandler(console)
+    err = capsys.readouterr().err
+    assert "fedavg has no complete trial: no final run" in err
+    # the trials' refused updates and skipped rounds are in their metrics.jsonl, not on the console
+    assert not [r for r in shown if r.levelno == logging.WARNING]
+    with open(out / "fedavg" / "trials.csv") as f:
+        trials = list(csv.DictReader(f))
+    assert [t["state"] for t in trials] == ["fail", "fail"] and all(t["error"] == "failed:1" for t in trials)
+    best = json.loads((out / "fedavg" / "best.json").read_text())
+    assert best["best"] is None and best["budget"]["trials_by_state"] == {"complete": 0, "pruned": 0, "fail": 2}
+    assert not (out / "final").exists()

@@ -297,6 +297,6 @@ def _run(args: argparse.Namespace, argv: list[str], algorithms: list[str], seeds
         report([*map(str, runs), "--by-algorithm", "--last-k", str(args.last_k),
                 "--out", str(args.out / "report.png"), "--json", str(args.out / "report.json")])
     if failed:
-        print(f"tune: {len(failed)} final run(s) failed: {', '.join(map(str, failed))}", file=sys.stderr)
+        print(f"tune: {len(failed)} final run(s) failed or not run: {', '.join(map(str, failed))}", file=sys.stderr)
         return EXIT_FAILED
     return 0

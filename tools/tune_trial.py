@@ -77,6 +77,25 @@ def round_seconds(run_dir: Path) -> float:
     return float(sum(r["seconds"] for r in rows if isinstance(r, dict) and isinstance(r.get("seconds"), (int, float))))
 
 
+@contextlib.contextmanager
+def trial_output():
+    """Flower's and the server's log at ERROR while a trial runs: a trial's refused updates and
+    skipped rounds are in its metrics.jsonl, and hundreds of trials would bury the tune's lines."""
+    import logging
+
+    def errors_only(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+    handlers = list(logging.getLogger("flwr").handlers)  # the engine sets the loggers' levels itself
+    for handler in handlers:
+        handler.addFilter(errors_only)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(errors_only)
+
+
 def run_trial(one: argparse.Namespace, trial: Any) -> tuple[str, list[tuple[int, float]]]:
     """Run one trial's simulation in this process, reporting each round's validation accuracy
     to ``trial`` and stopping the run when the pruner says so. ("ok" | "pruned" | "failed:<code>",
@@ -112,7 +131,7 @@ def run_trial(one: argparse.Namespace, trial: Any) -> tuple[str, list[tuple[int,
         poll()
         return 0 if outcome.ok else EXIT_FAILED
 
-    with engines.quiet_flower(), open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+    with trial_output(), open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         code = commands.run("simulate", one, handler=handler)
     rows = accuracies(Path(one.run_dir))
     if code == commands.EXIT_INTERRUPTED and not state["pruned"]:
