@@ -215,9 +215,15 @@ def get(name: str) -> AlgorithmSpec:
         ) from None
 
 
+def search_data(search) -> dict | None:
+    """A key's search range (flatflower tune) as data; None for a key that is not tuned."""
+    return None if search is None else {"low": search.low, "high": search.high, "log": search.log,
+                                        "integer": search.integer}
+
+
 def as_data(specs: Sequence[AlgorithmSpec] | None = None) -> list[dict]:
     """The registry as data (``flatflower algorithms --json``): per algorithm its name, summary,
-    keys (name, default, meaning, which half reads it), records down/up, client state, passes
+    keys (name, default, meaning, which half reads it, its search range for a tune), records down/up, client state, passes
     per step and the class of each half."""
     out = []
     for spec in specs or ALGORITHMS.values():
@@ -225,7 +231,8 @@ def as_data(specs: Sequence[AlgorithmSpec] | None = None) -> list[dict]:
         out.append({
             "name": spec.name, "summary": spec.summary,
             "keys": [{"name": k, "default": None if is_required(f) else f.default,
-                      "required": is_required(f), "meaning": f.metadata["meaning"], "read_by": owners[k]}
+                      "required": is_required(f), "meaning": f.metadata["meaning"], "read_by": owners[k],
+                      "search": search_data(f.metadata.get("search"))}
                      for k, f in spec.params.fields().items()],
             "down": list(spec.down), "values": list(spec.values), "up": list(spec.up),
             "state": list(spec.state),

@@ -417,3 +417,16 @@ def test_a_trial_whose_run_fails_is_a_failed_trial_in_the_budget_and_no_final_ru
     best = json.loads((out / "fedavg" / "best.json").read_text())
     assert best["best"] is None and best["budget"]["trials_by_state"] == {"complete": 0, "pruned": 0, "fail": 2}
     assert not (out / "final").exists()
+
+
+def test_flatflower_algorithms_shows_each_tunable_keys_range_and_json_holds_it(capsys):
+    assert cli(["algorithms"]) == 0
+    text = capsys.readouterr().out
+    assert "sam.rho = 0.1    SAM radius: the perturbation's global L2 norm [read by the client; tuned over " \
+           "0.001-0.5, log]" in text
+    assert "fedtoga.beta = 0.9    correction beta of the step by Delta [read by the client; tuned over 0-1]" in text
+    assert cli(["algorithms", "--json"]) == 0
+    data = {a["name"]: a for a in json.loads(capsys.readouterr().out)}
+    keys = {k["name"]: k for k in data["fedgmt"]["keys"]}
+    assert keys["fedgmt.beta"]["search"] == {"low": 1.0, "high": 1000.0, "log": True, "integer": False}
+    assert keys["fedgmt.tau"]["search"] is None  # not tuned: its paper fixes it

@@ -169,6 +169,13 @@ def algorithms(args: argparse.Namespace) -> int:
 READ_BY = {"client": "the client", "server": "the server", "both": "both halves"}
 
 
+def searched(search: dict | None) -> str:
+    """``; tuned over 0.001-0.5, log`` for a key with a search range (flatflower tune)."""
+    if search is None:
+        return ""
+    return f"; tuned over {search['low']:g}-{search['high']:g}{', log' if search['log'] else ''}"
+
+
 def algorithm_table(markdown: bool = False) -> str:
     from flatflower.strategies.registry import as_data
 
@@ -190,7 +197,8 @@ def algorithm_table(markdown: bool = False) -> str:
     for name, summary, down, up, state, passes, keys, fields in rows:
         out.append(f"{name}: {summary}\n    records down: {down}; up: {up}; client state: {state}; "
                    f"gradient passes per step: {passes}")
-        out += [f"    {k}    {key['meaning']} [read by {READ_BY[key['read_by']]}]" for k, key in zip(keys, fields)]
+        out += [f"    {k}    {key['meaning']} [read by {READ_BY[key['read_by']]}{searched(key['search'])}]"
+                for k, key in zip(keys, fields)]
     return "\n".join(out)
 
 
