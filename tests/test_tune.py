@@ -430,3 +430,26 @@ def test_flatflower_algorithms_shows_each_tunable_keys_range_and_json_holds_it(c
     keys = {k["name"]: k for k in data["fedgmt"]["keys"]}
     assert keys["fedgmt.beta"]["search"] == {"low": 1.0, "high": 1000.0, "log": True, "integer": False}
     assert keys["fedgmt.tau"]["search"] is None  # not tuned: its paper fixes it
+
+
+def test_a_failed_cluster_worker_leaves_its_share_to_the_next_run_and_no_final_run(tmp_path, capsys, monkeypatch):
+    """The driver's side of a worker that failed on the cluster (its Ray task's result, as
+    runtime/cluster.py reports it): the tune says so, writes its records, runs no final run and
+    exits 1; run again (here without the cluster), it spends exactly what was left."""
+    from flatflower.runtime import cluster
+    from flatflower.tools import prepare
+
+    monkeypatch.setattr(prepare, "check_cluster", lambda *a, **k: None)  # no cluster to probe here
+    monkeypatch.setattr(cluster, "run_jobs", lambda jobs, **k: [cluster.Result(j, False, error="node lost") for j in jobs])
+    out = tmp_path / "tune"
+    assert tune(out, "--workers", "2", "--ray-address", "127.0.0.1:6379", algorithms="fedavg", trials="3",
+                seeds="0") == 1
+    err = capsys.readouterr().err
+    assert err.count("a cluster worker failed:") == 2 and "node lost" in err and "finish the budget" in err
+    assert not (out / "final").exists()
+    best = json.loads((out / "fedavg" / "best.json").read_text())
+    assert best["budget"]["trials_by_state"] == {"complete": 0, "pruned": 0, "fail": 0}
+    monkeypatch.undo()
+    assert tune(out, "--workers", "1", algorithms="fedavg", trials="3", seeds="0") == 0
+    with open(out / "fedavg" / "trials.csv") as f:
+        assert len(list(csv.DictReader(f))) == 3
