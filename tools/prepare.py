@@ -105,7 +105,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
                    help="a Ray cluster that already runs (its head: 'ray start --head --port PORT'): "
                         "simulate --engine ray runs its clients there, sweep runs each run there as a "
-                        "Ray task (docs/engines.md)")
+                        "Ray task, tune its workers and final runs (docs/engines.md)")
     p.add_argument("--app-dir", help="Flower App directory (default: this checkout)")
 
 
