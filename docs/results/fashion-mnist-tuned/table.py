@@ -44,6 +44,37 @@ def untuned(algorithm: str) -> dict[int, float]:
         return {int(r["seed"]): float(r["last_k_mean"]) for r in csv.DictReader(f) if r["algorithm"] == algorithm}
 
 
+# the papers' claims that two methods of the study order (winner, loser, whose claim)
+CLAIMS = (("fedsam", "fedavg", "FedSAM (Qu et al. 2022)"), ("mofedsam", "fedsam", "MoFedSAM (Qu et al. 2022)"),
+          ("fedgmt", "fedsam", "FedGMT (Li et al. 2025)"), ("fedgmt-v2", "fedgmt", "FedGMT-v2 (Li et al. 2025)"),
+          ("fednsam", "fedsam", "FedNSAM (Liu et al. 2025)"), ("fedtoga", "fedsam", "FedTOGA (Li et al.)"),
+          ("fedsmoo", "fedsam", "FedSMOO (Sun et al. 2023)"), ("fedwmsam", "fedsam", "FedWMSAM (Li et al. 2025)"),
+          ("fedgf", "fedsam", "FedGF (Lee & Yoon 2024)"))
+
+
+def claims(after: dict[str, dict[int, float]], before: dict[str, dict[int, float]]) -> str:
+    """Each claim whose two methods have landed: the winner's lead in each column, its paired-t
+    p (Holm-adjusted over the claims of that column) and what the column says."""
+    from flatflower.tools.stats import holm, paired
+
+    rows = [(w, l, who) for w, l, who in CLAIMS if w in after and l in after]
+    if not rows:
+        return ""
+    out = ("\nThe papers' claims among the landed methods (the winner's lead in points; paired t over "
+           "seeds 0-2, Holm-adjusted over the claims of each column; holds / reversed: p < 0.05)\n\n"
+           "| claim | tuned: lead, p | tuned says | untuned: lead, p | untuned says |\n|---|---|---|---|---|\n")
+    cells = {}
+    for label, data in (("tuned", after), ("untuned", before)):
+        tests = [paired([data[w][s] for s in SEEDS], [data[l][s] for s in SEEDS], w) for w, l, _ in rows]
+        adjusted = holm([t.p if t.p is not None else 1.0 for t in tests])
+        cells[label] = [(t.difference, p, "holds" if p < 0.05 and t.difference > 0 else
+                         "reversed" if p < 0.05 else "not significant") for t, p in zip(tests, adjusted)]
+    for i, (w, l, who) in enumerate(rows):
+        (ta, tp, ts), (ua, up, us) = cells["tuned"][i], cells["untuned"][i]
+        out += (f"| {who}: {w} > {l} | {100 * ta:+.2f}, {tp:.3f} | {ts} | {100 * ua:+.2f}, {up:.3f} | {us} |\n")
+    return out
+
+
 def _fmt_params(params: dict) -> str:
     return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items())
 
@@ -78,7 +109,7 @@ def tables() -> str:
         for row in rows:
             p = "-" if row.p_holm is None else f"{row.p_holm:.3f}"
             out += f"| {row.algorithm} | {100 * row.difference:.2f} | {p} | {row.verdict} |\n"
-    return out
+    return out + claims(after, before)
 
 
 if __name__ == "__main__":
