@@ -220,9 +220,9 @@ def tune() -> argparse.ArgumentParser:
     p.add_argument("--final-rounds", type=positive_int, default=None,
                    help="rounds of the final runs on the test set (default: the trials' --rounds)")
     p.add_argument("--no-final", action="store_true", help="tune only: do not run the best settings on the test set")
-    p.add_argument("--cpus-per-trial", type=cli_float, default=1.0,
+    p.add_argument("--cpus-per-trial", type=cli_float, default=None,
                    help="with --ray-address: the CPUs each worker's Ray task holds (default 1)")
-    p.add_argument("--gpus-per-trial", type=cli_float, default=0.0,
+    p.add_argument("--gpus-per-trial", type=cli_float, default=None,
                    help="with --ray-address: the GPUs each worker's Ray task holds, e.g. 0.5 or 1 (default 0)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a --workers process
     p.add_argument("--worker-index", type=cli_int, default=0, help=argparse.SUPPRESS)  # its sampler's seed

@@ -65,23 +65,31 @@ def _parse(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     return algorithms_and_seeds(args.algorithms, args.seeds)
 
 
+def ray_task_size(cpus: float | None, gpus: float | None, address: str | None, flags: tuple[str, str],
+                  what: str) -> tuple[float, float]:
+    """(CPUs, GPUs) each Ray task holds (given as ``flags``, None when not given: 1 and 0);
+    UsageError for sizes without an ``address`` or out of range. ``what``: each task's work
+    (a sweep's run, a tune's worker)."""
+    given = [flag for flag, value in zip(flags, (cpus, gpus)) if value is not None]
+    if address is None:
+        if given:
+            raise UsageError(f"{' and '.join(given)} size each {what}'s Ray task: add --ray-address")
+        return 1.0, 0.0
+    cpus, gpus = cpus if cpus is not None else 1.0, gpus or 0.0
+    if cpus <= 0 or gpus < 0:
+        raise UsageError(f"{flags[0]} must be > 0 and {flags[1]} >= 0 (got {cpus:g}, {gpus:g})")
+    return cpus, gpus
+
+
 def task_size(args: argparse.Namespace, engine: str | None) -> tuple[float, float]:
     """(CPUs, GPUs) each run's Ray task holds; UsageError for sizes without --ray-address, or
     for a Ray engine inside the tasks."""
-    given = [flag for flag, value in (("--cpus-per-run", args.cpus_per_run),
-                                      ("--gpus-per-run", args.gpus_per_run)) if value is not None]
-    if args.ray_address is None:
-        if given:
-            raise UsageError(f"{' and '.join(given)} size each run's Ray task: add --ray-address")
-        return 1.0, 0.0
-    if engine == "ray":
+    if args.ray_address is not None and engine == "ray":
         raise UsageError("--ray-address runs each run of the sweep as a Ray task with its own engine: "
                          "use --engine inprocess or vectorized there (or 'simulate --engine ray "
                          "--ray-address' for one run whose clients are the cluster's actors)")
-    cpus, gpus = args.cpus_per_run if args.cpus_per_run is not None else 1.0, args.gpus_per_run or 0.0
-    if cpus <= 0 or gpus < 0:
-        raise UsageError(f"--cpus-per-run must be > 0 and --gpus-per-run >= 0 (got {cpus:g}, {gpus:g})")
-    return cpus, gpus
+    return ray_task_size(args.cpus_per_run, args.gpus_per_run, args.ray_address,
+                         ("--cpus-per-run", "--gpus-per-run"), "run")
 
 
 def partition_seed_given(args: argparse.Namespace, preset: Any) -> str | None:

@@ -205,16 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.last_k > rounds:
             raise UsageError(f"--last-k {args.last_k} is more than the trials' {rounds} rounds")
         spaces = [space_for(a, overrides, base) for a in algorithms]
+        from flatflower.tools.sweep import ray_task_size
+
+        args.cpus_per_trial, args.gpus_per_trial = ray_task_size(
+            args.cpus_per_trial, args.gpus_per_trial, address, ("--cpus-per-trial", "--gpus-per-trial"), "worker")
         if address is not None:
             if args.worker:
                 raise UsageError("a --worker process runs on this machine: no --ray-address")
-            if not (args.cpus_per_trial > 0 and args.gpus_per_trial >= 0):
-                raise UsageError("--cpus-per-trial must be > 0 and --gpus-per-trial >= 0")
             from flatflower.tools.prepare import check_cluster
 
             check_cluster(address, args.cpus_per_trial, args.gpus_per_trial, "each tune worker")
-        elif (args.cpus_per_trial, args.gpus_per_trial) != (1.0, 0.0):
-            raise UsageError("--cpus-per-trial and --gpus-per-trial size each worker's Ray task: add --ray-address")
         args.ray_address = address
         args.out.mkdir(parents=True, exist_ok=True)
     except (UsageError, SpaceError, PresetError, ConfigError, OSError) as err:
