@@ -161,7 +161,7 @@ class TrainCall:
     """One ``train`` message, opened: the data, model and client rule its local training
     needs (:meth:`open`), and the reply built from the training's outcome (:meth:`reply`).
     Every engine shares it: the ClientApp trains one call with ``local_train``; the vectorised
-    engine (runtime/vectorized.py) trains many calls' models at once, then replies to each."""
+    engine (runtime/engines/vectorized.py) trains many calls' models at once, then replies to each."""
 
     msg: Message
     context: Context

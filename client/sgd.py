@@ -1,5 +1,5 @@
 """The local SGD step, written once for every engine: the one-model loop (client/train.py) and
-the vectorised trainer (runtime/vectorized.py, whose tensors are stacked along a leading client
+the vectorised trainer (runtime/engines/vectorized.py, whose tensors are stacked along a leading client
 dimension) both call :func:`sgd_step`.
 
 The step is ``torch.optim.SGD``'s (dampening 0, no Nesterov) with ``clip_grad_norm_`` first:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from flwr.app import RecordDict
 from flwr.serverapp import Grid
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid  # Flower's simulation engine (Ray)
 
 from flatflower.common import codec
 from flatflower.common import protocol as P
@@ -209,16 +210,14 @@ def measured(row: dict) -> str:
     return "; ".join(parts) or "no evaluation"
 
 
-ENGINES = {"InProcessGrid": "inprocess", "VectorizedGrid": "vectorized", "InMemoryGrid": "ray"}
-
-
 def engine_of(grid: Grid) -> str:
-    """Which engine carries the run, for config.json: inprocess, vectorized, ray (Flower's
-    simulation engine) or deployment (a SuperLink and SuperNodes)."""
-    for cls in type(grid).__mro__:
-        if cls.__name__ in ENGINES:
-            return ENGINES[cls.__name__]
-    return "deployment"
+    """Which engine carries the run, for config.json: the grid's own ``engine`` value
+    (inprocess, vectorized: runtime/engines/inprocess.py), ray for Flower's simulation engine's
+    grid, else deployment (a SuperLink and SuperNodes)."""
+    engine = getattr(grid, "engine", None)
+    if isinstance(engine, str):
+        return engine
+    return "ray" if isinstance(grid, InMemoryGrid) else "deployment"
 
 
 def federation_left(stats: RoundStats, grid: Grid) -> bool:

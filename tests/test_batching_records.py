@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from flatflower.runtime.vectorized import CONV_FLOPS_LIMIT, batching_rule
+from flatflower.runtime.engines.vectorized import CONV_FLOPS_LIMIT, batching_rule
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = sorted((ROOT / "docs" / "results" / "batching-cpu").glob("*.json"))

@@ -1,5 +1,5 @@
 """Run-config ``compile = on``: the vectorised engine's batched step under torch.compile
-(runtime/vectorized.py ``compiled``). Its models equal the eager step's to float rounding, it
+(runtime/engines/vectorized.py ``compiled``). Its models equal the eager step's to float rounding, it
 really compiles (dynamo captured graphs), and it compiles a few graphs per run, not one per
 round (a graph per round would recompile every round, then fall back to eager)."""
 
@@ -152,7 +152,7 @@ def _calls(n: int, compile: str = "on", device: str = "cpu") -> list:
 
 
 def test_only_a_compiled_cpu_group_of_split_min_clients_or_more_trains_as_two_halves():
-    import flatflower.runtime.vectorized as vec
+    import flatflower.runtime.engines.vectorized as vec
 
     assert vec.SPLIT_MIN == 32  # docs/configuration.md, compile
     assert vec.splits(_calls(vec.SPLIT_MIN))
@@ -169,7 +169,7 @@ def test_train_halves_trains_both_halves_at_once_and_a_failing_half_fails_only_i
     thread ends with no results (a BaseException) raises for the whole group, never a gap."""
     import threading
 
-    import flatflower.runtime.vectorized as vec
+    import flatflower.runtime.engines.vectorized as vec
 
     barrier = threading.Barrier(2, timeout=60)
     seen = []
@@ -204,7 +204,7 @@ def test_a_compiled_group_trained_as_two_halves_equals_it_trained_whole(tmp_path
     """SPLIT_MIN ragged clients (Dirichlet digits, padded steps) compiled: the halves' run
     gives the models of the whole group's run to float rounding (vmap keeps clients apart),
     and the halves really ran (train_group got two halves every round)."""
-    import flatflower.runtime.vectorized as vec
+    import flatflower.runtime.engines.vectorized as vec
 
     sizes = []
     train_group = vec.train_group

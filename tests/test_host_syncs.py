@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flatflower.client.app as client_module
-import flatflower.runtime.vectorized as vec
+import flatflower.runtime.engines.vectorized as vec
 from flatflower.client.train import host_losses, round_loss
 from flatflower.runtime.engines.inprocess import run_inprocess
 from flatflower.strategies.registry import ALGORITHMS

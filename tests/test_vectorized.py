@@ -1,4 +1,4 @@
-"""The vectorised engine (runtime/vectorized.py, flatflower.runtime.engines.inprocess.VectorizedGrid) against its
+"""The vectorised engine (runtime/engines/vectorized.py, flatflower.runtime.engines.inprocess.VectorizedGrid) against its
 contract: it trains a round's sampled clients together under ``torch.func.vmap``, running the
 same client rule code, so a vectorised run equals an in-process run up to the float rounding
 of batched kernels -- for every algorithm, with padded last batches, ragged (Dirichlet)
@@ -29,12 +29,12 @@ from torch import nn
 # imported first (see tests/test_bad_input.py: flwr's log handler keeps the stderr of its import)
 import flatflower.runtime.engines.inprocess  # noqa: F401
 import flatflower.client.app as client_module
-import flatflower.runtime.vectorized as vec
+import flatflower.runtime.engines.vectorized as vec
 from flatflower.client.app import app as client_app
 from flatflower.client.batch import ModelBatch, cross_entropy, mean_kl, trainable
 from flatflower.client.state import latest
 from flatflower.client.train import build_rule
-from flatflower.runtime.vectorized import FunctionalBatch, check_batchable, groups, padded
+from flatflower.runtime.engines.vectorized import FunctionalBatch, check_batchable, groups, padded
 from flatflower.common import codec
 from flatflower.common import protocol as P
 from flatflower.common.config import RunConfig
@@ -86,7 +86,7 @@ def batching_always_pays(monkeypatch):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records every group flatflower.runtime.vectorized trains together (its size, step count and
+    """Records every group flatflower.runtime.engines.vectorized trains together (its size, step count and
     partitions) and whether each step's stacked mini-batch was padded (step_batches gave weights)."""
     seen = {"groups": [], "padded": 0, "unpadded": 0}
     train_group, batches = vec.train_group, vec.step_batches

@@ -426,7 +426,7 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
     if setup.note:
         print(f"note: {setup.note}", flush=True)
     if engine == "vectorized":
-        from flatflower.runtime.vectorized import check_batchable, check_compilable
+        from flatflower.runtime.engines.vectorized import check_batchable, check_compilable
 
         try:
             check_batchable(model, cfg.resolved_model())

@@ -6,7 +6,7 @@ For each model, input shape and batch size: the CPU time (the process's, all thr
 vmapped gradient of CLIENTS clients (the vectorised engine's step: FunctionalBatch under vmap)
 against as many single gradients (the in-process engine's: ModelBatch), each the median of
 REPEATS interleaved repeats after a warm-up; beside it the model's convolution FLOPs per
-client step (flatflower.runtime.vectorized.conv_flops), the input of the engine's rule
+client step (flatflower.runtime.engines.vectorized.conv_flops), the input of the engine's rule
 (batching_rule), whose limit (CONV_FLOPS_LIMIT) is read off these records; the rule itself
 never times anything.
 """
@@ -26,7 +26,7 @@ from torch.func import vmap
 from flatflower.client.batch import ModelBatch
 from flatflower.client.layout import Layout
 from flatflower.common.models import build_model
-from flatflower.runtime.vectorized import FunctionalBatch, conv_flops
+from flatflower.runtime.engines.vectorized import FunctionalBatch, conv_flops
 
 CLIENTS = 16
 REPEATS = 5

@@ -187,7 +187,7 @@ def run_in_process(cfg: RunConfig, clients: int, *, on_poll: OnPoll, vectorized:
                    node_configs: dict[int, dict] | None = None) -> Outcome:
     """The real ServerApp and ClientApps in this process (runtime/engines/inprocess.py), in a worker
     thread while ``on_poll`` runs here; a failure of the run is raised here. ``vectorized``:
-    each round's local training in batched passes (runtime/vectorized.py)."""
+    each round's local training in batched passes (runtime/engines/vectorized.py)."""
     logging.getLogger("flwr").setLevel(logging.WARNING)
     for name in ("flwr.flatflower.server", "flwr.flatflower.client"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -38,7 +38,7 @@ from flatflower.client.app import app as default_client_app
 from flatflower.common.config import RunConfig
 from flatflower.common.data import model_shape
 from flatflower.common.models import build_model
-from flatflower.runtime.vectorized import (adopt_batching, batching_choices, check_batchable, check_compilable,
+from flatflower.runtime.engines.vectorized import (adopt_batching, batching_choices, check_batchable, check_compilable,
                                            train_together)
 from flatflower.server.app import app as default_server_app
 from flatflower.server.rundir import RunWriteError, default_run_dir, write_recorded
@@ -104,6 +104,8 @@ class Slots:
 
 
 class InProcessGrid(Grid):
+    engine = "inprocess"  # what config.json records as the run's engine (server/run.py engine_of)
+
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: Mapping[str, Any],
                  node_config: Mapping[str, Any] | None = None, first_node_id: int = 1000,
                  copy_messages: bool = True, node_configs: Mapping[int, Mapping[str, Any]] | None = None):
@@ -225,12 +227,13 @@ class InProcessGrid(Grid):
 
 class VectorizedGrid(InProcessGrid):
     """The in-process grid, with the train messages of a push trained together
-    (runtime/vectorized.py): each is opened by the ClientApp's own ``TrainCall``, all train in
+    (runtime/engines/vectorized.py): each is opened by the ClientApp's own ``TrainCall``, all train in
     batched passes in one worker thread, and each gets the reply its ClientApp would have sent
     (or its error reply). Other messages (query, evaluate) go to the ClientApp one by one.
     Messages are not deep-copied: the client side only reads them and builds new replies."""
 
-    CHOICES = "vectorized.json"  # in the run directory: which models it batched (flatflower.runtime.vectorized)
+    engine = "vectorized"
+    CHOICES = "vectorized.json"  # in the run directory: which models it batched (flatflower.runtime.engines.vectorized)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -370,7 +373,7 @@ def _run(outcome) -> Message:
 
 def check_vectorizable(cfg) -> None:
     """ValueError (one line) before any round when the run's model cannot be batched by the
-    vectorised engine (buffers such as BatchNorm's statistics, dropout: flatflower.runtime.vectorized.
+    vectorised engine (buffers such as BatchNorm's statistics, dropout: flatflower.runtime.engines.vectorized.
     check_batchable), or when ``compile = on`` and torch.compile does not work here
     (check_compilable): the engine refuses it itself, not only the CLI."""
     input_shape, num_classes = model_shape(cfg)  # partition = local: from the run config, no data here
