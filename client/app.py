@@ -348,14 +348,42 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({P.METRICS: metrics, P.CONFIG: _identity(msg, node)}), reply_to=msg)
 
 
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_settings(cfg: RunConfig, msg: Message) -> None:
+    """ValueError (one line, naming every differing key with both values) when the handshake
+    query's ``settings`` (the server's values of the keys both halves must agree on,
+    common/protocol.py) differ from this client's run config: a server built from another run
+    config than the ClientApps read (a ServerApp of one's own) would otherwise refuse every
+    reply, round after round. Keys this client's run config lacks (another algorithm's; the
+    ``algorithm`` key tells) are not compared; a query without settings is not checked."""
+    settings = msg.content.get(P.SETTINGS)
+    if not isinstance(settings, ConfigRecord):
+        return
+    own = cfg.to_dict()
+    differ = [k for k in own if k in settings and settings[k] != own[k]]
+    if differ:
+        raise ValueError(
+            f"{P.SETTINGS_DIFFER} {', '.join(differ)}: the server's "
+            f"{', '.join(f'{k}={_shown(settings[k])}' for k in differ)}; the client's "
+            f"{', '.join(f'{k}={_shown(own[k])}' for k in differ)} (both halves must read one run config: a "
+            "ServerApp of your own builds its strategy from context.run_config, "
+            "flatflower.server_strategy(algorithm, context.run_config))")
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Handshake: which partition this node holds, its training set's size and, where it has
-    held-out data, that set's size (federated evaluation's weight); that its data loads (and,
-    with partition = local, fits the run's model: a one-line refusal naming its folder), and that
+    held-out data, that set's size (federated evaluation's weight); that the server's settings
+    are this node's run config (:func:`check_settings`), that its data loads (and, with
+    partition = local, fits the run's model: a one-line refusal naming its folder), and that
     the run's own model code imports here (a node without it is refused, the reason naming the
     module)."""
     cfg, node, device = _setup(context)
+    check_settings(cfg, msg)
     check_importable(cfg.resolved_model())
     fault = Fault.parse(node.inject_fault)
     if fault:

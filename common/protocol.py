@@ -69,6 +69,25 @@ NUM_HELDOUT = "num-heldout"
 EVAL_LOSS = "eval-loss"  # metrics of an evaluate reply
 EVAL_ACCURACY = "eval-accuracy"  # metrics of an evaluate reply
 NODE = "node"  # a handshake reply's ConfigRecord: what the node runs on (not used by the server)
+# A handshake query's ConfigRecord: the server's values of the run-config keys both halves must
+# agree on (SHARED_KEYS, and the keys its algorithm's client half reads). A flatflower ClientApp
+# compares them with its own run config and answers a difference with an error naming the keys
+# (SETTINGS_DIFFER ...), which the server shows as the node's refusal; a ClientApp that does not
+# read it (a stock one, an older one) answers as before, and a query without it is not compared.
+SETTINGS = "settings"
+SETTINGS_DIFFER = "the clients' run config differs from the server's on"  # how that error begins
+# The general run-config keys a client reads that the server's checks and aggregation rely on:
+# what model it builds, which data and partition it holds, how it trains and privatizes. Never
+# the keys that may differ per node (data-dir, download: a node's node config may override
+# them), the server's own (rounds, sampling, aggregation, run-dir, ...), nor the engine's
+# (eval-batch-size, batching, compile, client-eval, client-state-dir, checkpoint-every).
+SHARED_KEYS = (
+    "algorithm", "seed", "dataset", "model", "buffers", "input-shape", "num-classes", "classes",
+    "image-size", "csv-label", "partition", "partition-args", "partition-seed", "dirichlet-alpha",
+    "classes-per-client", "validation-fraction", "synthetic-alpha", "synthetic-beta",
+    "lr", "lr-decay", "local-epochs", "local-steps", "batch-size", "weight-decay", "momentum",
+    "clip-norm", "amp", "train-transform", "dp.clip", "dp.noise-multiplier", "dp.clip-mode",
+)
 DEVICE = "device"  # NODE's one key: the torch device the client trains on
 # ``client-eval`` self-reports a train reply may add (checked, written to clients.jsonl, never
 # aggregated): "<measure>-before" / "<measure>-after" training, for each measure.

@@ -38,13 +38,9 @@ from flatflower.server.rundir import RunDir, RunDirError, default_run_dir
 from flatflower.server.setup import LEDGER, prepare_run
 from flatflower.server.tensorboard import Board
 from flatflower.strategies.base import all_finite
-from flatflower.strategies.strategy import RoundStats
+from flatflower.strategies.strategy import RoundStats, RunFailed
 
 log = logging.getLogger("flwr.flatflower.server")
-
-
-class RunFailed(RuntimeError):
-    """The run ended without a usable model (every round skipped, or a non-finite model)."""
 
 
 def run_server(grid: Grid, cfg: RunConfig) -> Path:

@@ -36,6 +36,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -137,16 +138,18 @@ def _asked(sent: Iterable[Message]) -> dict[str, tuple[int, int]]:
             for m in sent}
 
 
-def error_text(reply: Message) -> str:
-    """An error reply's code and reason, bounded and without control characters (it is shown
-    to the operator)."""
+def error_text(reply: Message, limit: int = REASON_CHARS) -> str:
+    """An error reply's code and reason, bounded (``limit`` characters of the reason) and
+    without control characters (it is shown to the operator)."""
     reason = re.sub(r"[\x00-\x1f\x7f]+", " ", str(reply.error.reason)).strip()
     # Flower writes a ClientApp exception as "<class 'ValueError'>:<'message'>"
     raised = re.match(r"<class '(?:[\w.]+\.)?(\w+)'>:<'", reason)
     if raised:
         reason = f"{raised.group(1)}: " + reason[raised.end():].removesuffix("'>")
-    return f"error {reply.error.code}: {reason[:REASON_CHARS]}"
+    return f"error {reply.error.code}: {reason[:limit]}"
 
+
+SETTINGS_CHARS = 1000  # how much of a node's "run config differs" line is kept (it names every key)
 
 # What Flower's ClientApp raises on a query message when no query function is registered (a
 # Message-API ClientApp without @app.query; a legacy client_fn ClientApp)
@@ -155,19 +158,29 @@ NO_QUERY = ("No query function registered", "Invalid message type: query")
 
 def handshake_error(reply: Message) -> str:
     """Why a node's handshake failed, from its error reply: for a ClientApp that has no query
-    function (a stock Flower ClientApp), what it misses and where the protocol is written."""
+    function (a stock Flower ClientApp), what it misses and where the protocol is written; for
+    one whose run config differs from the query's ``settings``, its line naming the keys."""
     text = error_text(reply)
     if any(sign in text for sign in NO_QUERY):
         return ("does not answer flatflower's partition handshake (query): its ClientApp registers no "
                 "query function; see docs/protocol.md")
+    raw = str(reply.error.reason)  # Flower's Ray engine wraps it in its traceback: found, not assumed first
+    differ = raw.find(P.SETTINGS_DIFFER)
+    if differ >= 0:  # the node compared the query's settings with its run config: its own line
+        line = (raw[differ:].splitlines() or [""])[0].removesuffix("'>")
+        return re.sub(r"[\x00-\x1f\x7f]+", " ", line)[:SETTINGS_CHARS].strip()
     return text
 
 
 class Participation:
-    def __init__(self, cfg: RunConfig, partition_sizes: Callable[[int], Sequence[int]] | None = None):
+    def __init__(self, cfg: RunConfig, partition_sizes: Callable[[int], Sequence[int]] | None = None,
+                 settings: Mapping[str, Any] | None = None):
         """``partition_sizes(N)``: the number of training examples of each of N partitions, as
-        the server computes them (None: taken from the handshakes)."""
+        the server computes them (None: taken from the handshakes). ``settings``: the run-config
+        values every handshake query carries for the clients to compare with their own
+        (``settings`` record, common/protocol.py; None: none sent)."""
         self.cfg = cfg
+        self.settings = dict(settings or {})
         self.num_partitions: int | None = cfg.num_partitions or None
         self.sizes: dict[int, int] = {}  # partition id -> number of training examples
         # partition id -> its held-out examples, declared at its first handshake (0: it holds
@@ -280,7 +293,7 @@ class Participation:
         refusals = []
 
         def refuse(node: int, pid: int, why: str) -> None:
-            refusals.append(f"node {node}: {why}")
+            refusals.append((node, why))
             on_refused("handshake", pid, node, why)
 
         if self.unanswered:  # answers that came after their wait
@@ -314,14 +327,22 @@ class Participation:
                                      "earlier messages, or its link is too slow to fetch the app; not "
                                      "waited for again (it joins if it answers later)")
         if not self.partition_of:
-            more = f"; and {len(refusals) - 4} more (the run log names each)" if len(refusals) > 4 else ""
+            reasons = {why for _, why in refusals}
+            if len(reasons) == 1 and next(iter(reasons)).startswith(P.SETTINGS_DIFFER):
+                # not the nodes' fault but the run's (its two halves read different run configs): said once
+                raise NoNodesError(f"{reasons.pop()} (no node passed the partition handshake: "
+                                   f"{len(refusals)} refused for it)")
+            listed = [f"node {node}: {why}" for node, why in refusals]
+            more = f"; and {len(listed) - 4} more (the run log names each)" if len(listed) > 4 else ""
             raise NoNodesError("no node passed the partition handshake: "
-                               + ("; ".join(refusals[:4]) or "no node answered") + more)
+                               + ("; ".join(listed[:4]) or "no node answered") + more)
 
     def _queries(self, node_ids: list[int]) -> list[Message]:
         """One handshake ``query`` for each node, all with one fresh nonce."""
-        config = ConfigRecord({P.NONCE: new_nonce()})
-        return [Message(RecordDict({P.CONFIG: config}), dst_node_id=n, message_type=MessageType.QUERY)
+        content = {P.CONFIG: ConfigRecord({P.NONCE: new_nonce()})}
+        if self.settings:
+            content[P.SETTINGS] = ConfigRecord(self.settings)
+        return [Message(RecordDict(content), dst_node_id=n, message_type=MessageType.QUERY)
                 for n in node_ids]
 
     def _claim(self, reply: Message, asked: Mapping[str, tuple[int, int]],

@@ -50,12 +50,16 @@ from flatflower.strategies.aggregate import client_weights
 from flatflower.strategies.base import ServerRule
 from flatflower.strategies.participation import (NoNodesError, Participation, destinations, error_text, exchange,
                                      new_nonce, node_of)
-from flatflower.strategies.validation import (ClientUpdate, Expected, RejectedReply, layout_of,
+from flatflower.strategies.validation import (REASON_CHARS, ClientUpdate, Expected, RejectedReply, layout_of,
                                    parse_evaluate_reply, parse_train_reply)
 
 log = logging.getLogger("flwr.flatflower.server")
 
-__all__ = ["FlatStrategy", "NoNodesError", "RoundRecord", "RoundStats"]
+__all__ = ["FlatStrategy", "NoNodesError", "RoundRecord", "RoundStats", "RunFailed"]
+
+
+class RunFailed(RuntimeError):
+    """The run ended without a usable model (every round skipped, or a non-finite model)."""
 
 # federated evaluation's results (aggregate_evaluate): metrics.jsonl's federated_loss / _accuracy
 FEDERATED_LOSS, FEDERATED_ACCURACY = "federated-loss", "federated-accuracy"
@@ -105,6 +109,14 @@ class RoundRecord:
     steps: dict[int, int]  # each sampled partition -> the local steps the server asked of it
 
 
+def shared_settings(cfg: RunConfig, spec) -> dict:
+    """What every handshake query carries for the clients to compare with their own run config
+    (the ``settings`` record, common/protocol.py): this run's values of the general keys both
+    halves must agree on and of the keys its algorithm's client half reads."""
+    client_keys = spec.client.Params.fields()
+    return {k: v for k, v in cfg.to_dict().items() if k in P.SHARED_KEYS or k in client_keys}
+
+
 class FlatStrategy(FlowerFedAvg):
     """The Flower strategy that drives an algorithm's rounds (see module docstring); the
     algorithm itself is ``self.rule``, its :class:`~flatflower.strategies.base.ServerRule`."""
@@ -130,7 +142,8 @@ class FlatStrategy(FlowerFedAvg):
         self.rule: ServerRule = spec.new_rule(cfg, params if self.buffer_keys else initial_model)
         self.layout = layout_of(initial_model)  # what every reply's model must be: parameters and buffers
         self.round = 0  # last completed training round
-        self.participation = Participation(cfg, partition_sizes)
+        self.rounds_skipped = 0  # training rounds that left the model unchanged (finish_round)
+        self.participation = Participation(cfg, partition_sizes, shared_settings(cfg, spec))
         self.stats = RoundStats()
         self.failure_reasons: dict[int, str] = {}  # this round's failed partitions -> why
         self._accepted: tuple[OrderedDict, list[ClientUpdate]] = (self.rule.model, [])  # start point, updates
@@ -449,9 +462,30 @@ class FlatStrategy(FlowerFedAvg):
                 self.stats.rule = dict(self.rule.metrics)
         if reason:
             self.stats.skipped = 1
+            self.rounds_skipped += 1
             log.warning("round %d skipped: %s; the global model and server state are unchanged",
                         server_round, reason)
         self.round = server_round
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, *args, **kwargs):
+        """Flower's ``start`` (a user's own ServerApp), which never ends as a success when every
+        round was skipped: RunFailed, one line with the last refusal or failure, instead of a
+        result holding the initial model (flatflower's own ServerApp says the same:
+        server/run.py)."""
+        skipped, first = self.rounds_skipped, self.round + 1
+        result = super().start(grid, initial_arrays, num_rounds, *args, **kwargs)
+        if num_rounds >= 1 and self.rounds_skipped - skipped == num_rounds:
+            raise RunFailed(f"every round ({first}-{self.round}) was skipped: no round had enough accepted "
+                            f"client updates, the global model is the initial one{self._last_refusal()}")
+        return result
+
+    def _last_refusal(self) -> str:
+        """``; the last round's refusal: <reason>`` (or failure), for RunFailed's line."""
+        for what, items in (("refusal", self.stats.rejections), ("failure", self.stats.failures)):
+            if items:  # its first line: an in-process error reply carries its traceback after "'>"
+                reason = str(items[-1]["reason"]).split("'> ", 1)[0].removesuffix("'>")[:REASON_CHARS]
+                return f"; the last round's {what}: client {items[-1]['partition']}: {reason}"
+        return ""
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 import flatflower
@@ -221,6 +222,85 @@ def test_the_docs_serverapp_runs(tmp_path, capsys):
     app = run_example(example("flatflower.server_strategy("))["app"]
     run_inprocess({**DIGITS, "algorithm": "fedgmt", "run-dir": str(tmp_path / "docs")}, 2, server_app=app)
     assert "final model: ['1.weight', '1.bias', '3.weight', '3.bias']" in capsys.readouterr().out
+
+
+def _users_serverapp(seen: dict, **server_keys) -> ServerApp:
+    """A user's own ServerApp whose strategy reads the run config with ``server_keys`` over it."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = flatflower.server_strategy("fedavg", context.run_config, **server_keys)
+        seen["strategy"] = strategy
+        seen["result"] = strategy.start(grid=grid, initial_arrays=ArrayRecord(strategy.model), num_rounds=2)
+
+    return app
+
+
+def _counting_client_app(calls: list) -> ClientApp:
+    """flatflower's ClientApp, each message's type recorded in ``calls``."""
+    from flatflower.client import app as client
+
+    app = ClientApp()
+    for kind, handler in (("query", client.query), ("train", client.train), ("evaluate", client.evaluate)):
+        def handle(msg, context, kind=kind, handler=handler):
+            calls.append(kind)
+            return handler(msg, context)
+        getattr(app, kind)()(handle)
+    return app
+
+
+def test_a_users_serverapp_with_another_run_config_than_the_clients_is_refused_at_the_handshake(tmp_path):
+    """Issue 57, item 7: a user's ServerApp whose strategy reads another model and local-epochs
+    than flatflower's ClientApps had every round skipped ("reply claims 105 local steps, the round
+    asks for 21") and ended as a success. The handshake compares the two halves' settings: one
+    line naming the differing keys, and no train message is ever sent."""
+    from flatflower.runtime.engines.inprocess import run_inprocess
+    from flatflower.strategies.participation import NoNodesError
+
+    seen: dict = {}
+    calls: list = []
+    cfg = {**DIGITS, "algorithm": "fedavg", "run-dir": str(tmp_path / "own")}
+    with pytest.raises(NoNodesError) as err:
+        run_inprocess(cfg, 2, server_app=_users_serverapp(seen, model="logreg", local_epochs=3),
+                      client_app=_counting_client_app(calls))
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith("the clients' run config differs from the server's on model, local-epochs: the "
+                           "server's model='logreg', local-epochs=3; the client's model='mlp', local-epochs=1 "), text
+    assert text.endswith("(no node passed the partition handshake: 2 refused for it)"), text
+    assert calls == ["query", "query"] and seen["strategy"].round == 0
+
+
+def test_keys_of_the_server_alone_and_of_each_node_may_differ_between_the_halves(tmp_path):
+    """What only the server reads (rounds, sampling, timeouts, evaluation, its run directory) and
+    what a node may set for itself (data-dir, download) are not compared: the run trains."""
+    from flatflower.runtime.engines.inprocess import run_inprocess
+
+    seen: dict = {}
+    cfg = {**DIGITS, "algorithm": "fedavg", "run-dir": str(tmp_path / "own")}
+    run_inprocess(cfg, 2, server_app=_users_serverapp(
+        seen, fraction_train=0.5, round_timeout=300.0, eval_batch_size=64, num_server_rounds=7,
+        run_dir=str(tmp_path / "elsewhere"), data_dir=str(tmp_path), download=False))
+    assert seen["strategy"].round == 2 and seen["strategy"].rounds_skipped == 0
+
+
+def test_a_users_serverapp_whose_every_round_is_skipped_fails(tmp_path):
+    """Issue 57, item 7: ``strategy.start`` returned the initial model as a result when no round
+    had an accepted update; now it raises RunFailed, one line with the last round's reason."""
+    from flatflower.runtime.engines.inprocess import run_inprocess
+    from flatflower.strategies.strategy import RunFailed
+
+    seen: dict = {}
+    cfg = {**DIGITS, "algorithm": "fedavg", "run-dir": str(tmp_path / "own")}
+    with pytest.raises(RunFailed) as err:
+        run_inprocess(cfg, 2, node_config={"inject-fault": "raise"}, server_app=_users_serverapp(seen))
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("every round (1-2) was skipped: no round had enough accepted "
+                                                "client updates, the global model is the initial one; the last "
+                                                "round's failure: client "), text
+    assert text.endswith("RuntimeError: injected fault: raise (round 2)"), text
+    assert seen["strategy"].rounds_skipped == 2 and "result" not in seen
 
 
 def test_server_strategy_refuses_another_algorithm_in_its_config():

@@ -283,6 +283,47 @@ def test_query_reports_partition_and_size() -> None:
     assert all(state_view(c)["metrics"] == {} for c in grid.contexts.values())  # query keeps state
 
 
+def test_query_compares_the_servers_settings_with_its_own_run_config() -> None:
+    """The handshake query carries the server's values of the keys both halves must agree on
+    (protocol.SETTINGS): equal values are answered as before; a difference is an error reply
+    in one line naming every differing key with both values (issue 57, item 7); the server
+    keeps that line whole, even wrapped in the traceback Flower's Ray engine puts around it."""
+    from types import SimpleNamespace
+
+    from flwr.app import Error
+
+    from flatflower.strategies.participation import handshake_error
+    from flatflower.strategies.strategy import shared_settings
+
+    cfg = RunConfig.from_mapping(fast_config(algorithm="fedsam"))
+    grid = InProcessGrid(client_app, 2, cfg.to_dict())
+    node = min(grid.contexts)
+
+    def query(settings: dict) -> Message:
+        content = RecordDict({P.CONFIG: ConfigRecord({P.NONCE: 7}), P.SETTINGS: ConfigRecord(settings)})
+        (reply,) = grid.send_and_receive([Message(content, dst_node_id=node, message_type=MessageType.QUERY)])
+        return reply
+
+    settings = shared_settings(cfg, registry.get("fedsam"))
+    assert {"model", "local-epochs", "sam.rho"} <= set(settings)
+    assert not {"data-dir", "download", "run-dir", "num-server-rounds", "fraction-train"} & set(settings)
+    assert not query(settings).has_error()
+    assert not query({**settings, "fedgmt.beta": 3.0}).has_error()  # a key this client's run config lacks
+    reply = query({**settings, "model": "mlp", "local-epochs": 9, "sam.rho": 0.5})
+    assert reply.has_error()
+    why = handshake_error(reply)
+    assert why.startswith("the clients' run config differs from the server's on model, local-epochs, sam.rho: "
+                          "the server's model='mlp', local-epochs=9, sam.rho=0.5; the client's model='logreg', "
+                          f"local-epochs={cfg.local_epochs}, sam.rho={cfg.params.rho}"), why
+    assert "\n" not in why and why.endswith("flatflower.server_strategy(algorithm, context.run_config))")
+    ray = SimpleNamespace(error=Error(code=0, reason=(
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'ray::ClientAppActor.run() (pid=1)\n"
+        "  File \"ray_actor.py\", line 65, in run\nflwr.clientapp.client_app.ClientAppException: \n"
+        f"Exception ClientAppException occurred. Message: {why}\n\nThe above exception was the direct "
+        "cause of the following exception:\n" + "x" * 2000 + "'>")))
+    assert handshake_error(ray) == why
+
+
 def test_query_on_misconfigured_node_is_an_error_reply() -> None:
     cfg = RunConfig.from_mapping(fast_config())
     grid = InProcessGrid(client_app, 2, cfg.to_dict())
