@@ -12,8 +12,10 @@ wins: common/data.py). Every node and the server read the same contract:
 - ``imagefolder``: torchvision's ImageFolder layout, ``train/<class>/*`` and
   ``test/<class>/*``. Labels follow ``classes`` (comma-separated names in label order;
   default: the sorted folder names under ``train/``), so nodes holding different classes
-  agree when they name them. Images are kept as uint8 N x C x H x W, RGB, or grayscale when
-  every image is; ``image-size`` > 0 resizes them to a square, else all must share one size.
+  agree when they name them (a class may be absent from a node's folders; a class folder that
+  is there must hold images, and there must be at least 2 classes). Images are kept as uint8
+  N x C x H x W, RGB, or grayscale when every image is; ``image-size`` > 0 resizes them to a
+  square, else all must share one size.
   Normalised as the built-in image sets: x / 255, then the train split's per-channel mean/std.
 - ``package.module:callable``: see :func:`from_callable`.
 
@@ -223,7 +225,15 @@ def _imagefolder(root: str, classes: str, image_size: int, num_classes: int) -> 
         found = make_dataset(d, index, extensions=IMG_EXTENSIONS, allow_empty=True)
         if not found:
             raise DataError(f"{d} holds no images (extensions: {', '.join(IMG_EXTENSIONS)})")
+        held = {label for _, label in found}
+        empty = [c for c in sorted(_subdirs(d)) if index[c] not in held]
+        if empty:  # a class no image teaches (or tests): its accuracy would mean nothing
+            raise DataError(f"{os.path.join(d, empty[0])}: class folder {empty[0]!r} holds no images "
+                            f"(extensions: {', '.join(IMG_EXTENSIONS)}): add its images or remove the folder")
         files.append(found)
+    if len(names) < 2:  # one class: every prediction is right, "100.00%" says nothing
+        raise DataError(f"{dirs[0]}: the image folder has 1 class ({names[0]!r}): a classifier needs at least "
+                        "2 classes, one folder of images each (train/<class>/*)")
     images = [[_open_image(path) for path, _ in split] for split in files]
     gray = all(im.mode in _GRAY_MODES for split in images for im in split)
     mode = "L" if gray else "RGB"

@@ -185,6 +185,15 @@ def test_imagefolder_classes_key_grayscale_and_resize(tmp_path) -> None:
     ({"train": {"a": [np.zeros((4, 4, 3))]}}, {}, "test is missing"),
     ({"train": {"a": [np.zeros((4, 4, 3))]}, "test": {"a": [np.zeros((4, 4, 3))]}},
      {"num_classes": 3}, "num-classes=3, but the image folder has 1 classes"),
+    # issue 57, item 7: one class trained to "100.00%", an empty class folder to "50.00%", silently
+    ({"train": {"a": [np.zeros((4, 4, 3))]}, "test": {"a": [np.zeros((4, 4, 3))]}},
+     {}, "train: the image folder has 1 class ('a'): a classifier needs at least 2 classes"),
+    ({"train": {"a": [np.zeros((4, 4, 3))]}, "test": {"a": [np.zeros((4, 4, 3))]}},
+     {"classes": "a"}, "the image folder has 1 class ('a')"),
+    ({"train": {"a": [np.zeros((4, 4, 3))], "b": []}, "test": {"a": [np.zeros((4, 4, 3))]}},
+     {}, "train/b: class folder 'b' holds no images"),
+    ({"train": {"a": [np.zeros((4, 4, 3))], "b": [np.zeros((4, 4, 3))]},
+      "test": {"a": [np.zeros((4, 4, 3))], "b": []}}, {}, "test/b: class folder 'b' holds no images"),
 ])
 def test_imagefolder_bad_input_is_one_line(tmp_path, layout, options, match) -> None:
     root = write_images(tmp_path, layout)
@@ -193,8 +202,33 @@ def test_imagefolder_bad_input_is_one_line(tmp_path, layout, options, match) -> 
     assert match in one_line(err)
 
 
+TWO_CLASSES = {"train": {"a": [np.zeros((4, 4, 3))], "b": [np.zeros((4, 4, 3))]}, "test": {"a": [np.zeros((4, 4, 3))]}}
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    ({"train": {"cat": [np.zeros((4, 4, 3))] * 4}, "test": {"cat": [np.zeros((4, 4, 3))]}},
+     "the image folder has 1 class ('cat')"),
+    ({"train": {"cat": [np.zeros((4, 4, 3))] * 4, "dog": []}, "test": {"cat": [np.zeros((4, 4, 3))],
+                                                                      "dog": [np.zeros((4, 4, 3))]}},
+     "class folder 'dog' holds no images"),
+])
+def test_an_image_folder_a_classifier_cannot_learn_is_refused_before_anything_starts(tmp_path, capsys, layout,
+                                                                                    message) -> None:
+    """Issue 57, item 7: `flatflower simulate` on one class trained to "100.00%", with an empty
+    class folder to "50.00%", and said nothing; now one error line (exit 2) and no run directory."""
+    from flatflower.tools.cli import main
+
+    root = write_images(tmp_path / "data", layout)
+    code = main(["simulate", "--engine", "inprocess", "--clients", "2", "--dataset", "imagefolder",
+                 "--set", f"data-dir={root}", "--partition", "iid", "--rounds", "1",
+                 "--run-dir", str(tmp_path / "run")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
 def test_imagefolder_unreadable_image_names_it(tmp_path) -> None:
-    root = write_images(tmp_path, {"train": {"a": [np.zeros((4, 4, 3))]}, "test": {"a": [np.zeros((4, 4, 3))]}})
+    root = write_images(tmp_path, TWO_CLASSES)
     (root / "test" / "a" / "broken.png").write_bytes(b"not a png")
     with pytest.raises(DataError) as err:
         load("imagefolder", str(root))
@@ -204,7 +238,7 @@ def test_imagefolder_unreadable_image_names_it(tmp_path) -> None:
 def test_imagefolder_mixed_modes_become_rgb(tmp_path) -> None:
     from PIL import Image
 
-    root = write_images(tmp_path, {"train": {"a": [np.zeros((4, 4, 3))]}, "test": {"a": [np.zeros((4, 4, 3))]}})
+    root = write_images(tmp_path, TWO_CLASSES)
     Image.fromarray(np.full((4, 4), 90, dtype=np.uint8), mode="L").save(root / "train" / "a" / "gray.png")
     ds = load("imagefolder", str(root))
     assert ds.input_shape == (3, 4, 4) and ds.train.x.amax().item() == 90
