@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.rule_state import MODEL, keeps
 from flatflower.common.tensors import Tensors, add, scale, sub, zeros_like
 from flatflower.common.params import POSITIVE, Params, Range, key
 from flatflower.common.protocol import DUAL
@@ -33,6 +34,7 @@ class DualClient(ClientRule):
     """Shared mechanics of the FedDyn family: dual h_i, prox term, dual update."""
 
     Params = DualParams
+    Keeps = keeps(dual=MODEL)  # h_i
 
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)

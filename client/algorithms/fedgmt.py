@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from flatflower.client.algorithms.feddyn import DualClient
 from flatflower.client.batch import mean_cross_entropy, mean_kl
+from flatflower.client.rule_state import MODEL, keeps
 from flatflower.common.tensors import Tensors, add, scale
 from flatflower.common.params import FRACTION, NONNEGATIVE, POSITIVE, Params, Range, key, one_of
 from flatflower.common.protocol import CLIENT_EMA, EMA_MODEL
@@ -58,6 +59,7 @@ class FedGMTv2Params(DistillParams):
 
 class FedGMTClient(DualClient):
     Params = DistillParams
+    Keeps = keeps(teacher=MODEL)  # the EMA model this round distils from
 
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)

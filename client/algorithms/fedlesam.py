@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from flatflower.client.algorithms.base import ClientRule
 from flatflower.client.algorithms.feddyn import DualClient, DualParams
 from flatflower.client.algorithms.scaffold import ScaffoldClient
+from flatflower.client.rule_state import MODEL, keeps, optional
 from flatflower.client.sam import SAMParams, unit_scaled
 from flatflower.common.tensors import sub
 from flatflower.common.params import key, one_of
@@ -41,6 +42,8 @@ class FedLESAMDParams(FedLESAMParams, DualParams):
 
 class LocalEstimate:
     """Mixin: the FedLESAM perturbation and the theta_i^old it needs (client state)."""
+
+    Keeps = keeps(offset=optional(MODEL))  # delta; none on a first round without theta_i^old
 
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)

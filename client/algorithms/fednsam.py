@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.rule_state import MODEL, keeps
 from flatflower.client.sam import SAMParams, unit_scaled
 from flatflower.common.tensors import scale, sub
 from flatflower.common.params import FRACTION, Params, Range, key
@@ -34,6 +35,7 @@ class FedNSAMParams(SAMParams, MomentumParams):
 
 class FedNSAMClient(ClientRule):
     Params = FedNSAMParams
+    Keeps = keeps(offset=MODEL)  # e, fixed for the round
 
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatflower.client.algorithms.feddyn import DualClient, DualParams
+from flatflower.client.rule_state import MODEL, keeps
 from flatflower.client.sam import SAMParams, unit_scaled
 from flatflower.common.tensors import add, sub, zeros_like
 from flatflower.common.protocol import GLOBAL_PERTURBATION, PERTURBATION_CORRECTION, PERTURBATION_DUAL
@@ -30,6 +31,7 @@ class FedSMOOParams(SAMParams, DualParams):
 
 class FedSMOOClient(DualClient):
     Params = FedSMOOParams
+    Keeps = keeps(s=MODEL, mu=MODEL, last=MODEL)  # s (broadcast), mu_i, s^_k
 
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatflower.client.algorithms.feddyn import DualClient
+from flatflower.client.rule_state import MODEL, keeps, optional
 from flatflower.client.sam import SAMParams, unit_scaled
 from flatflower.common.tensors import add, scale
 from flatflower.common.params import NONNEGATIVE, POSITIVE, Params, Range, key, one_of
@@ -55,6 +56,8 @@ class FedTOGAParams(SAMParams, DualStepParams):
 
 class FedTOGAClient(DualClient):
     Params = FedTOGAParams
+    # kappa Delta, beta Delta; g~_{k-1}: none before the first step
+    Keeps = keeps(kappa_delta=MODEL, beta_delta=MODEL, previous=optional(MODEL))
 
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)

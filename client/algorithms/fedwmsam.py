@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from flatflower.client.algorithms.scaffold import ScaffoldClient
+from flatflower.client.rule_state import CONSTANT, MODEL, keeps, optional
 from flatflower.client.sam import SAMParams, unit_scaled
 from flatflower.common.params import key, one_of
 from flatflower.common.protocol import CLIENT_CONTROL, GLOBAL_UPDATE, LOCAL_WEIGHT
@@ -59,6 +60,8 @@ def code_literal(delta, rho: float):
 
 class FedWMSAMClient(ScaffoldClient):
     Params = FedWMSAMParams
+    # the server's alpha; q; m_k (none at sam.rho = 0)
+    Keeps = keeps(alpha=CONSTANT, drift=MODEL, target_step=optional(MODEL))
 
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)

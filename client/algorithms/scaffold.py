@@ -15,12 +15,15 @@ from __future__ import annotations
 import torch
 
 from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.rule_state import MODEL, SCALAR, keeps, optional
 from flatflower.common.tensors import Tensors, add, scale, sub, zeros_like
 from flatflower.common.protocol import CLIENT_CONTROL, CONTROL, CONTROL_DELTA
 
 
 class ScaffoldClient(ClientRule):
     SERVER_CONTROL = CONTROL  # the broadcast record that holds c
+    # c, c_i, c - c_i; K; c_i^+ once uploads or new_state computed it
+    Keeps = keeps(c=MODEL, c_i=MODEL, c_minus_ci=MODEL, steps=SCALAR, _new_control=optional(MODEL))
 
     def __init__(self, params, start, broadcast, state, lr, initial=None):
         super().__init__(params, start, broadcast, state, lr, initial)

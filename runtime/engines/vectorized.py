@@ -5,9 +5,10 @@ client dimension, and each step runs the **same client rule** (client/algorithms
 ``torch.func.vmap``. So every per-client quantity (SAM's gradient norm, FedNSAM's offset,
 FedGMT's teacher logits, a dual, a control variate) is per client, and gradients come from
 ``torch.func.grad`` of a functional call of one template model (:class:`FunctionalBatch`).
-The rules' tensor attributes (start model, duals, previous SAM gradient, SCAFFOLD's step
-count...) are stacked alongside (:class:`StackedRule`) and carried from step to step; their
-other attributes (hyperparameters, flags) are shared by the group.
+The state a rule declares (its ``Keeps``, flatflower.client.rule_state: start model, duals,
+previous SAM gradient, SCAFFOLD's step count...) is stacked alongside (:class:`StackedRule`)
+and carried from step to step; its declared constants (hyperparameters, flags) are shared by
+the group. Nothing else of a rule is carried: one that keeps more is refused.
 
 Ragged clients are exact. A step whose clients draw mini-batches of different sizes (the last
 batch of an epoch) pads them; real rows weigh 1/b and padding 0 in the objective's means
@@ -43,7 +44,8 @@ from torch.func import functional_call, vmap
 
 from flatflower.client.algorithms.base import ClientRule
 from flatflower.client.app import report_of
-from flatflower.client.batch import ModelBatch, Objective, cross_entropy
+from flatflower.client.batch import Objective, cross_entropy
+from flatflower.client.rule_state import RuleStateError, check_state, declared_state
 from flatflower.client.sgd import masked, sgd_step
 from flatflower.client.train import LocalResult, autocast, host_losses, round_loss, round_order
 from flatflower.common.tensors import Tensors, add
@@ -92,8 +94,8 @@ class FunctionalBatch:
             return self._forward(weights)
 
 
-# ---------------------------------------------------------------- a rule's tensors, stacked
-TENSOR, OTHER = "T", "O"  # the leaves of a rule's attributes: stacked per client / shared
+# ---------------------------------------------------------------- a rule's declared state, stacked
+TENSOR, OTHER = "T", "O"  # the leaves of a declared value: stacked per client / shared
 
 
 def _flatten(value, tensors: list, others: list):
@@ -121,53 +123,83 @@ def _unflatten(spec, tensors, others):
     return kind(_unflatten(v, tensors, others) for v in items)
 
 
-class StackedRule:
-    """The rules of a group of clients as one: per attribute, its structure and shared leaves
-    (``spec``, ``others``, from the first rule) and its tensors stacked along the clients."""
+ABSENT = object()  # a declared optional value not set yet
 
-    def __init__(self, rules: Sequence[ClientRule]):
+
+class StackedRule:
+    """The rules of a group of clients as one, over their declared state
+    (flatflower.client.rule_state): per carried value (a model-aligned list, a 0-d tensor,
+    records, optional ones), its structure and shared leaves (``spec``, ``others``, from the
+    first rule) and its tensors stacked along the clients; the constants (params, lr, flags)
+    from the first rule, shared. A rule that keeps anything else is refused before its group
+    trains (flatflower.client.rule_state.RuleStateError, one line)."""
+
+    def __init__(self, rules: Sequence[ClientRule], shapes: Sequence[torch.Size]):
         self.kind = type(rules[0])
+        self.declared = declared_state(self.kind)
+        check_state(rules[0], shapes, "in the vectorised engine")  # the others: no other names
+        for r in rules[1:]:  # (their structures and shapes are the first's: groups() keys on them)
+            if vars(r).keys() - self.declared.keys():
+                check_state(r, shapes, "in the vectorised engine")
+        self.carried = [n for n, k in self.declared.items() if k.carried]
+        self.constants = {n: v for n, v in vars(rules[0]).items() if not self.declared[n].carried}
         self.attrs: dict[str, tuple[object, list, list[torch.Tensor]]] = {}
-        for name in rules[0].__dict__:
-            per_client = [split_attr(r.__dict__[name]) for r in rules]
-            spec, others, _ = per_client[0]
-            self.attrs[name] = (spec, others, [torch.stack(ts) for ts in zip(*(t for _, _, t in per_client))])
+        for name in self.carried:
+            if name in vars(rules[0]):
+                per_client = [split_attr(vars(r)[name]) for r in rules]
+                spec, others, _ = per_client[0]
+                self.attrs[name] = (spec, others, [torch.stack(ts) for ts in zip(*(t for _, _, t in per_client))])
 
     def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Carried value -> its stacked tensors (what the group's step maps over)."""
         return {name: tensors for name, (_, _, tensors) in self.attrs.items()}
 
     def rule(self, tensors: dict[str, Sequence[torch.Tensor]]) -> ClientRule:
-        """A rule with these tensors (one client's, inside vmap; or client i's slices)."""
+        """A rule with these tensors (one client's, inside vmap; or client i's slices) and the
+        group's constants: its declared state, set without ``__init__``."""
         rule = object.__new__(self.kind)
+        values = vars(rule)
+        values.update(self.constants)
         for name, (spec, others, _) in self.attrs.items():
-            rule.__dict__[name] = _unflatten(spec, iter(tensors[name]), iter(others))
+            values[name] = _unflatten(spec, iter(tensors[name]), iter(others))
         return rule
 
     def client(self, i: int) -> ClientRule:
         return self.rule({name: [t[i] for t in tensors] for name, tensors in self.tensors().items()})
 
     def changes(self, rule: ClientRule, built: dict) -> tuple[dict, dict]:
-        """The attributes ``rule`` set since it was built (``built``: its attributes then), as
-        (name -> tensors, name -> (spec, others))."""
-        changed = {n: split_attr(v) for n, v in rule.__dict__.items() if built.get(n, self) is not v}
-        gone = set(built) - set(rule.__dict__)
+        """The declared values ``rule`` set since it was built (``built``: its values then):
+        (carried name -> tensors, carried name -> (spec, others)), and its constants, which
+        one run of the step sets for the whole group, taken at once."""
+        values = vars(rule)
+        undeclared = [n for n in values if n not in self.declared]
+        if undeclared:
+            raise RuleStateError(f"client rule {self.kind.__qualname__} set {', '.join(undeclared)} during a local "
+                                 "step without declaring it (declare what a rule keeps in its Keeps: "
+                                 "flatflower.client.rule_state)")
+        gone = sorted(set(built) - set(values))
         if gone:
-            raise RuntimeError(f"{self.kind.__name__} deleted attributes {sorted(gone)} during a step; "
-                               "the vectorised engine cannot carry that")
+            raise RuntimeError(f"{self.kind.__name__} deleted {gone} during a step; the vectorised engine "
+                               "cannot carry that")
+        for name in self.constants:
+            self.constants[name] = values[name]
+        changed = {n: split_attr(values[n]) for n in self.carried
+                   if n in values and values[n] is not built.get(n, ABSENT)}
         return ({n: t for n, (_, _, t) in changed.items()},
                 {n: (spec, others) for n, (spec, others, _) in changed.items()})
 
     def update(self, tensors: dict, layouts: dict, active: torch.Tensor | None, step: int) -> None:
-        """Take a step's changed attributes; a client past its last step (not ``active``) keeps
-        its values, which needs the attribute's structure unchanged."""
+        """Take a step's changed values; a client past its last step (not ``active``) keeps
+        its values, which needs the value's structure unchanged (the declaration's promise:
+        flatflower.client.rule_state.check_declared_state holds a rule to it)."""
         for name, new in tensors.items():
             spec, others = layouts[name]
             old = self.attrs.get(name)
             if active is not None:
                 if old is None or old[0] != spec:
                     raise RuntimeError(f"{self.kind.__name__}.{name} changed its structure at step "
-                                       f"{step}, after some clients' last step; the vectorised "
-                                       "engine cannot mask that")
+                                       f"{step}, after some clients' last step, against its declared "
+                                       f"{self.declared[name]}; the vectorised engine cannot mask that")
                 new = [masked(active, n, o) for n, o in zip(new, old[2])]
             self.attrs[name] = (spec, others, list(new))
 
@@ -177,6 +209,22 @@ def split_attr(value) -> tuple[object, list, list[torch.Tensor]]:
     others: list = []
     spec = _flatten(value, tensors, others)
     return spec, others, tensors
+
+
+def group_key(rule: ClientRule) -> tuple:
+    """What clients that train in one group share: their rule's class and, per declared value,
+    its structure, its constants (callables aside: ``initial``) and its tensors' shapes and
+    dtypes. FedLESAM's clients with a previous global model (an offset) and without differ."""
+    values = vars(rule)
+    parts = []
+    for name in declared_state(type(rule)):
+        if name not in values:
+            parts.append((name, None))
+            continue
+        spec, others, tensors = split_attr(values[name])
+        shared = tuple(repr(o) for o in others if not callable(o))
+        parts.append((name, spec, shared, tuple((tuple(t.shape), t.dtype) for t in tensors)))
+    return (type(rule), tuple(parts))
 
 
 # ---------------------------------------------------------------- self-reports
@@ -240,9 +288,7 @@ def groups(calls: Sequence, budget: float | None = None) -> list[list[int]]:
     budget = PADDING_BUDGET if budget is None else budget
     kinds: dict[tuple, list[int]] = {}
     for i, call in enumerate(calls):
-        spec, others, tensors = split_attr(call.rule.__dict__)
-        shared = tuple(repr(o) for o in others if not callable(o))  # callables (``initial``) aside
-        kinds.setdefault((spec, shared, tuple((tuple(t.shape), t.dtype) for t in tensors)), []).append(i)
+        kinds.setdefault(group_key(call.rule), []).append(i)
     out = []
     for members in kinds.values():
         steps = {i: calls[i].cfg.num_steps(len(calls[i].data)) for i in members}
@@ -352,7 +398,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
     names = first.layout.names
     with torch.no_grad():  # the stacks, not the clients' parameters, are what the steps change
         params = [torch.stack(ps) for ps in zip(*[c.layout.params for c in calls])]
-    rules = StackedRule([c.rule for c in calls])
+    rules = StackedRule([c.rule for c in calls], [p.shape for p in first.layout.params])
     orders = [round_order(len(c.data), cfg.batch_size, cfg.local_epochs, cfg.local_steps, c.generator())
               for c in calls]
     steps = [cfg.num_steps(len(c.data)) for c in calls]
@@ -364,7 +410,7 @@ def train_group(calls: Sequence) -> list[LocalResult | Exception]:
         attributes (``layouts``) are set once; only the attributes the step set are returned."""
         nonlocal layouts
         rule = rules.rule(tensors)
-        built = dict(rule.__dict__)
+        built = dict(vars(rule))
         loss, d = rule.direction(list(w), FunctionalBatch(model, names, w, x, y, weight))
         changed, layouts = rules.changes(rule, built)
         return loss, list(d), changed
