@@ -18,7 +18,7 @@ from flatflower.common.augment import (Augment, TransformError, augment_generato
                             train_augment)
 from flatflower.common.config import ConfigError, RunConfig
 from flatflower.common.datasets import Split, load_dataset
-from flatflower.runtime import vectorized as vec
+from flatflower.runtime.engines import vectorized as vec
 from flatflower.runtime.engines.inprocess import run_inprocess
 from flatflower.tools.prepare import UsageError, preflight
 from tests.helpers import user_module_file

@@ -66,7 +66,7 @@ def test_the_process_builds_torch_compiles_backend_once_for_every_groups_step(mo
     function still computes its own function."""
     import threading
 
-    from flatflower.runtime import vectorized
+    from flatflower.runtime.engines import vectorized
 
     built = []
 
@@ -100,7 +100,7 @@ def test_the_process_builds_torch_compiles_backend_once_for_every_groups_step(mo
 def test_a_torch_whose_private_backend_differs_compiles_with_torch_compile(monkeypatch, missing):
     """The one context is built from torch's private names; a torch without them (renamed, or
     another signature) gets torch.compile itself: slower to wrap, never a failed step."""
-    from flatflower.runtime import vectorized
+    from flatflower.runtime.engines import vectorized
 
     if missing == "name":
         monkeypatch.delattr(torch, "_TorchCompileInductorWrapper")
