@@ -203,22 +203,41 @@ def check_model(model: object, name: str, input_shape: Shape, num_classes: int) 
         raise BadReference(f"{where}: returned a {type(model).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise BadReference(f"{where}: the model has no trainable parameters")
-    was_training = model.training
     x = torch.zeros((2, *input_shape), device=next(model.parameters()).device)
-    try:
-        model.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = model(x)
-    except Exception as err:  # noqa: BLE001 - the user's forward may raise anything
-        first = str(err).splitlines()[0][:200] if str(err) else ""
-        raise BadReference(f"{where}: its forward pass on a batch of 2 inputs of shape {tuple(input_shape)} "
-                           f"raised {type(err).__name__}{': ' + first if first else ''}") from None
-    finally:
-        model.train(was_training)
+    out = _forward(model, x, f"{where}: its forward pass on a batch of 2 inputs of shape {tuple(input_shape)}")
     shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     if shape != (2, num_classes):
         raise BadReference(f"{where}: its output on a batch of 2 inputs of shape {tuple(input_shape)} is "
                            f"{shape}, not (2, {num_classes}) (one logit per class of the dataset)")
+
+
+def _forward(model: nn.Module, x: torch.Tensor, what: str):
+    """``model(x)`` in eval mode without gradients or RNG draws (no running statistic moves, the
+    global RNG stays as it was), its training mode restored; BadReference (one line: ``what``
+    raised ...) when the forward pass raises."""
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            return model(x)
+    except Exception as err:  # noqa: BLE001 - the user's forward may raise anything
+        first = str(err).splitlines()[0][:200] if str(err) else ""
+        raise BadReference(f"{what} raised {type(err).__name__}{': ' + first if first else ''}") from None
+    finally:
+        model.train(was_training)
+
+
+def check_output(model: nn.Module, name: str, x: torch.Tensor, sample: str) -> None:
+    """ValueError (one line) unless ``model``'s output on the sample batch ``x`` (``sample``
+    says what it is, for the message) is finite: a model whose output is NaN or inf before any
+    training would fail every client's first step, round after round. Run before a run starts
+    (server/setup.py), on the run's own data where the server has some."""
+    out = _forward(model, x, f"model={name!r}: its forward pass on {sample}")
+    if isinstance(out, torch.Tensor) and not bool(torch.isfinite(out).all()):
+        bad = int((~torch.isfinite(out)).sum())
+        raise ValueError(f"model={name!r}: its output on {sample} is not finite ({bad} of {out.numel()} "
+                         "values are NaN or inf) before any training: check its forward pass and its "
+                         "initial weights")
 
 
 def build_model(

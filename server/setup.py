@@ -24,7 +24,7 @@ from torch import nn
 from flatflower.common.augment import check_train_transform
 from flatflower.common.config import ConfigError, RunConfig
 from flatflower.common.data import check_local_data, dataset_for, model_shape, partitions_for
-from flatflower.common.models import buffer_names, build_model
+from flatflower.common.models import buffer_names, build_model, check_output
 from flatflower.common.privacy import PrivacyLedger
 from flatflower.common.references import BadReference
 from flatflower.server import manifest
@@ -69,6 +69,7 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
         raise
     except ValueError as err:
         raise ValueError(f"model {cfg.resolved_model()!r} does not fit dataset {cfg.dataset!r}: {err}") from None
+    check_output(model, cfg.resolved_model(), *sample_batch(data, input_shape))
     strategy = get_spec(cfg.algorithm).new_strategy(
         cfg, model.state_dict(), partition_sizes=None if cfg.local_data() else partition_sizes(cfg),
         buffers=buffer_names(model))
@@ -87,6 +88,18 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
         ledger = privacy_ledger(cfg, run_dir, first) if cfg.dp_clip > 0 else None
         return RunSetup(data, model, strategy, first, device, ledger, note)
     return RunSetup(data, model, strategy, first, device, PrivacyLedger() if cfg.dp_clip > 0 else None)
+
+
+def sample_batch(data, input_shape: tuple[int, ...]) -> tuple[torch.Tensor, str]:
+    """What the model's output is checked on before a run (common/models.py: check_output): the
+    first 2 examples of the server's training split (else its test split), as training reads
+    them; with no data on the server (partition = local without data-dir), 2 zero inputs."""
+    split = None if data is None else next((s for s in (data.train, data.test) if len(s)), None)
+    if split is None:
+        return torch.zeros((2, *input_shape)), f"a batch of 2 zero inputs of shape {tuple(input_shape)}"
+    n = min(2, len(split))
+    name = "training" if split is data.train else "test"
+    return split.get(torch.arange(n))[0], f"a sample batch ({n} examples of the {name} split)"
 
 
 def verify_files(cfg: RunConfig, ckpt: dict, run_dir: Path) -> str | None:

@@ -287,15 +287,18 @@ def test_the_vectorised_engine_refuses_a_batchnorm_model_itself(tmp_path):
 
 
 class NaNWhenEvaluated(nn.Module):
-    """Trains normally; in eval mode (the server's central evaluation) its logits are NaN."""
+    """Trains normally; once trained, in eval mode (the server's central evaluation) its logits
+    are NaN. Finite at its initial weights: the check before a run (server/setup.py) passes."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(64, 10)
+        self.initial = self.lin.bias.detach().clone()  # not in the state dict
 
     def forward(self, x):
         out = self.lin(x.flatten(1))
-        return out if self.training else out * float("nan")
+        trained = not torch.equal(self.lin.bias.detach(), self.initial)
+        return out * float("nan") if trained and not self.training else out
 
 
 def test_a_non_finite_final_test_loss_fails_the_run_and_keeps_what_was_computed(tmp_path):
@@ -310,6 +313,7 @@ def test_a_non_finite_final_test_loss_fails_the_run_and_keeps_what_was_computed(
     assert (tmp_path / "r" / "model_final.pt").exists()
     rows = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 3 and json.loads(rows[-1])["test_loss"] is None
+    assert json.loads(rows[0])["test_loss"] is not None  # round 0: the initial weights
 
 
 def test_a_resumed_batchnorm_run_ends_where_an_uninterrupted_one_does(tmp_path):

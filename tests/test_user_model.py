@@ -28,6 +28,7 @@ from tests.test_bad_input import check_cli
 from flatflower.runtime.engines.inprocess import run_inprocess
 
 USER_MODELS = '''
+import torch
 from torch import nn
 
 
@@ -61,6 +62,23 @@ def raises(input_shape, num_classes):
 
 def bad_forward(input_shape, num_classes):
     return nn.Sequential(nn.Linear(3, num_classes))
+
+
+def nan_output(input_shape, num_classes):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))
+    nn.init.constant_(model[1].bias, float("nan"))
+    return model
+
+
+class NanOnData(nn.Module):
+    """Finite on zero inputs (what build_model's own check feeds it), NaN on any real example."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.sqrt(-x.abs()).flatten(1))
 
 
 NOT_CALLABLE = 3
@@ -157,6 +175,18 @@ def test_a_bad_reference_is_one_error_line_in_the_cli(user_dir, tmp_path, capfd,
     argv = ["simulate", "--engine", "inprocess", "--clients", "2", "--dataset", "digits", "--model",
             reference.format(mod=user_dir), "--rounds", "1", "--set", "local-steps=1", "--run-dir", "{tmp}/run"]
     check_cli(argv, tmp_path, capfd, caplog, 2, message)
+
+
+@pytest.mark.parametrize("builder", ["nan_output", "NanOnData"])
+def test_a_model_whose_output_is_not_finite_is_one_error_line_before_anything_starts(user_dir, tmp_path, capfd,
+                                                                                     caplog, builder):
+    """Issue 57, item 7: a model whose output is NaN passed the pre-run check and failed every
+    client's first step later ("local loss became nan", a flattened traceback in the warnings).
+    Its output on a sample batch of the run's data is checked before anything starts."""
+    argv = ["simulate", "--engine", "inprocess", "--clients", "2", "--dataset", "digits", "--model",
+            f"{user_dir}:{builder}", "--rounds", "1", "--set", "local-steps=1", "--run-dir", "{tmp}/run"]
+    check_cli(argv, tmp_path, capfd, caplog, 2, f"model='{user_dir}:{builder}': its output on a sample batch "
+              "(2 examples of the training split) is not finite (20 of 20 values are NaN or inf) before any training")
 
 
 def test_a_node_without_the_module_answers_the_handshake_with_one_line(make_message):
