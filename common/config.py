@@ -137,6 +137,7 @@ class RunConfig:
         keep their defaults. Keys of other algorithms are accepted (Flower's run config holds
         every default) and ignored; the run's algorithm's params are parsed and checked."""
         values = dict(values or {})
+        _load_algorithm(values.get("algorithm"))
         by_key = general_fields()
         known = set(by_key) | set(algorithm_fields())
         unknown = sorted(k for k in values if k not in known)
@@ -191,7 +192,9 @@ class RunConfig:
             if not ok:
                 problems.append(message)
 
-        choice("algorithm", algorithm_params())
+        if self.algorithm not in algorithm_params():
+            problems.append(f"algorithm={self.algorithm!r} is not one of: {', '.join(sorted(algorithm_params()))}, "
+                            f"or a reference package.module:callable to your own{did_you_mean(str(self.algorithm), algorithm_params())}")
         if not userdata.is_user_dataset(self.dataset):
             choice("dataset", datasets.DATASETS + userdata.FORMATS)
         if self.model != "auto" and not models.known_model(self.model):
@@ -461,17 +464,38 @@ def _other_algorithms_problems(values: Mapping[str, Any], cfg: RunConfig) -> lis
 _ALGORITHMS: dict[str, type] = {}
 # the registry's algorithm x option rules (strategies/compatibility.py): run config -> problems
 _COMPATIBILITY: list[Callable[[RunConfig], list[str]]] = []
+# the registry's loader of a user's algorithm, ``algorithm = "package.module:callable"``
+# (strategies/registry.py ``load``): it registers the algorithm's params here, or raises ValueError
+_LOADER: list[Callable[[str], object]] = []
 
 
 def register_algorithms(params: Mapping[str, type],
-                        compatibility: Callable[[RunConfig], list[str]] | None = None) -> None:
-    """Make the algorithms' params known to run-config parsing (the registry calls it), and
+                        compatibility: Callable[[RunConfig], list[str]] | None = None,
+                        loader: Callable[[str], object] | None = None) -> None:
+    """Make the algorithms' params known to run-config parsing (the registry calls it),
     ``compatibility``, what is wrong with a run config's algorithm under its options, checked
-    with every other key (strategies/compatibility.py)."""
+    with every other key (strategies/compatibility.py), and ``loader``, which loads and
+    registers a user's algorithm named by its reference."""
     _ALGORITHMS.update(params)
     if compatibility is not None:
         _COMPATIBILITY[:] = [compatibility]
+    if loader is not None:
+        _LOADER[:] = [loader]
     _parsed.cache_clear()
+
+
+def _load_algorithm(name: object) -> None:
+    """An ``algorithm`` that is a reference to the user's own code (``mypkg.algo:spec``) and
+    not registered yet: load it (its keys become valid run-config keys); ConfigError in one
+    line when it cannot be used."""
+    from flatflower.common.references import is_reference
+
+    if not is_reference(name) or name in _ALGORITHMS or not _LOADER:
+        return
+    try:
+        _LOADER[0](name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def algorithm_params() -> Mapping[str, type]:

@@ -129,7 +129,7 @@ def run_config(config: Mapping[str, Any] | RunConfig | None = None, *, preset: s
 
         loaded = load_preset(preset)  # PresetError (a ValueError): one line
         chosen = named.get("algorithm") or more.get("algorithm") or given.get("algorithm")
-        values.update(loaded.values(chosen))
+        values.update(loaded.values(None if chosen is None else str(chosen)))
         clients = loaded.clients
     values.update(given)
     values.update(more)

@@ -85,10 +85,16 @@ def load_tensors(path: Path, what: str) -> Any:
                           f"tensors, which are never unpickled ({detail[:200]})") from None
 
 
+def path_name(name: str) -> str:
+    """``name`` as a part of a path: a reference's colon (``mypkg.algo:spec``, a user's
+    algorithm or dataset) becomes a dot, as tar, ``docker -v`` and ``PATH``-like lists read a
+    colon as a separator."""
+    return name.replace(":", ".")
+
+
 def default_run_dir(cfg: RunConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    dataset = cfg.dataset.replace(":", ".")  # a package.module:callable dataset: no colon in a path
-    return Path("runs") / f"{cfg.algorithm}-{dataset}-s{cfg.seed}-{stamp}-{os.getpid()}"
+    return Path("runs") / f"{path_name(cfg.algorithm)}-{path_name(cfg.dataset)}-s{cfg.seed}-{stamp}-{os.getpid()}"
 
 
 def _version(dist: str) -> str:

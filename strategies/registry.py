@@ -9,17 +9,21 @@ Each half declares the run-config keys it reads (its ``Params``, common/params.p
 registry joins them into the algorithm's params class and registers those with the run-config
 parser (flatflower.common.config.register_algorithms), so the ground floor checks every key without
 importing upward. This module sees both halves; every entry point imports it (the ServerApp
-and the ClientApp, the engines, the CLI). Adding an algorithm = its two halves, their tests
-and one line here (CONTRIBUTING.md).
+and the ClientApp, the engines, the CLI). The 28 built-ins are listed here; an algorithm of the user's own code is
+named by a reference, ``algorithm = "package.module:callable"`` (a callable returning an
+:class:`AlgorithmSpec`), and :func:`load` checks it and registers it under that reference the first
+time a run config names it, in every process that parses one (docs/own-algorithm.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from flatflower.client.algorithms.base import ClientRule
+from flatflower.client.rule_state import RuleStateError, check_declared_state
 from flatflower.client.algorithms.dp_fedsam import DPFedSAMClient
 from flatflower.client.algorithms.fedacg import FedACGClient
 from flatflower.client.algorithms.fedasam import FedASAMClient
@@ -45,8 +49,9 @@ from flatflower.client.algorithms.fedwmsam import FedWMSAMClient
 from flatflower.client.algorithms.mofedsam import MoFedSAMClient
 from flatflower.client.algorithms.scaffold import ScaffoldClient
 from flatflower.common import protocol as P
-from flatflower.common.config import register_algorithms
+from flatflower.common.config import algorithm_fields, general_fields, register_algorithms
 from flatflower.common.params import Params, combine, is_required
+from flatflower.common.references import BadReference, call, is_reference, resolve
 from flatflower.strategies.base import ServerRule
 from flatflower.strategies.compatibility import compatibility_problems
 from flatflower.strategies.dp_fedsam import DPFedSAM
@@ -108,6 +113,11 @@ class AlgorithmSpec:
     params: type[Params] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for half, base in (("server", ServerRule), ("client", ClientRule)):
+            cls = getattr(self, half)
+            if not (isinstance(cls, type) and issubclass(cls, base)):
+                raise TypeError(f"AlgorithmSpec {self.name!r}: {half} is {cls!r}, not a subclass of "
+                                f"flatflower.{base.__name__}")
         keys = combine(f"{self.server.__name__}Keys", self.server.Params, self.client.Params)
         object.__setattr__(self, "params", keys)
 
@@ -201,18 +211,94 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
                       summary="DP-FedSAM (Shi et al. 2023): local SAM/ASAM with client-level DP (the dp.* keys)"),
     )
 }
-register_algorithms({name: spec.params for name, spec in ALGORITHMS.items()},
-                    compatibility=lambda cfg: compatibility_problems(cfg, ALGORITHMS[cfg.algorithm]))
+BUILT_IN = tuple(ALGORITHMS)  # the 28 names; a user's algorithm is registered under its reference
+# the records every message carries besides an algorithm's own (common/protocol.py)
+RESERVED_RECORDS = ("arrays", "config", "metrics")
 
 
 def get(name: str) -> AlgorithmSpec:
-    """The spec of ``name``, or a ValueError listing the valid names."""
+    """The spec of ``name``: a built-in, or a user's algorithm named by its reference
+    (:func:`load`); ValueError listing the valid names, or saying why the reference is unusable."""
+    if name not in ALGORITHMS and is_reference(name):
+        return load(name)
     try:
         return ALGORITHMS[name]
     except KeyError:
         raise ValueError(
-            f"unknown algorithm {name!r}; valid names: {', '.join(sorted(ALGORITHMS))}"
+            f"unknown algorithm {name!r}; valid names: {', '.join(sorted(ALGORITHMS))}, or a reference "
+            "package.module:callable to your own (docs/own-algorithm.md)"
         ) from None
+
+
+def load(reference: str) -> AlgorithmSpec:
+    """The user's algorithm ``reference`` names (``package.module:callable``, returning an
+    :class:`AlgorithmSpec`), checked (:func:`spec_problems`) and registered under the reference,
+    which is then its name everywhere (run config, config.json, checkpoints, report).
+    :class:`~flatflower.common.references.BadReference` (a ValueError) in one line when it
+    cannot be used."""
+    if reference in ALGORITHMS:
+        return ALGORITHMS[reference]
+    make = resolve(reference, "algorithm")
+    spec = make if isinstance(make, AlgorithmSpec) else call(make, (), "algorithm", reference)
+    if not isinstance(spec, AlgorithmSpec):
+        raise BadReference(f"algorithm={reference!r} returned a {type(spec).__name__}, not a "
+                           "flatflower.AlgorithmSpec")
+    problems = spec_problems(spec)
+    if problems:
+        raise BadReference(f"algorithm={reference!r}: {'; '.join(problems)}")
+    try:  # the client half keeps what it declares (its Keeps), found now and not mid-run
+        check_declared_state(spec.client, down=spec.down, values=spec.values, state=spec.state)
+    except RuleStateError as err:
+        raise BadReference(f"algorithm={reference!r}: {err}") from None
+    spec = dataclasses.replace(spec, name=reference)
+    ALGORITHMS[reference] = spec
+    register_algorithms({reference: spec.params})
+    return spec
+
+
+def spec_problems(spec: AlgorithmSpec) -> list[str]:
+    """What makes ``spec`` unusable, one phrase each (empty: nothing): halves that are not a
+    ServerRule and a ClientRule, a server half without an update, record names that clash,
+    run-config keys outside a namespace or clashing with the general keys or with another
+    algorithm's key of another default, bad search ranges, bad pass counts. Every built-in passes."""
+    problems = []
+    if not (isinstance(spec.server, type) and issubclass(spec.server, ServerRule)):
+        problems.append(f"server is {spec.server!r}, not a subclass of flatflower.ServerRule")
+    elif spec.server.update is ServerRule.update:
+        problems.append(f"{spec.server.__name__} does not implement update()")
+    if not (isinstance(spec.client, type) and issubclass(spec.client, ClientRule)):
+        problems.append(f"client is {spec.client!r}, not a subclass of flatflower.ClientRule")
+    named = {"down": spec.down, "up": spec.up, "values": spec.values, "state": spec.state}
+    for what, names in named.items():
+        bad = [n for n in names if not isinstance(n, str) or not n or n in RESERVED_RECORDS]
+        if bad or len(set(names)) != len(names):
+            problems.append(f"{what} names {list(names)} must be distinct non-empty texts other than "
+                            f"{', '.join(RESERVED_RECORDS)}")
+    sent = [*spec.down, *spec.values]
+    if len(set(sent)) != len(sent):
+        problems.append(f"down {list(spec.down)} and values {list(spec.values)} share a name")
+    if not (isinstance(spec.passes, int) and spec.passes >= 1 and isinstance(spec.forwards, int) and spec.forwards >= 0):
+        problems.append(f"passes must be an integer >= 1 and forwards >= 0 (got {spec.passes!r}, {spec.forwards!r})")
+    general = general_fields()
+    others = {k: f for k, (_, f) in algorithm_fields().items()} if ALGORITHMS else {}
+    for k, f in spec.params.fields().items():
+        if "." not in k:
+            problems.append(f"key {k!r} needs a namespace (e.g. myalgo.{k})")
+        elif k in general:
+            problems.append(f"key {k!r} is a general run-config key")
+        elif k in others and (others[k].default != f.default and not (is_required(others[k]) and is_required(f))
+                              or others[k].type != f.type):
+            problems.append(f"key {k!r} is another algorithm's, with another default or type "
+                            f"({others[k].default!r}); choose a namespace of your own")
+        search = f.metadata.get("search")
+        if search is not None and search.problem():
+            problems.append(f"key {k!r}: {search.problem()}")
+    return problems
+
+
+register_algorithms({name: spec.params for name, spec in ALGORITHMS.items()},
+                    compatibility=lambda cfg: compatibility_problems(cfg, get(cfg.algorithm)),
+                    loader=load)
 
 
 def search_data(search) -> dict | None:

@@ -10,11 +10,12 @@ import json
 import math
 import os
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from flatflower.common.config import (MAX_SECONDS, ConfigError, RunConfig, check_types, cli_float, cli_int,
-                           parse_assignments, user_path)
+                                      flat_keys, parse_assignments, user_path)
 from flatflower.runtime.args import Parser  # noqa: F401 - the commands' parser, here with their arguments
 from flatflower.tools.presets import load_preset
 
@@ -467,21 +468,41 @@ def check_node_folders(cfg: RunConfig, nodes: dict[int, dict[str, str]] | None) 
             raise UsageError(f"{what}: {err}") from None
 
 
-def app_dir(given: str | None) -> Path:
+def app_dir(given: str | None, cfg: RunConfig | None = None) -> Path:
     """The Flower App directory `local`, Ray and `flwr run` ship as a FAB: ``--app-dir``, else
     this checkout (the repository root beside flatflower/), else, for an installed package
-    with no checkout, one generated from the code (:func:`installed_app_dir`)."""
+    with no checkout, one generated from the code (:func:`installed_app_dir`). Flower refuses a
+    run-config key its app's [tool.flwr.app.config] lacks: a run of a user's algorithm
+    (``cfg``'s keys beyond the built-ins') gets the generated app, whose table holds every
+    registered key, or, with ``--app-dir``, a one-line refusal naming the missing keys."""
     if given:
         path = Path(given).resolve()
     else:
         path = Path(__file__).resolve().parent.parent
-        if not (path / "pyproject.toml").exists():  # site-packages/flatflower: no checkout
+        if not (path / "pyproject.toml").exists() or _missing_keys(path, cfg):  # site-packages: no checkout
             return installed_app_dir()
     toml = path / "pyproject.toml"
     if not toml.exists() or "[tool.flwr.app]" not in toml.read_text():
         raise UsageError(f"{path} is not a Flower App directory (no pyproject.toml with [tool.flwr.app]); "
                          "pass --app-dir with a flatflower checkout, or omit it to use the installed package")
+    missing = _missing_keys(path, cfg)
+    if missing:
+        raise UsageError(f"{toml}: [tool.flwr.app.config] lacks {', '.join(missing)} (keys of algorithm "
+                         f"{cfg.algorithm}), and Flower refuses a run-config key its app lacks; add them, "
+                         "or omit --app-dir")
     return path
+
+
+def _missing_keys(path: Path, cfg: RunConfig | None) -> list[str]:
+    """``cfg``'s run-config keys that the app at ``path`` does not declare (a user's algorithm's)."""
+    if cfg is None or not (path / "pyproject.toml").exists():
+        return []
+    try:
+        table = tomllib.loads((path / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    except (KeyError, TypeError, tomllib.TOMLDecodeError):
+        return []
+    declared = set(flat_keys(table))
+    return sorted(k for k in cfg.to_dict() if k not in declared)
 
 
 def installed_app_dir() -> Path:

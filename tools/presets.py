@@ -151,12 +151,18 @@ def _algorithm_tables(path: Path, tables: Any) -> dict[str, dict[str, Any]]:
     """[algorithms.<name>] tables: known algorithm names, each a table of run-config keys
     (flattened: a nested ``sam.rho`` or a quoted ``"sam.rho"``); ``algorithm`` itself is not
     one of them."""
-    from flatflower.strategies.registry import ALGORITHMS
+    from flatflower.common.references import is_reference
+    from flatflower.strategies.registry import ALGORITHMS, get
 
     if not isinstance(tables, dict):
         raise PresetError(f"{path}: algorithms must be tables ([algorithms.<name>])")
     out = {}
     for name, table in tables.items():
+        if is_reference(name):
+            try:
+                get(name)  # a user's algorithm, loaded now (its keys become known)
+            except ValueError as err:
+                raise PresetError(f"{path}: [algorithms.\"{name}\"]: {err}") from None
         if name not in ALGORITHMS:
             raise PresetError(f"{path}: [algorithms.{name}]: unknown algorithm "
                               f"{name!r}{did_you_mean(name, ALGORITHMS)}")

@@ -33,7 +33,10 @@ from typing import Any
 
 from flatflower.common.config import did_you_mean
 from flatflower.common.schema import printable
-from flatflower.strategies.registry import ALGORITHMS
+from flatflower.common.references import is_reference
+from flatflower.server.rundir import path_name
+from flatflower.strategies.registry import ALGORITHMS, BUILT_IN
+from flatflower.strategies.registry import get as get_spec
 from flatflower.tools import commands
 from flatflower.tools.parsers import sweep as build_parser
 from flatflower.tools.prepare import UsageError, check_cluster, check_engine_options, engine_of
@@ -45,11 +48,14 @@ def algorithms_and_seeds(algorithms_text: str, seeds_text: str) -> tuple[list[st
     """``--algorithms`` (known names, each once) and ``--seeds`` (distinct integers >= 0) of a
     sweep or a tune; ValueError naming what is wrong."""
     algorithms = list(dict.fromkeys(a.strip() for a in algorithms_text.split(",") if a.strip()))
+    for a in algorithms:
+        if is_reference(a):
+            get_spec(a)  # a user's algorithm: loaded and checked now, its error in one line
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if not algorithms or unknown:
         hint = did_you_mean(unknown[0], ALGORITHMS) if unknown else ""
         raise ValueError(f"unknown algorithm(s) {', '.join(unknown) or '(none given)'}{hint}; "
-                         f"valid names: {', '.join(sorted(ALGORITHMS))}")
+                         f"valid names: {', '.join(sorted(BUILT_IN))}, or a reference package.module:callable")
     try:
         seeds = [int(s) for s in seeds_text.split(",") if s.strip()]
     except ValueError:
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, failed = [], []
     for algorithm in algorithms:
         for seed in seeds:
-            run_dir = args.out / f"{algorithm}-s{seed}"
+            run_dir = args.out / f"{path_name(algorithm)}-s{seed}"
             if args.resume_existing and finished(run_dir):
                 print(f"sweep: {run_dir.name} already finished, skipped", flush=True)
                 runs.append(run_dir)

@@ -73,9 +73,15 @@ class ThroughputSettings:
         bad = [e for e in self.engines if e not in ENGINES]
         if bad:
             raise ValueError(f"throughput engines: unknown {', '.join(bad)} (valid: {', '.join(ENGINES)})")
-        from flatflower.strategies.registry import ALGORITHMS
+        from flatflower.strategies.registry import get
 
-        bad = [a for a in self.algorithms if a not in ALGORITHMS]
+        def known(name: str) -> bool:
+            try:
+                return get(name) is not None
+            except ValueError:
+                return False
+
+        bad = [a for a in self.algorithms if not known(a)]
         if bad:
             raise ValueError(f"throughput algorithms: unknown {', '.join(bad)}")
         if not (self.models and self.clients and self.engines and self.algorithms):

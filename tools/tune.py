@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from flatflower.common.config import ConfigError
-from flatflower.strategies.registry import ALGORITHMS
+from flatflower.server.rundir import path_name
+from flatflower.strategies.registry import get as get_spec
 from flatflower.tools import commands
 from flatflower.tools.parsers import tune as build_parser
 from flatflower.tools.prepare import UsageError, check_engine_options, engine_of
@@ -99,7 +100,7 @@ def default_engine(base: dict[str, Any], algorithms: list[str]) -> str:
     try:
         for algorithm in algorithms:
             check_vectorizable(RunConfig.from_mapping({**base, "algorithm": algorithm,
-                                                       **ALGORITHMS[algorithm].params.examples()}))
+                                                       **get_spec(algorithm).params.examples()}))
     except (ValueError, ConfigError):
         return "inprocess"
     return "vectorized"
@@ -120,7 +121,7 @@ def final_runs(args: argparse.Namespace, entries: list[dict[str, Any]], seeds: l
             failed.append(entry["algorithm"])
             continue
         for seed in seeds:
-            run_dir = args.out / "final" / f"{entry['algorithm']}-s{seed}"
+            run_dir = args.out / "final" / f"{path_name(entry['algorithm'])}-s{seed}"
             one = trial_args(args, entry["algorithm"], entry["best"]["params"], run_dir, seed, validation=False)
             one.rounds = rounds
             wanted = {"seed": seed, "num-server-rounds": rounds, "validation-fraction": 0.0, **entry["best"]["params"]}

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from flatflower.server.rundir import path_name
 from flatflower.tools.prepare import UsageError
 from flatflower.tools.tune_space import Space
 from flatflower.tools.tune_trial import objective_name, objective_value, round_seconds, run_trial, trial_args
@@ -136,7 +137,7 @@ def tune_trials(args: argparse.Namespace, space: Space, rounds: int, clients: in
 
     study = study_of(args, space, rounds, clients)
     root = Path(root or args.out)
-    folder = root / space.algorithm / "trials"
+    folder = root / path_name(space.algorithm) / "trials"
     folder.mkdir(parents=True, exist_ok=True)
     asked = 0
     while True:
@@ -186,7 +187,7 @@ def records(args: argparse.Namespace, space: Space, rounds: int, clients: int) -
 
     study = study_of(args, space, rounds, clients)
     trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(INTERRUPTED_ATTR)]
-    folder = args.out / space.algorithm
+    folder = args.out / path_name(space.algorithm)
     folder.mkdir(parents=True, exist_ok=True)  # a cluster's trials are under OUT/ray-*/
     keys = list(space.ranges) + list(space.fixed)
     with open(folder / "trials.csv", "w", newline="") as f:
