@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from flatflower.common.datasets import load_dataset
+from flatflower.common.reference_problem import grad, sam_grad
 
 K = 3  # local steps
 
@@ -16,23 +17,9 @@ LR = 0.1
 
 
 # ---------------------------------------------------------------- FedAvg, FedSAM, MoFedSAM (FedSAM paper Alg. 1-2)
-def grad(w: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
-    """Gradient of mean softmax cross-entropy of logits x W^T + b."""
-    W, b = w
-    z = x @ W.T + b
-    z -= z.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
-    p[np.arange(len(y)), y] -= 1.0
-    p /= len(y)
-    return [p.T @ x, p.sum(axis=0)]
-
-
-def sam_grad(w, x, y, rho):
-    """FedSAM eq. (4): gradient at w + rho g/||g||, ||.|| over ALL parameters (W and b)."""
-    g = grad(w, x, y)
-    norm = np.sqrt(sum((gi ** 2).sum() for gi in g))
-    return grad([wi + rho * gi / (norm + 1e-12) for wi, gi in zip(w, g)], x, y)
+# grad(w, x, y): the mean softmax cross-entropy gradient of logits x W^T + b; sam_grad(w, x, y,
+# rho): FedSAM eq. (4)'s, the norm over ALL parameters. Public (flatflower.conformance), for the
+# user's references of `flatflower check-algorithm --reference` too.
 
 
 def fedsam_family_reference(result, algorithm, rounds=2, rho=0.0, beta=1.0, server_lr=1.0,

@@ -18,14 +18,16 @@ ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "numpy", "flwr", "matplotlib", "ray")
 
 SUBCOMMANDS = ("local", "simulate", "report", "landscape", "bench", "sweep", "flatness", "presets", "data",
-               "algorithms", "certs")
+               "algorithms", "certs", "check-algorithm")
 # (command line, exit code): --help and --version exit 0, argument errors 2
 CASES = [(["--help"], 0), (["--version"], 0), *(([name, "--help"], 0) for name in SUBCOMMANDS),
          (["frobnicate"], 2), ([], 2), (["simulate", "--no-such-flag"], 2), (["local", "--rounds", "two"], 2),
          (["simulate", "--engine", "threads"], 2), (["certs", "out"], 2), (["report"], 2),
          (["report", "r", "--last-k", "0"], 2), (["landscape", "r", "--dims", "3"], 2),
          (["bench", "--classes", "x"], 2), (["sweep", "--algorithms", "fedavg"], 2),
-         (["flatness", "r", "--hvp", "x"], 2), (["algorithms", "--json", "--markdown"], 2)]
+         (["flatness", "r", "--hvp", "x"], 2), (["algorithms", "--json", "--markdown"], 2),
+         (["check-algorithm"], 2), (["check-algorithm", "fedavg", "--engines", "threads"], 2),
+         (["check-algorithm", "fedavg", "--rounds", "1"], 2)]
 
 CHILD = f"""
 import contextlib, io, json, sys

@@ -26,7 +26,7 @@ GUIDES = ("configuration", "engines", "presets", "run-directory", "datasets", "f
           "sweeps", "reliability", "your-data", "models", "local-data", "deployment", "api", "protocol")
 OWN_PARSERS = {"report": "flatflower.tools.report", "landscape": "flatflower.tools.landscape", "bench": "flatflower.tools.bench",
                "sweep": "flatflower.tools.sweep", "flatness": "flatflower.tools.flatness_cmd",
-               "tune": "flatflower.tools.tune"}
+               "tune": "flatflower.tools.tune", "check-algorithm": "flatflower.tools.conformance"}
 
 
 

@@ -8,6 +8,7 @@
     flatflower tune     --algorithms A,B --trials N --out DIR        equal tuning budgets, validation objective
     flatflower flatness RUN_DIR                                      sharpness, Hessian of a saved model
     flatflower bench    [--quick | --full]                           cost, overhead, bytes, memory, throughput
+    flatflower check-algorithm REF [--reference MODULE:CALLABLE]    the conformance kit of an algorithm
     flatflower presets                                               list the presets
     flatflower data check                                            datasets usable offline here
     flatflower certs    OUT_DIR --nodes N [--host H ...]             TLS certificates + node keys
@@ -80,8 +81,13 @@ def _tune(argv: list[str]) -> int:
     return main(argv)
 
 
+def _check_algorithm(argv: list[str]) -> int:
+    from flatflower.tools.commands import check_algorithm
+    return check_algorithm(argv)
+
+
 OWN_PARSERS = {"report": _report, "landscape": _landscape, "bench": _bench, "sweep": _sweep,
-               "flatness": _flatness, "tune": _tune}
+               "flatness": _flatness, "tune": _tune, "check-algorithm": _check_algorithm}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("tune", help="every algorithm tuned with the same budget on a validation split, "
                    "then its best settings run for several seeds on the test set", add_help=False)
     sub.add_parser("flatness", help="sharpness, Hessian top eigenvalues (Lanczos), trace and density of a saved model",
+                   add_help=False)
+    sub.add_parser("check-algorithm", help="the conformance kit of an algorithm (yours: package.module:callable): "
+                   "loads, engines agree, resume, client state, wire records, bad keys, your reference",
                    add_help=False)
     sub.add_parser("presets", help="list the presets (paper settings)")
     data = sub.add_parser("data", help="datasets: `flatflower data check` says which are usable offline")

@@ -215,6 +215,25 @@ def certs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def check_algorithm(argv: list[str]) -> int:
+    """``check-algorithm REF``: the conformance kit (tools/conformance.py), one line per check and
+    a summary; exit 0 when every check passes, 1 when one fails, 2 when REF or ``--reference``
+    cannot be loaded (nothing run)."""
+    import time
+
+    from flatflower.tools.conformance import BadInput, build_parser, run_checks, summary
+
+    args = build_parser().parse_args(argv)
+    t0 = time.monotonic()
+    try:
+        results = run_checks(args.algorithm, reference=args.reference, engines=args.engines, rounds=args.rounds,
+                             clients=args.clients, work_dir=args.work_dir, out=lambda line: print(line, flush=True))
+    except BadInput as err:
+        raise UsageError(str(err)) from None
+    print(summary(results, time.monotonic() - t0))
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
+
+
 # every command that takes what flatflower.tools.cli.build_parser parsed -> its function (``check``: the
 # sweep's dry run of simulate); tools/cli.py adds the commands that parse their own arguments
 COMMANDS = {"local": local, "simulate": simulate, "check": check, "presets": presets, "data": data,

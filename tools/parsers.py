@@ -277,6 +277,65 @@ def flatness() -> argparse.ArgumentParser:
     return p
 
 
+# flatflower check-algorithm (tools/conformance.py): the engines it can compare, its tiny problem's size
+CHECK_ENGINES = ("inprocess", "vectorized", "ray")
+CHECK_DEFAULT_ENGINES = ("inprocess", "vectorized")
+CHECK_CLIENTS, CHECK_ROUNDS = 3, 3
+
+
+def engine_list(text: str) -> tuple[str, ...]:
+    """argparse type of ``--engines``: a comma-separated list of CHECK_ENGINES."""
+    engines = tuple(dict.fromkeys(e.strip() for e in text.split(",") if e.strip()))
+    unknown = [e for e in engines if e not in CHECK_ENGINES]
+    if unknown or not engines:
+        raise argparse.ArgumentTypeError(f"{text!r}: give engines among {', '.join(CHECK_ENGINES)}, comma-separated")
+    return engines
+
+
+engine_list.__name__ = "engine list"
+
+
+def rounds_to_resume(text: str) -> int:
+    """argparse type of check-algorithm's ``--rounds``: >= 2 (its resume checks stop a run after round 1)."""
+    value = cli_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (the resume checks stop a run after round 1), not {value}")
+    return value
+
+
+rounds_to_resume.__name__ = "int"
+
+
+def check_algorithm() -> argparse.ArgumentParser:
+    p = Parser(prog="flatflower check-algorithm",
+               description="'flatflower check-algorithm REF': the conformance kit of an algorithm, yours "
+                           "(package.module:callable returning a flatflower.AlgorithmSpec) or a built-in, on a tiny "
+                           "problem (logistic regression on the offline synthetic data, full-batch local steps): "
+                           "it loads, the engines agree, resume is bit-identical, client state survives a node "
+                           "restart, only the declared records cross the wire, bad hyperparameters are refused, "
+                           "and (--reference) one round matches your float64 numpy reference. One line per "
+                           "check; exit 0 when all pass, 1 when one fails, 2 on bad input (docs/check-algorithm.md).",
+               allow_abbrev=False)
+    p.add_argument("algorithm", metavar="REF",
+                   help="a built-in algorithm (fedsam) or your own, package.module:callable (looked for on "
+                        "sys.path, then in the current directory)")
+    p.add_argument("--reference", metavar="MODULE:CALLABLE", default=None,
+                   help="your float64 numpy reference of one round: called with a "
+                        "flatflower.conformance.ReferenceProblem, it returns the new global model's trainable "
+                        "parameters (docs/check-algorithm.md)")
+    p.add_argument("--engines", type=engine_list, default=CHECK_DEFAULT_ENGINES,
+                   help=f"the engines whose final models must agree, comma-separated among "
+                        f"{', '.join(CHECK_ENGINES)} (default {','.join(CHECK_DEFAULT_ENGINES)}; the in-process "
+                        "engine always runs: it is the baseline; ray starts a private Ray, about a minute)")
+    p.add_argument("--rounds", type=rounds_to_resume, default=CHECK_ROUNDS,
+                   help=f"rounds of each run (default {CHECK_ROUNDS}, at least 2)")
+    p.add_argument("--clients", type=positive_int, default=CHECK_CLIENTS,
+                   help=f"clients, all of them in every round (default {CHECK_CLIENTS})")
+    p.add_argument("--work-dir", default=None, metavar="DIR",
+                   help="keep the runs' directories here (default: a temporary directory, removed)")
+    return p
+
+
 # command -> its parser (tools/cli.py parses with it before it imports the command)
 PARSERS = {"report": report, "landscape": landscape, "bench": bench, "sweep": sweep, "flatness": flatness,
-           "tune": tune}
+           "tune": tune, "check-algorithm": check_algorithm}
