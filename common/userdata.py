@@ -8,7 +8,8 @@ wins: common/data.py). Every node and the server read the same contract:
   and ``y`` (N,), integer labels >= 0.
 - ``csv``: ``train.csv`` and ``test.csv``, comma-separated with a header row; the column named
   by ``csv-label`` (default ``label``) holds the labels, every other column is a numeric
-  feature (input shape (features,)).
+  feature (input shape (features,)). Labels are integers >= 0, or class names: each name's
+  index in ``classes`` (as an image folder's), default the sorted names of both files.
 - ``imagefolder``: torchvision's ImageFolder layout, ``train/<class>/*`` and
   ``test/<class>/*``. Labels follow ``classes`` (comma-separated names in label order;
   default: the sorted folder names under ``train/``), so nodes holding different classes
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -84,6 +86,8 @@ def _load(name: str, root: str, csv_label: str, classes: str, image_size: int,
     read = _read_npz if name == "npz" else functools.partial(_read_csv, label=csv_label)
     paths = [os.path.join(root, f"{split}.{name}") for split in ("train", "test")]
     (xtr, ytr), (xte, yte) = (read(p) for p in paths)
+    if name == "csv" and (_named(ytr) or _named(yte)):
+        ytr, yte, num_classes = _class_indices(paths, ytr, yte, csv_label, classes, num_classes)
     return _assemble(name, paths, xtr, ytr, xte, yte, num_classes)
 
 
@@ -119,16 +123,80 @@ def _read_csv(path: str, label: str) -> tuple[np.ndarray, np.ndarray]:
                         "name it with csv-label")
     if len(header) < 2:
         raise DataError(f"{path} has no feature column besides the label {label!r}")
+    col = header.index(label)
     try:
         table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2, encoding="utf-8")
-    except ValueError as err:  # a text or empty cell, a short row
-        raise DataError(f"{path}: every column but {label!r} must be numeric ({_first(err)})") from None
+    except ValueError:  # a text or empty cell, a short row; or class names in the label column
+        return _read_named_labels(path, header, col)
     if table.size == 0:
         table = np.zeros((0, len(header)))
     if table.shape[1] != len(header):
         raise DataError(f"{path}: rows have {table.shape[1]} values, the header names {len(header)} columns")
-    col = header.index(label)
     return np.delete(table, col, axis=1), table[:, col]
+
+
+def _read_named_labels(path: str, header: list[str], col: int) -> tuple[np.ndarray, np.ndarray]:
+    """A CSV that is not all numbers: numeric features with class names in the label column
+    (texts, mapped to class indices by :func:`_class_indices`), or the DataError that names
+    the feature column and row that is not numeric."""
+    import csv
+
+    label = header[col]
+    with open(path, newline="", encoding="utf-8") as f:
+        for i, row in enumerate(csv.reader(f)):
+            if i and row and len(row) != len(header):
+                raise DataError(f"{path}: row {i} has {len(row)} values, the header names {len(header)} columns")
+    options = {"delimiter": ",", "skiprows": 1, "encoding": "utf-8", "quotechar": '"'}
+    try:
+        names = np.loadtxt(path, dtype=str, ndmin=1, usecols=col, **options)
+        x = np.loadtxt(path, dtype=np.float64, ndmin=2, usecols=[i for i in range(len(header)) if i != col],
+                       **options)
+    except ValueError as bad:  # a feature cell (numpy counts the file's columns from 1, its rows from 0)
+        cell = re.search(r"string (.*) to float64 at row (\d+), column (\d+)", str(bad))
+        where = (f"column {header[int(cell[3]) - 1]!r} holds {cell[1]} in data row {int(cell[2]) + 1}"
+                 if cell and 0 < int(cell[3]) <= len(header) else _first(bad))
+        raise DataError(f"{path}: every column but {label!r} must be numeric ({where})") from None
+    names = np.char.strip(names)
+    if any(not n for n in names):
+        raise DataError(f"{path}: the label column {label!r} has an empty cell")
+    try:
+        return x, names.astype(np.float64)  # numbers after all (quoted): class indices, checked as such
+    except ValueError:
+        return x, names
+
+
+def _named(y: np.ndarray) -> bool:
+    """Whether a CSV's labels are class names (texts) rather than numbers."""
+    return y.dtype.kind in "US"
+
+
+def _class_indices(paths: list[str], ytr: np.ndarray, yte: np.ndarray, label: str, classes: str,
+                   num_classes: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Class names in a CSV's label column as class indices: their position in ``classes``
+    (comma-separated names in label order) when it is set, else in the sorted names of both
+    files (so the same files give the same indices on every machine); and the number of
+    classes. Both files must name their classes."""
+    if not (_named(ytr) and _named(yte)):
+        numbers, texts = (paths[0], paths[1]) if _named(yte) else (paths[1], paths[0])
+        raise DataError(f"{texts}: the label column {label!r} holds class names, {numbers}'s holds numbers: "
+                        "give both files class names, or both class indices 0..K-1")
+    if classes:
+        order = [c.strip() for c in classes.split(",") if c.strip()]
+        if len(set(order)) != len(order):
+            raise DataError(f"classes={classes!r} names a class twice")
+    else:
+        order = sorted(set(ytr.tolist()) | set(yte.tolist()))
+    if num_classes > 0 and num_classes != len(order):
+        raise DataError(f"num-classes={num_classes}, but the label column {label!r} names {len(order)} classes "
+                        f"({', '.join(order)[:200]}): leave num-classes at 0 or name the classes with classes")
+    index = {c: i for i, c in enumerate(order)}
+    out = []
+    for path, y in zip(paths, (ytr, yte)):
+        unknown = sorted(set(y.tolist()) - set(index))
+        if unknown:
+            raise DataError(f"{path}: label {unknown[0]!r} is not one of classes ({', '.join(order)[:200]})")
+        out.append(np.array([index[c] for c in y.tolist()], dtype=np.int64))
+    return out[0], out[1], len(order)
 
 
 def _as_array(value: Any, what: str) -> np.ndarray:

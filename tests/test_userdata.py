@@ -119,8 +119,12 @@ def test_csv_loads_with_its_label_column(tmp_path) -> None:
 
 @pytest.mark.parametrize(("rows", "header", "match"), [
     ([[1, 0]], ["a", "klass"], "has no label column 'label'"),
-    ([[1, "x"]], ["a", "label"], "every column but 'label' must be numeric"),
-    ([["x", 1]], ["a", "label"], "every column but 'label' must be numeric"),
+    ([[1, "x"]], ["a", "label"], "the label column 'label' holds class names, "),  # test.csv's: numbers
+    ([["x", 1]], ["a", "label"], "every column but 'label' must be numeric (column 'a' holds 'x' in data row 1)"),
+    ([["x", "cat"]], ["a", "label"], "every column but 'label' must be numeric (column 'a' holds 'x' in data row 1)"),
+    ([[1, 2, "cat"], [1, "zz", "dog"]], ["a", "b", "label"],
+     "every column but 'label' must be numeric (column 'b' holds 'zz' in data row 2)"),
+    ([[1, ""]], ["a", "label"], "the label column 'label' has an empty cell"),
     ([[1, 0.5]], ["a", "label"], "integers >= 0, found 0.5"),
     ([[1]], ["label"], "no feature column"),
     ([], ["a", "label"], "holds no samples"),
@@ -132,6 +136,27 @@ def test_csv_bad_input_is_one_line_naming_the_file(tmp_path, rows, header, match
     with pytest.raises(DataError) as err:
         load("csv", str(tmp_path))
     assert match in one_line(err) and "train.csv" in str(err.value)
+
+
+def test_csv_class_names_become_class_indices(tmp_path) -> None:
+    """Issue 57, item 7: a label column of class names was refused as "column 11 is not numeric"
+    (the label column itself). Names are class indices: their position in ``classes`` when it is
+    set, else in the sorted names of both files."""
+    write_csv(tmp_path / "train.csv", ["f", "species"], [[1, "setosa"], [2, "virginica"], [3, "versicolor"]])
+    write_csv(tmp_path / "test.csv", ["f", "species"], [[4, '"virginica"'], [5, " setosa"]])
+    ds = load("csv", str(tmp_path), csv_label="species")
+    assert ds.num_classes == 3 and ds.input_shape == (1,)
+    assert ds.train.y.tolist() == [0, 2, 1] and ds.test.y.tolist() == [2, 0]  # setosa, versicolor, virginica
+    assert ds.train.x.tolist() == [[1.0], [2.0], [3.0]]
+    named = load("csv", str(tmp_path), csv_label="species", classes="virginica, versicolor, setosa, hybrid")
+    assert named.num_classes == 4 and named.train.y.tolist() == [2, 0, 1] and named.test.y.tolist() == [0, 2]
+    for options, match in (({"classes": "setosa,virginica"}, "train.csv: label 'versicolor' is not one of "
+                                                             "classes (setosa, virginica)"),
+                           ({"num_classes": 5}, "num-classes=5, but the label column 'species' names 3 classes"),
+                           ({"classes": "a,a"}, "classes='a,a' names a class twice")):
+        with pytest.raises(DataError) as err:
+            load("csv", str(tmp_path), csv_label="species", **options)
+        assert match in one_line(err)
 
 
 # ----------------------------------------------------------------------- imagefolder
@@ -332,18 +357,19 @@ def test_load_dataset_dispatches_with_the_options(tmp_path) -> None:
     assert ds.train.x.tolist() == [[1.0], [2.0]]
 
 
-@pytest.mark.parametrize("fmt", ["npz", "csv"])
+@pytest.mark.parametrize("fmt", ["npz", "csv", "csv-names"])
 def test_two_round_federation_on_a_folder(tmp_path, fmt) -> None:
     xtr, ytr = blobs(120)
     xte, yte = blobs(30, seed=1)
     data = tmp_path / "data"
+    label = (lambda c: ("ant", "bee", "cat")[c]) if fmt == "csv-names" else int
     if fmt == "npz":
         write_npz(data, xtr, ytr, xte, yte)
     else:
         header = [f"f{i}" for i in range(6)] + ["label"]
-        write_csv(data / "train.csv", header, [list(r) + [int(c)] for r, c in zip(xtr.tolist(), ytr)])
-        write_csv(data / "test.csv", header, [list(r) + [int(c)] for r, c in zip(xte.tolist(), yte)])
-    cfg = fast_config(dataset=fmt, data_dir=str(data), model="auto", run_dir=str(tmp_path / "run"),
+        write_csv(data / "train.csv", header, [list(r) + [label(c)] for r, c in zip(xtr.tolist(), ytr)])
+        write_csv(data / "test.csv", header, [list(r) + [label(c)] for r, c in zip(xte.tolist(), yte)])
+    cfg = fast_config(dataset=fmt[:3], data_dir=str(data), model="auto", run_dir=str(tmp_path / "run"),
                       local_steps=5, lr=0.2)
     run_dir, _ = run_inprocess(cfg, num_clients=3)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
