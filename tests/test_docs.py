@@ -16,6 +16,7 @@ import shlex
 
 import pytest
 
+from flatflower.common.references import is_reference
 from flatflower.strategies.registry import ALGORITHMS
 from tests.helpers import ROOT, markdown_section as section
 
@@ -23,7 +24,8 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 # the guides a reader reaches from the README; their `flatflower` lines must parse too
 GUIDES = ("configuration", "engines", "presets", "run-directory", "datasets", "flatness", "privacy",
-          "sweeps", "reliability", "your-data", "models", "local-data", "deployment", "api", "protocol")
+          "sweeps", "reliability", "your-data", "models", "local-data", "deployment", "api", "protocol",
+          "own-algorithm", "check-algorithm")
 OWN_PARSERS = {"report": "flatflower.tools.report", "landscape": "flatflower.tools.landscape", "bench": "flatflower.tools.bench",
                "sweep": "flatflower.tools.sweep", "flatness": "flatflower.tools.flatness_cmd",
                "tune": "flatflower.tools.tune", "check-algorithm": "flatflower.tools.conformance"}
@@ -31,15 +33,15 @@ OWN_PARSERS = {"report": "flatflower.tools.report", "landscape": "flatflower.too
 
 
 
+def shell_blocks(text: str) -> list[list[list[str]]]:
+    """Each ```bash block's command lines, continuations joined, comments dropped, as words."""
+    return [[words for line in block.replace("\\\n", " ").splitlines() if (words := shlex.split(line, comments=True))]
+            for block in re.findall(r"^ *```bash\n(.*?)^ *```$", text, re.M | re.S)]
+
+
 def shell_lines(text: str) -> list[list[str]]:
-    """The command lines of the ```bash blocks, continuations joined, comments dropped, as words."""
-    out = []
-    for block in re.findall(r"^ *```bash\n(.*?)^ *```$", text, re.M | re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words:
-                out.append(words)
-    return out
+    """The command lines of the ```bash blocks, as words."""
+    return [words for block in shell_blocks(text) for words in block]
 
 
 def parse(args: list[str]) -> tuple[str, argparse.Namespace]:
@@ -140,11 +142,13 @@ def test_every_readme_command_parses_resolves_and_names_what_exists(tmp_path, mo
     from flatflower.tools.presets import find_preset
     from flatflower.tools.prepare import resolve_config
 
-    lines = shell_lines(README.read_text())
-    made = produced_runs(lines)
+    blocks = shell_blocks(README.read_text())
+    made = produced_runs([words for block in blocks for words in block])
     known_keys = set(general_fields()) | set(algorithm_keys())
     cwd, checked = ROOT, 0
-    for words in lines:
+    for words, first in ((w, j == 0) for block in blocks for j, w in enumerate(block)):
+        if first:  # each block starts from the checkout's root
+            cwd = ROOT
         if words[0] == "cd":
             cwd = (cwd / words[1]).resolve()
             assert cwd.is_dir(), f"README: cd {words[1]}: no such folder"
@@ -157,7 +161,8 @@ def test_every_readme_command_parses_resolves_and_names_what_exists(tmp_path, mo
         command, args = parse(words[1:])
         checked += 1
         for name in (getattr(args, "algorithms", "") or "").split(",") + [getattr(args, "algorithm", None)]:
-            assert not name or name in ALGORITHMS, f"README: unknown algorithm {name}"
+            assert not name or name in ALGORITHMS or (  # a user's algorithm: its module in the folder
+                is_reference(name) and (cwd / f"{name.split(':')[0]}.py").is_file()), f"README: unknown algorithm {name}"
         if getattr(args, "preset", None):
             find_preset(args.preset)  # a PresetError names what is missing
         for assignment in getattr(args, "sets", None) or []:
@@ -186,7 +191,7 @@ def test_every_flatflower_line_of_the_guides_parses(guide):
     for words in lines:
         command, args = parse(words[1:])
         for name in (getattr(args, "algorithms", "") or "").split(",") + [getattr(args, "algorithm", None)]:
-            assert not name or name in ALGORITHMS, f"{guide}.md: unknown algorithm {name}"
+            assert not name or name in ALGORITHMS or is_reference(name), f"{guide}.md: unknown algorithm {name}"
 
 
 def test_the_flatness_and_landscape_examples_read_runs_their_sweeps_make():

@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data-dir", default="", help="where torchvision datasets live "
                                                      "(default $FLATFLOWER_DATA or ~/.cache/flatflower/data)")
     algs = sub.add_parser("algorithms", help="list the algorithms, their records and their keys")
+    algs.add_argument("names", nargs="*", metavar="NAME_OR_REFERENCE",
+                      help="only these: built-in names, or your own algorithm as package.module:callable "
+                           "(docs/own-algorithm.md); default: every built-in")
     shape = algs.add_mutually_exclusive_group()
     shape.add_argument("--markdown", action="store_true", help="as the table of docs/algorithms.md")
     shape.add_argument("--json", action="store_true",

@@ -78,7 +78,7 @@ def local(args: argparse.Namespace) -> int:
     """A real SuperLink + SuperNodes on 127.0.0.1."""
     check_device(args.device)
     cfg = resolve_config(args, {"min-available-nodes": args.clients})
-    app = app_dir(args.app_dir)
+    app = app_dir(args.app_dir, cfg)
     nodes = node_configs(args)
     preflight(cfg, args.clients, nodes=nodes)
     progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
@@ -104,7 +104,7 @@ def simulate(args: argparse.Namespace) -> int:
             outcome = engines.run_in_process(cfg, args.clients, on_poll=progress,
                                              vectorized=args.engine == "vectorized", node_configs=nodes)
         else:
-            outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir), log_dir(cfg),
+            outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir, cfg), log_dir(cfg),
                                       timeout=args.timeout, on_poll=progress,
                                       **{k: v for k, v in (("cpus_per_client", args.cpus_per_client),
                                                            ("gpus_per_client", args.gpus_per_client),
@@ -156,13 +156,19 @@ def data(args: argparse.Namespace) -> int:
 def algorithms(args: argparse.Namespace) -> int:
     """The algorithms, from the registry: paper, records down/up, client state, gradient passes
     per local step, and their own run-config keys with defaults and the half that reads each
-    (``--markdown``: the table of docs/algorithms.md; ``--json``: all of it as data)."""
-    if args.json:
-        from flatflower.strategies.registry import as_data
+    (``--markdown``: the table of docs/algorithms.md; ``--json``: all of it as data). Names
+    given: only those, a user's algorithm (``package.module:callable``) loaded and checked."""
+    from flatflower.strategies.registry import BUILT_IN, as_data, get
 
-        print(json.dumps(as_data(), indent=1))
+    try:
+        specs = [get(name) for name in dict.fromkeys(args.names or BUILT_IN)]
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(as_data(specs), indent=1))
     else:
-        print(algorithm_table(markdown=args.markdown))
+        print(algorithm_table(markdown=args.markdown, specs=specs))
     return EXIT_OK
 
 
@@ -176,11 +182,11 @@ def searched(search: dict | None) -> str:
     return f"; tuned over {search['low']:g}-{search['high']:g}{', log' if search['log'] else ''}"
 
 
-def algorithm_table(markdown: bool = False) -> str:
+def algorithm_table(markdown: bool = False, specs=None) -> str:
     from flatflower.strategies.registry import as_data
 
     rows = []
-    for alg in as_data():
+    for alg in as_data(specs):
         keys = [f"{k['name']} (required)" if k["required"] else f"{k['name']} = {k['default']!r}"
                 for k in alg["keys"]]
         passes = f"{alg['passes']}" + (f" + {alg['forwards']} forward" if alg["forwards"] else "")
