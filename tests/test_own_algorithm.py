@@ -65,6 +65,19 @@ def test_the_example_out_of_the_checkout_runs_in_process_and_vectorised_alike(tm
     assert_same_run(runs["inprocess"], runs["vectorized"], atol=1e-5)
 
 
+def test_the_example_out_of_the_checkout_passes_the_conformance_kit_with_its_reference(tmp_path):
+    folder = copied_example(tmp_path)
+    done = flatflower_cli(folder, "check-algorithm", "emasam:spec", "--reference", "reference:first_round")
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
+    assert len(lines) == 7 and all(line.startswith("PASS") for line in lines), done.stdout
+    # and the kit is not blind: a reference that forgets the server momentum fails its line
+    (folder / "wrong.py").write_text((folder / "reference.py").read_text().replace(
+        "mu = problem.params[\"emasam.server-momentum\"]", "mu = 0.0").replace("momentum = [mu * 0.0 + d", "momentum = [0.5 * d"))
+    wrong = flatflower_cli(folder, "check-algorithm", "emasam:spec", "--reference", "wrong:first_round")
+    assert wrong.returncode == 1 and "FAIL reference" in wrong.stdout, wrong.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_the_example_in_a_loopback_deployment_trains_the_in_process_model(tmp_path):
