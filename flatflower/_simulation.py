@@ -19,7 +19,6 @@ from torch import nn
 from flatflower.common.config import ConfigError, RunConfig, flat_keys
 
 ENGINES = ("inprocess", "vectorized")
-LOGGERS = ("flwr", "flwr.flatflower.server", "flwr.flatflower.client")
 
 
 class History:
@@ -180,19 +179,9 @@ def run_simulation(config: Mapping[str, Any] | RunConfig | None = None, *, prese
     return RunResult.read(path, cfg)
 
 
-@contextlib.contextmanager
-def _quiet(quiet: bool) -> Iterator[None]:
+def _quiet(quiet: bool):
     """Flower's and flatflower's per-round log lines at WARNING while the run lasts (what
     ``flatflower simulate`` shows), unless verbose."""
-    if not quiet:
-        yield
-        return
-    loggers = [logging.getLogger(name) for name in LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    from flatflower.runtime.engines.inprocess import logs_at
+
+    return logs_at(logging.WARNING) if quiet else contextlib.nullcontext()

@@ -37,7 +37,7 @@ import logging
 import math
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,19 +215,13 @@ def last_refusal(run_dir: Path) -> str:
     return ""
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
+def quiet():
     """Flower's and flatflower's logs below ERROR silenced while the kit's runs run (a failing
     algorithm's refusals are the checks' to report, in their lines)."""
-    loggers = [logging.getLogger(n) for n in ("flwr", "flwr.flatflower.server", "flwr.flatflower.client")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    from flatflower.runtime.engines.inprocess import logs_at
+
+    return logs_at(logging.ERROR)
+
 
 
 class Kit:

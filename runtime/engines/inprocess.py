@@ -24,7 +24,7 @@ import time
 import traceback
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -402,3 +402,21 @@ def run_inprocess(run_config: Mapping[str, Any], num_clients: int,
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())
     (server_app or default_server_app)(grid, context)
     return Path(cfg.run_dir), grid
+
+
+RUN_LOGGERS = ("flwr", "flwr.flatflower.server", "flwr.flatflower.client")  # Flower's and both halves'
+
+
+@contextlib.contextmanager
+def logs_at(level: int) -> Iterator[None]:
+    """Flower's and flatflower's loggers at ``level`` (e.g. WARNING: no per-round lines) while
+    an in-process run lasts, as they were afterwards."""
+    loggers = [logging.getLogger(name) for name in RUN_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(level)
+    try:
+        yield
+    finally:
+        for lg, old in zip(loggers, levels):
+            lg.setLevel(old)
