@@ -21,7 +21,6 @@ flatflower`` alone imports neither PyTorch nor Flower, which keeps ``flatflower 
 
 from __future__ import annotations
 
-import os as _os
 from importlib import import_module as _import_module
 from typing import TYPE_CHECKING
 
@@ -35,20 +34,6 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and editor
     from flatflower.server.app import app as server_app
     from flatflower.strategies.base import ServerRule
     from flatflower.strategies.registry import AlgorithmSpec
-
-# The wheel installs ONE top-level package, flatflower: common/, client/, server/, strategies/,
-# runtime/ and tools/ are its subpackages (pyproject [tool.setuptools] package-dir), so another
-# distribution's `common` or a user's own `tools` can neither shadow nor overwrite them. In a
-# checkout (tests, `flwr run .`, whose FAB carries the repository's files) those folders sit
-# beside flatflower/: adding the repository root to this package's search path makes
-# `flatflower.common` that folder, so the code imports itself the same way in both.
-_here = _os.path.dirname(_os.path.abspath(__file__))
-_root = _os.path.dirname(_here)
-if (not _os.path.isdir(_os.path.join(_here, "common"))
-        and _os.path.isfile(_os.path.join(_root, "common", "__init__.py"))
-        and _os.path.isfile(_os.path.join(_root, "strategies", "registry.py"))
-        and _root not in __path__):
-    __path__.append(_root)
 
 _PUBLIC = {
     "run_simulation": ("flatflower._simulation", "run_simulation"),

@@ -1,6 +1,7 @@
 """The installed package coexists (issue 43): one top-level package, ``flatflower``, whose
-subpackages are the repository's folders (pyproject [tool.setuptools] package-dir); a checkout
-resolves the same names through flatflower/__init__.py. The wheel runs beside another package
+import names are its files' paths (issue 57: flatflower/common/config.py is
+flatflower.common.config; the repository's common/, client/, ... are links to those folders), so
+editors, type checkers, ruff and package walkers follow them. The wheel runs beside another package
 that ships ``common/config.py``, from a user project with its own ``common`` and ``tools``, and
 with no checkout at all (the Flower App is generated: tools/prepare.py ``installed_app_dir``)."""
 
@@ -17,26 +18,95 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("common", "client", "server", "strategies", "tools", "runtime")
+PUBLIC_API = ("flatflower/__init__.py", "flatflower/_halves.py", "flatflower/_simulation.py",
+              "flatflower/_objects.py", "flatflower/params.py", "flatflower/tensors.py")
 
 
 def test_the_wheel_lists_every_package_folder():
-    """A new subpackage (a folder with __init__.py) must be in pyproject's explicit list, or
-    the wheel silently lacks it."""
+    """A new subpackage (a folder under flatflower/ with __init__.py, or the presets' folder of
+    package data) must be in pyproject's explicit list, or the wheel silently lacks it; no
+    package-dir mapping: an import name is its file's path."""
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = ["flatflower"] + [f"flatflower.{'.'.join(init.parent.relative_to(ROOT).parts)}"
-                              for folder in FOLDERS if (ROOT / folder).is_dir()
-                              for init in (ROOT / folder).rglob("__init__.py")]
-    assert sorted(setup["packages"]) == sorted(found)
-    assert setup["package-dir"] == {f"flatflower.{f}": f for f in FOLDERS if (ROOT / f / "__init__.py").exists()}
+    found = [".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "flatflower").rglob("__init__.py")]
+    assert sorted(setup["packages"]) == sorted([*found, "flatflower.tools.presets"])
+    assert setup["package-dir"] == {"": "."}  # names are paths: no mapping
 
 
-def test_a_checkout_resolves_the_folders_under_flatflower():
+def test_an_import_name_is_the_path_of_its_file_and_the_design_cards_folders_lead_there():
     import flatflower
     import flatflower.common.config as config
 
-    assert Path(config.__file__).resolve() == ROOT / "common" / "config.py"
-    assert str(ROOT) in flatflower.__path__
+    assert Path(config.__file__) == ROOT / "flatflower" / "common" / "config.py"  # no link, no mapping
+    assert [Path(p) for p in flatflower.__path__] == [ROOT / "flatflower"]
+    for folder in FOLDERS:  # the repository's top-level folders: relative links into the package
+        link = ROOT / folder
+        assert link.is_symlink() and os.readlink(link) == f"flatflower/{folder}"
+        assert (link / "__init__.py").resolve() == ROOT / "flatflower" / folder / "__init__.py"
     assert not {m for m in sys.modules if m.split(".")[0] in FOLDERS}, "nothing imports the bare names"
+
+
+def test_walking_the_package_ends_and_finds_only_flatflowers_modules():
+    """A documentation generator or a plugin scan walks the package: it ends (the repository
+    root was part of the package and the walk recursed until RecursionError) and finds the
+    modules under flatflower/ only (not flatflower.flatflower, flatflower.tests)."""
+    import pkgutil
+
+    import flatflower
+
+    names = [m.name for m in pkgutil.walk_packages(flatflower.__path__, "flatflower.")]
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+             for p in (ROOT / "flatflower").rglob("*.py")}
+    assert set(names) == files - {"flatflower"}
+
+
+def test_jedi_goes_to_the_definition_in_the_checkouts_file():
+    import jedi
+
+    code = "from flatflower.common.config import RunConfig\nRunConfig\n"
+    script = jedi.Script(code, path=str(ROOT / "probe.py"), project=jedi.Project(str(ROOT)))
+    (found,) = script.goto(2, 3, follow_imports=True)
+    assert Path(str(found.module_path)) == ROOT / "flatflower" / "common" / "config.py"
+    assert "class RunConfig" in (ROOT / "flatflower" / "common" / "config.py").read_text().splitlines()[found.line - 1]
+
+
+def test_mypy_checks_the_public_api_and_resolves_its_modules(tmp_path):
+    """The public API (docs/api.md, docs/own-algorithm.md) type-checks, and mypy finds
+    flatflower's modules (it reported import-not-found for every one)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from flatflower.common.config import RunConfig\nreveal_type(RunConfig().lr)\n")
+    out = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"), *PUBLIC_API,
+                          str(probe)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert 'Revealed type is "float"' in out.stdout
+
+
+def test_ruff_sorts_flatflowers_imports_as_first_party(tmp_path):
+    probe = ROOT / "tests" / f"probe_isort_{os.getpid()}.py"
+    probe.write_text("import os\n\nimport torch\n\nfrom flatflower.common import config\n")
+    try:
+        out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "I",
+                              str(probe)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        probe.unlink()
+    assert out.returncode == 0, out.stdout  # first-party: a section of its own after the third-party
+
+
+def test_the_fab_and_the_images_hold_each_file_once():
+    """`flwr build` walks the app without following links: it ships flatflower/ once; the
+    Dockerfiles copy flatflower/ (the links would copy the same files again)."""
+    from flwr.cli.build import build_fab_from_disk
+    import zipfile
+    from io import BytesIO
+
+    names = zipfile.ZipFile(BytesIO(build_fab_from_disk(ROOT))).namelist()
+    assert len(names) == len(set(names))
+    assert {n.split("/")[0] for n in names} == {".info", "pyproject.toml", "flatflower"}
+    assert "flatflower/common/config.py" in names and "flatflower/tools/presets/digits-quick.toml" in names
+    for dockerfile in (ROOT / "docker").glob("Dockerfile.superexec*"):
+        if dockerfile.suffix == ".dockerignore":
+            continue
+        copies = [line.split()[-2] for line in dockerfile.read_text().splitlines() if line.startswith("COPY ")]
+        assert "flatflower/" in copies and not set(copies) & {f"{f}/" for f in FOLDERS}, dockerfile.name
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +193,28 @@ def test_the_installed_wheel_runs_the_ray_engine_with_no_checkout(installed, tmp
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     (summary,) = (project / "runs").rglob("summary.json")
     assert json.loads((summary.parent / "config.json").read_text())["engine"] == "ray"
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_each_file_once_and_runs_the_own_algorithm_example(installed, tmp_path):
+    """From the built wheel, no checkout: the example copied into a project of its own runs in
+    the in-process and vectorised engines alike and passes the conformance kit."""
+    import shutil
+
+    record = (next(installed.glob("flatflower-*.dist-info")) / "RECORD").read_text().splitlines()
+    files = [line.split(",")[0] for line in record]
+    assert len(files) == len(set(files)) and "flatflower/common/config.py" in files
+    assert not [f for f in files if f.split("/")[0] in FOLDERS]
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "examples" / "own_algorithm", project, ignore=shutil.ignore_patterns("__pycache__"))
+    finals = []
+    for engine in ("inprocess", "vectorized"):
+        out = run_installed(installed, project, [], "-m", "flatflower.tools.cli", "simulate", "--engine", engine,
+                            "--algorithm", "emasam:spec", "--dataset", "digits", "--clients", "3", "--rounds", "2",
+                            "--run-dir", str(tmp_path / engine))
+        assert out.returncode == 0, out.stderr[-2000:]
+        finals.append(json.loads((tmp_path / engine / "summary.json").read_text()))
+    assert finals[0]["final_test_accuracy"] == finals[1]["final_test_accuracy"]
+    out = run_installed(installed, project, [], "-m", "flatflower.tools.cli", "check-algorithm", "emasam:spec",
+                        "--reference", "reference:first_round")
+    assert out.returncode == 0 and out.stdout.count("PASS") == 7, out.stdout + out.stderr[-2000:]

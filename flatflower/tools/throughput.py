@@ -260,7 +260,7 @@ def measure_ray(cfg: dict[str, Any], clients: int, timeout: float) -> list[dict[
     progress = run_dir / "progress.json"
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=Path(__file__).resolve().parent.parent)
+                                cwd=Path(__file__).resolve().parents[2])
         done = threading.Event()
 
         def watch() -> None:

@@ -125,7 +125,7 @@ def code_version() -> str | None:
     mid-sweep shows here, and ``flatflower report`` warns about runs of different code."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return None
     try:

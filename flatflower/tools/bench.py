@@ -382,7 +382,7 @@ def _cli_round_seconds(command: str, cfg_dict: dict, clients: int, workdir: Path
             "--timeout", str(int(timeout))]
     t0 = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout + 60,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-400:], "wall_seconds": wall}

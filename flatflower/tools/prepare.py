@@ -478,7 +478,7 @@ def app_dir(given: str | None, cfg: RunConfig | None = None) -> Path:
     if given:
         path = Path(given).resolve()
     else:
-        path = Path(__file__).resolve().parent.parent
+        path = Path(__file__).resolve().parents[2]
         if not (path / "pyproject.toml").exists() or _missing_keys(path, cfg):  # site-packages: no checkout
             return installed_app_dir()
     toml = path / "pyproject.toml"
