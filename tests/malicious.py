@@ -191,6 +191,11 @@ ATTACKS: dict[str, tuple[str, Tamper]] = {
     "huge-weight": ("train", lambda r, m, c, x: with_value(r, x)),
     # evaluation
     "accuracy-1000": ("evaluate", lambda r, m, c, x: with_metric(r, "eval-accuracy", 1000.0)),
+    # a held-out set of x examples declared at the handshake (the weight of its evaluation)
+    "heldout-claim": ("query", lambda r, m, c, x: with_metric(r, P.NUM_HELDOUT, int(x))),
+    # accuracy 1 and loss 0 on its held-out set, claiming x examples when x > 1 (else its own count)
+    "perfect-eval": ("evaluate", lambda r, m, c, x: with_metric(with_metric(
+        r if x <= 1 else with_metric(r, P.NUM_EXAMPLES, int(x)), P.EVAL_ACCURACY, 1.0), P.EVAL_LOSS, 0.0)),
     "eval-loss": ("evaluate", lambda r, m, c, x: with_metric(r, "eval-loss", x)),
 }
 # records and metrics beyond the protocol, at every stage: e.g. train-extra-config, query-extra-key

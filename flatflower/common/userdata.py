@@ -20,6 +20,10 @@ wins: common/data.py). Every node and the server read the same contract:
   Normalised as the built-in image sets: x / 255, then the train split's per-channel mean/std.
 - ``package.module:callable``: see :func:`from_callable`.
 
+The training split must hold examples; the test split may be empty (0 rows, a ``test.csv``
+with its header only, a ``test/`` folder without class folders): a node that holds nothing
+out trains and is not evaluated (docs/local-data.md). The server's evaluation set must not be.
+
 NPZ, CSV and callable data are used as given (converted to float32; uint8 arrays stay uint8
 and are read as their values): flatflower does not rescale a user's features.
 
@@ -35,6 +39,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -125,7 +130,9 @@ def _read_csv(path: str, label: str) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path} has no feature column besides the label {label!r}")
     col = header.index(label)
     try:
-        table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2, encoding="utf-8")
+        with warnings.catch_warnings():  # a header-only file (an empty test split) is no reason to warn
+            warnings.filterwarnings("ignore", "loadtxt: input contained no data", UserWarning)
+            table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2, encoding="utf-8")
     except ValueError:  # a text or empty cell, a short row; or class names in the label column
         return _read_named_labels(path, header, col)
     if table.size == 0:
@@ -245,18 +252,18 @@ def _assemble(name: str, where: list[str], xtr: Any, ytr: Any, xte: Any, yte: An
     """The checked splits as a FederatedDataset (``where``: the train and test sources, named
     in the errors)."""
     splits = []
-    for place, x, y in ((where[0], xtr, ytr), (where[1], xte, yte)):
+    for place, x, y, empty_ok in ((where[0], xtr, ytr, False), (where[1], xte, yte, True)):
         xs, ys = _features(x, place), _labels(y, place)
         if len(xs) != len(ys):
             raise DataError(f"{place}: x has {len(xs)} rows and y {len(ys)} labels")
-        if len(ys) == 0:
+        if len(ys) == 0 and not empty_ok:  # a test split may be empty: a node that holds none out
             raise DataError(f"{place} holds no samples")
         splits.append(Split(xs, ys, mean=mean, std=std, scale=scale))
     train, test = splits
     if train.x.shape[1:] != test.x.shape[1:]:
         raise DataError(f"{where[1]}: samples of shape {tuple(test.x.shape[1:])}, but the train split's "
                         f"({where[0]}) are {tuple(train.x.shape[1:])}")
-    top = int(max(train.y.max(), test.y.max()))
+    top = int(max(train.y.max(), test.y.max())) if len(test) else int(train.y.max())
     if num_classes > 0 and top >= num_classes:
         place = where[0] if int(train.y.max()) == top else where[1]
         raise DataError(f"{place}: label {top} is not below num-classes={num_classes}")
@@ -291,6 +298,9 @@ def _imagefolder(root: str, classes: str, image_size: int, num_classes: int) -> 
             raise DataError(f"{os.path.join(d, unknown[0])}: class folder {unknown[0]!r} is not one of "
                             f"classes ({', '.join(names)[:200]})")
         found = make_dataset(d, index, extensions=IMG_EXTENSIONS, allow_empty=True)
+        if not found and d == dirs[1] and not _subdirs(d):  # no test images: a node that holds none out
+            files.append([])
+            continue
         if not found:
             raise DataError(f"{d} holds no images (extensions: {', '.join(IMG_EXTENSIONS)})")
         held = {label for _, label in found}
@@ -321,6 +331,9 @@ def _imagefolder(root: str, classes: str, image_size: int, num_classes: int) -> 
                             "set image-size to resize them all to one square size")
     arrays = []
     for split in images:
+        if not split:  # an empty test folder: no images of the train split's shape
+            arrays.append(np.zeros((0, *arrays[0].shape[1:]), dtype=np.uint8))
+            continue
         stack = np.stack([np.asarray(im.convert(mode), dtype=np.uint8) for im in split])
         arrays.append(stack[:, None] if gray else stack.transpose(0, 3, 1, 2))
     channels = arrays[0].astype(np.float64) / 255.0

@@ -134,7 +134,11 @@ def server_data(cfg: RunConfig):
         log.info("partition=local and no data-dir on the server: no central evaluation; the run "
                  "measures itself by federated evaluation (fraction-evaluate=%g)", cfg.fraction_evaluate)
         return None
-    return check_local_data(cfg, trains=False) if cfg.local_data() else dataset_for(cfg)
+    data = check_local_data(cfg, trains=False) if cfg.local_data() else dataset_for(cfg)
+    if not len(data.test):  # a node's test split may be empty (it is not evaluated); the server's measures
+        raise ValueError(f"data-dir {cfg.data_dir or '(none)'!r}: the test split the server evaluates on "
+                         "holds no samples")
+    return data
 
 
 def server_device(cfg: RunConfig) -> torch.device:

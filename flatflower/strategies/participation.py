@@ -22,7 +22,10 @@ declares another size is refused. So a node can lie once, within the bound, and 
 its weight mid-run; and since the local steps asked of a node follow from its declared size
 (``local-epochs`` passes), a node that declares more examples must also run (and is checked
 to report) more steps. ``aggregation = uniform`` removes sizes from the aggregation weights
-entirely, for federations that trust no node's declaration.
+entirely, for federations that trust no node's declaration. A declared held-out size costs a
+node no work, so in federated evaluation it counts at most ``EVALUATE_WEIGHT_CAP`` times the
+median size of the other nodes evaluated with it (:meth:`Participation.evaluation_weights`),
+and a node that holds nothing out trains and is not evaluated (:meth:`Participation.evaluates`).
 
 Sampling is deterministic in (seed, round) over partition ids, so the same seed samples the
 same clients in-process, in simulation and in a deployment.
@@ -53,6 +56,9 @@ log = logging.getLogger("flwr.flatflower.server")
 OnRefused = Callable[[str, int, int, str], None]
 
 EVALUATE_DRAWS = 10**6  # evaluation rounds' sampling streams: (seed, round + this), apart from training's
+# partition = local: a node's weight in federated evaluation is at most this many times the median
+# held-out size of the other nodes evaluated in the same round (docs/local-data.md, "The trust model")
+EVALUATE_WEIGHT_CAP = 2
 
 
 class NoNodesError(RuntimeError):
@@ -172,6 +178,17 @@ def handshake_error(reply: Message) -> str:
     return text
 
 
+def medians_of_others(values: Sequence[float]) -> list[float]:
+    """For each of ``values`` (at least 2), the median of all the others: one sort, O(n log n)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranked = [values[i] for i in order]
+    low, high = (len(values) - 2) // 2, (len(values) - 1) // 2  # the middle of n - 1 values
+    out = [0.0] * len(values)
+    for rank, i in enumerate(order):  # the others, in order: ranked without position ``rank``
+        out[i] = (ranked[low + (low >= rank)] + ranked[high + (high >= rank)]) / 2
+    return out
+
+
 class Participation:
     def __init__(self, cfg: RunConfig, partition_sizes: Callable[[int], Sequence[int]] | None = None,
                  settings: Mapping[str, Any] | None = None):
@@ -255,6 +272,23 @@ class Participation:
         """The examples a federated evaluation of this partition measures (its evaluate reply
         must claim them; its weight): its held-out set, else its training set."""
         return self.heldout.get(partition_id) or self.sizes[partition_id]
+
+    def evaluates(self, partition_id: int) -> bool:
+        """Whether federated evaluation asks this partition: with partition = local only if it
+        declared a held-out set (its training data is not what federated evaluation measures:
+        a node that holds nothing out trains and is not evaluated); otherwise always."""
+        return not self.cfg.local_data() or self.heldout.get(partition_id, 0) > 0
+
+    def evaluation_weights(self, partition_ids: Iterable[int]) -> dict[int, int]:
+        """Each evaluated partition's weight in the federated mean: :meth:`num_evaluated`, and
+        with partition = local (a size only the node's word, which costs it no work) at most
+        EVALUATE_WEIGHT_CAP times the median of the other partitions' sizes (rounded down), so
+        that no node owns the mean."""
+        sizes = {p: self.num_evaluated(p) for p in partition_ids}
+        if not self.cfg.local_data() or len(sizes) < 2:
+            return sizes
+        others = medians_of_others(list(sizes.values()))
+        return {p: min(n, int(EVALUATE_WEIGHT_CAP * m)) for (p, n), m in zip(sizes.items(), others)}
 
     def num_steps(self, partition_id: int) -> int:
         """The local steps a client of this partition takes in a round (tau_i)."""
@@ -371,6 +405,9 @@ class Participation:
                               f"{self.heldout[pid]} (fixed at its first handshake)")
         else:
             self.partition_of[node] = pid
+            if not self.evaluates(pid):
+                log.info("partition %d (node %d) holds no held-out data: it trains, and federated "
+                         "evaluation does not ask it", pid, node)
 
     def available(self, grid: Grid, on_refused: OnRefused) -> dict[int, int]:
         """partition id -> node id of every connected node that passed the handshake."""

@@ -63,6 +63,8 @@ class RunFailed(RuntimeError):
 
 # federated evaluation's results (aggregate_evaluate): metrics.jsonl's federated_loss / _accuracy
 FEDERATED_LOSS, FEDERATED_ACCURACY = "federated-loss", "federated-accuracy"
+# and the median over the evaluated nodes, one value each (no size counts): federated_loss_median, ...
+FEDERATED_LOSS_MEDIAN, FEDERATED_ACCURACY_MEDIAN = "federated-loss-median", "federated-accuracy-median"
 
 
 @dataclass
@@ -505,7 +507,11 @@ class FlatStrategy(FlowerFedAvg):
         if self.fraction_evaluate == 0.0:
             return []
         available = self.available_partitions(grid)
-        chosen = self.participation.sample_evaluate(server_round, list(available), self.fraction_evaluate)
+        pool = [p for p in available if self.participation.evaluates(p)]  # not a node that holds nothing out
+        if not pool:
+            self._eval_messages = []
+            return []
+        chosen = self.participation.sample_evaluate(server_round, pool, self.fraction_evaluate)
         self._eval_nonce = new_nonce()
         content = RecordDict({P.MODEL: arrays, P.CONFIG: ConfigRecord(
             {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._eval_nonce})})
@@ -525,8 +531,11 @@ class FlatStrategy(FlowerFedAvg):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """``federated-loss`` and ``federated-accuracy``: the means of the clients' eval-loss and
         eval-accuracy weighted by the sizes of their evaluated sets (their held-out sets, as
-        declared at their first handshake; else their training sets). A reply must claim that
-        size; invalid replies are refused with their reason."""
+        declared at their first handshake; else their training sets), each at most
+        EVALUATE_WEIGHT_CAP times the others' median where the sizes are the nodes' own word
+        (Participation.evaluation_weights); ``federated-loss-median`` and
+        ``federated-accuracy-median``: the medians over the clients, one value each. A reply
+        must claim its size; invalid replies are refused with their reason."""
         rows: dict[int, tuple[float, float]] = {}
         sent = destinations(self._eval_messages)
         for reply in replies:
@@ -545,8 +554,11 @@ class FlatStrategy(FlowerFedAvg):
                 self._refused("evaluate", pid, node, str(why))
         if not rows:
             return None
-        sizes = {p: self.participation.num_evaluated(p) for p in rows}
+        sizes = self.participation.evaluation_weights(rows)
         total = float(sum(sizes.values()))
-        return MetricRecord({key: sum(rows[p][i] * sizes[p] for p in rows) / total
-                             for i, key in enumerate((FEDERATED_LOSS, FEDERATED_ACCURACY))})
+        means = {key: sum(rows[p][i] * sizes[p] for p in rows) / total
+                 for i, key in enumerate((FEDERATED_LOSS, FEDERATED_ACCURACY))}
+        medians = {key: float(np.median([rows[p][i] for p in rows]))
+                   for i, key in enumerate((FEDERATED_LOSS_MEDIAN, FEDERATED_ACCURACY_MEDIAN))}
+        return MetricRecord({**means, **medians})
 
