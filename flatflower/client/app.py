@@ -26,6 +26,7 @@ from flatflower.client.train import LocalResult, build_rule, local_train, round_
 from flatflower.common import codec
 from flatflower.common import protocol as P
 from flatflower.common.augment import Augment, train_augment
+from flatflower.client import allowed_code
 from flatflower.common.config import RunConfig
 from flatflower.common.data import client_split, client_test_split, model_shape
 from flatflower.common.datasets import Split
@@ -50,6 +51,7 @@ def keeps_buffers(cfg: RunConfig, model: torch.nn.Module) -> bool:
 
 
 def _setup(context: Context) -> tuple[RunConfig, NodeSettings, torch.device]:
+    allowed_code.check(context.run_config, context.node_config)  # before the run config imports any code
     cfg = RunConfig.parsed(context.run_config)
     node = NodeSettings.from_node_config(context.node_config)
     device = node.torch_device()

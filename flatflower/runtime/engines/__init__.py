@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flatflower.client.allowed_code import ALLOW_ENV
 from flatflower.common.config import RunConfig
 from flatflower.common.references import BadReference, is_reference, module_roots, resolve, with_pythonpath
 from flatflower.common.schema import printable
@@ -88,7 +89,17 @@ def hand_user_code(env: dict[str, str], cfg: RunConfig, app: Path) -> dict[str, 
         print(f"note: {rel} (your code, in the app directory) is not in the FAB that 'flwr run' ships "
               f"(pyproject.toml fab-include): this local federation finds it through PYTHONPATH, but a "
               f"real deployment's SuperNodes need it installed or on their PYTHONPATH", flush=True)
-    return with_pythonpath(env, roots)
+    return allow_code(with_pythonpath(env, roots), texts)
+
+
+def allow_code(env: dict[str, str], texts: list[str]) -> dict[str, str]:
+    """``env`` whose nodes allow the modules of ``texts``: the nodes this command starts are its
+    user's, who named that code (client/allowed_code.py); other entries of the variable kept."""
+    modules = [t.split(":", 1)[0] for t in texts]
+    current = [e for e in env.get(ALLOW_ENV, "").split(",") if e.strip()]
+    if not modules:
+        return env
+    return {**env, ALLOW_ENV: ",".join(dict.fromkeys(current + modules))}
 
 
 def seconds_text(value: Any) -> str:

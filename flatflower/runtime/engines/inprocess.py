@@ -33,6 +33,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.task_identity import TaskIdentity
 
+from flatflower.client.allowed_code import ALLOW_KEY  # one process, one person: its own code runs
 from flatflower.client.app import TrainCall
 from flatflower.client.app import app as default_client_app
 from flatflower.common.config import RunConfig
@@ -119,7 +120,7 @@ class InProcessGrid(Grid):
         self.contexts = {
             first_node_id + i: Context(
                 run_id=1, node_id=first_node_id + i, state=RecordDict(), run_config=dict(run_config),
-                node_config={"partition-id": i, "num-partitions": num_nodes, **(node_config or {}),
+                node_config={"partition-id": i, "num-partitions": num_nodes, ALLOW_KEY: "*", **(node_config or {}),
                              **(node_configs or {}).get(i, {})},
             )
             for i in range(num_nodes)
