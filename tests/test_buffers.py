@@ -86,8 +86,9 @@ def test_torchvisions_resnet18_trains_with_every_algorithm(tmp_path, algorithm):
 
 
 # ------------------------------------------------------------------ the server's split
-def _update(pid: int, model: OrderedDict, records: dict | None = None) -> ClientUpdate:
-    return ClientUpdate(node_id=pid, partition_id=pid, num_examples=10 * (pid + 1), num_steps=1,
+def _update(pid: int, model: OrderedDict, records: dict | None = None, steps: int = 10) -> ClientUpdate:
+    """Partition ``pid``'s reply holding ``model`` after ``steps`` local steps (a counter may grow by that many)."""
+    return ClientUpdate(node_id=pid, partition_id=pid, num_examples=10 * (pid + 1), num_steps=steps,
                         train_loss=1.0, model=model, records=records or {})
 
 
@@ -169,6 +170,93 @@ def test_a_negative_variance_is_refused_with_its_reason():
         _strategy("fedavg", model).load_state_dict(state)
 
 
+def _reply(model: nn.Module, **entries) -> OrderedDict:
+    """``model``'s state dict with ``entries`` (``running_mean=...``: layer 1's) in place."""
+    w = OrderedDict((k, v.clone()) for k, v in model.state_dict().items())
+    for name, value in entries.items():
+        w[f"1.{name}"] = torch.as_tensor(value, dtype=w[f"1.{name}"].dtype).expand_as(w[f"1.{name}"]).clone()
+    return w
+
+
+@pytest.mark.parametrize("entries, reason", [
+    ({"running_mean": 1e30}, r"key '1.running_mean' holds 1e\+30, a magnitude above 1e\+18: a statistic no data gives"),
+    ({"running_mean": -2e18}, r"key '1.running_mean' holds 2e\+18, a magnitude above 1e\+18"),
+    ({"running_var": 3e38}, r"key '1.running_var' holds 3e\+38, a variance above 1e\+36"),
+    ({"running_var": -1e-3}, r"key '1.running_var' is a variance with negative entries"),
+    ({"num_batches_tracked": 11}, r"key '1.num_batches_tracked' is a counter of 11, outside \[0, 10\]"),
+    ({"num_batches_tracked": -1}, r"key '1.num_batches_tracked' is a counter of -1, outside \[0, 10\]"),
+], ids=["mean-1e30", "mean-minus-2e18", "var-3e38", "var-negative", "counter-past-its-steps", "counter-negative"])
+def test_statistics_no_honest_client_sends_are_refused(entries, reason):
+    """buffers = global, a client of 10 local steps that received the initial statistics."""
+    model = small_bn_cnn((1, 8, 8), 10)
+    with pytest.raises(ValueError, match=reason):
+        _strategy("fedavg", model)._split_update(_update(0, _reply(model, **entries)))
+
+
+def test_the_bounds_leave_every_statistic_data_can_give():
+    """Right at the bounds, and the server's own value beyond them (a frozen parameter, or
+    statistics the server holds), pass; so does a counter grown by exactly its steps."""
+    model = small_bn_cnn((1, 8, 8), 10)
+    strategy = _strategy("fedavg", model)
+    strategy._split_update(_update(0, _reply(model, running_mean=-1e18, running_var=1e36, num_batches_tracked=10)))
+    strategy.buffers["1.running_mean"] = torch.full((4,), 1e30)  # as if the server had sent it
+    strategy._split_update(_update(0, _reply(model, running_mean=1e30)))
+    with pytest.raises(ValueError, match="holds 3e"):  # but no other value beyond the bound
+        strategy._split_update(_update(0, _reply(model, running_mean=3e30)))
+
+
+def test_a_counter_grows_from_what_the_client_starts_from():
+    """buffers = global: from the counter the server sent, by the client's own steps; buffers =
+    local: each client goes on from its own counter, so from the initial model's, by at most
+    the largest partition's steps in every round so far."""
+    model = small_bn_cnn((1, 8, 8), 10)
+    strategy = _strategy("fedavg", model)
+    strategy.buffers["1.num_batches_tracked"] = torch.tensor(30)
+    strategy._split_update(_update(0, _reply(model, num_batches_tracked=33), steps=3))
+    for count in (29, 34):
+        with pytest.raises(ValueError, match=rf"a counter of {count}, outside \[30, 33\]"):
+            strategy._split_update(_update(0, _reply(model, num_batches_tracked=count), steps=3))
+    local = _strategy("fedavg", model, buffers="local", **{"local-steps": 4})
+    local.participation.sizes = {0: 10, 1: 20}
+    local.rule.round = 3  # at most 3 rounds of 4 steps since the initial 0, whatever the global counter
+    local.buffers["1.num_batches_tracked"] = torch.tensor(2)
+    local._split_update(_update(0, _reply(model, num_batches_tracked=12), steps=4))
+    with pytest.raises(ValueError, match=r"a counter of 13, outside \[0, 12\]"):
+        local._split_update(_update(0, _reply(model, num_batches_tracked=13), steps=4))
+
+
+def test_under_dp_every_buffer_must_be_the_one_the_server_sent():
+    """DP: an honest client sends its buffers back as received (common/privacy.py), so the
+    smallest change is refused; and a round keeps the global buffers as they were, whatever the
+    accepted updates hold (sigma = 0 here, so that unchanged weights have an honest norm)."""
+    model = small_bn_cnn((1, 8, 8), 10)
+    strategy = _strategy("dp-fedsam", model, **{"num-partitions": 3, "dp.noise-multiplier": 0.0})
+    sent = OrderedDict((k, v.clone()) for k, v in strategy.buffers.items())
+    moved = _reply(model)
+    moved["1.running_mean"][0] = torch.nextafter(moved["1.running_mean"][0], torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"key '1.running_mean' differs from the buffer the server sent: under DP"):
+        strategy._split_update(_update(0, moved))
+    with pytest.raises(ValueError, match=r"key '1.num_batches_tracked' differs"):
+        strategy._split_update(_update(0, _reply(model, num_batches_tracked=1)))
+    updates = [strategy._split_update(_update(pid, _reply(model))) for pid in range(3)]
+    updates[0].buffers["1.running_mean"] = updates[0].buffers["1.running_mean"] + 1.0  # past the check
+    strategy.rule.num_partitions = 3
+    strategy.participation.sizes = {0: 10, 1: 20, 2: 30}
+    strategy.stats.clients_sampled = 3
+    strategy.finish_round(1, updates)
+    assert strategy.stats.skipped == 0 and strategy.stats.rejections == []
+    assert all(torch.equal(strategy.buffers[k], v) for k, v in sent.items())
+
+
+def test_the_buffers_update_norm_is_its_own_quantity():
+    """||b_i - b|| over the float buffers only, in float64 (1e30's square overflows float32)."""
+    sent = OrderedDict(m=torch.zeros(2), v=torch.ones(2), n=torch.tensor(3))
+    mine = OrderedDict(m=torch.tensor([3.0, 4.0]), v=torch.ones(2), n=torch.tensor(9))
+    assert bufs.update_norm(mine, sent) == 5.0
+    assert bufs.update_norm(OrderedDict(m=torch.full((2,), 1e30), v=torch.ones(2), n=torch.tensor(3)), sent) \
+        == pytest.approx(2 ** 0.5 * 1e30, rel=1e-6)
+
+
 def test_a_model_without_buffers_takes_none_of_these_paths():
     model = build_model("cnn", (1, 8, 8), 10, seed=0)
     strategy = _strategy("feddyn", model)
@@ -188,12 +276,13 @@ def test_integer_buffers_keep_their_dtype_and_take_the_maximum():
 def test_under_a_robust_aggregator_one_client_cannot_move_the_buffers():
     """aggregator = median: the parameters' estimate is robust, and so are the buffers (the
     coordinate-wise median of the clients', a value one of them sent): a client sending a running
-    mean of 1e20 and a counter of 2^62 moves neither."""
+    mean of 1e17 and a counter of 10 (the most each check allows: STAT_LIMIT, its 10 local
+    steps) moves neither."""
     torch.manual_seed(0)
     model = small_bn_cnn((1, 8, 8), 10)
     strategy = _strategy("fedavg", model, aggregator="median", **{"num-partitions": 3})
     updates = []
-    for pid, (mean, count) in enumerate([(1.0, 5), (2.0, 6), (1e20, 2**62)]):
+    for pid, (mean, count) in enumerate([(1.0, 5), (2.0, 6), (1e17, 10)]):
         w = OrderedDict((k, v.clone()) for k, v in model.state_dict().items())
         w["1.running_mean"] = torch.full((4,), mean)
         w["1.num_batches_tracked"] = torch.tensor(count)
@@ -206,7 +295,7 @@ def test_under_a_robust_aggregator_one_client_cannot_move_the_buffers():
     assert final["1.num_batches_tracked"].dtype == torch.int64 and int(final["1.num_batches_tracked"]) == 6
     # the plain mean would have taken them: the rule that keeps the papers' weighted mean
     mean = bufs.combine([u.buffers for u in updates], [1 / 6, 2 / 6, 3 / 6])
-    assert float(mean["1.running_mean"][0]) > 1e19 and int(mean["1.num_batches_tracked"]) == 2**62
+    assert float(mean["1.running_mean"][0]) > 1e16 and int(mean["1.num_batches_tracked"]) == 10
 
 
 # ------------------------------------------------------------------ SAM's passes and the statistics

@@ -52,9 +52,10 @@ def privatize(trained: Mapping[str, torch.Tensor], received: Mapping[str, torch.
     """The model a client uploads under DP: received + clip(trained - received) + noise, over
     the trainable tensors; every other tensor (buffers: BatchNorm's running statistics and
     counter) as received, never clipped nor noised, so nothing else leaks. The consequence: under
-    DP the global buffers never move (the server's mean of what it sent is what it sent), the
-    running statistics stay those of the initial model; with ``buffers = local`` each client
-    still normalises with its own (kept on the client, never released)."""
+    DP the global buffers never move (the server refuses a reply whose buffers differ from what
+    it sent, and keeps its own fixed: strategies/buffers.py ``check_reply``), the running
+    statistics stay those of the initial model; with ``buffers = local`` each client still
+    normalises with its own (kept on the client, never released)."""
     names = set(trainable)
     delta = {k: (trained[k].detach().cpu().double() - received[k].double()) for k in trained if k in names}
     if mode == "global":

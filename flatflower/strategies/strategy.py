@@ -19,8 +19,11 @@ papers' algorithms need and stock FedAvg lacks:
 * server state as a checkpointable dict (:meth:`state_dict` / :meth:`load_state_dict`);
 * a model's buffers (BatchNorm's statistics; ``buffers``: the names of the state-dict entries
   that are not trainable parameters) kept apart from the rule, which sees the trainable
-  parameters only (strategies/buffers.py): replies are validated whole, then split; the
-  buffers are combined by their own rule; the model sent down and checkpointed has both;
+  parameters only (strategies/buffers.py): replies are validated whole, then split, and
+  their buffers checked like the parameters (statistics no data gives, counters beyond the
+  local steps, under DP any change are refused; ``outlier-norm-factor`` measures their update);
+  the buffers are combined by their own rule (under DP kept fixed); the model sent down and
+  checkpointed has both;
 * what the last round did, read through :meth:`FlatStrategy.round_record`.
 
 Strategies are built from the registry (strategies/registry.py: ``spec.new_strategy(cfg,
@@ -141,6 +144,7 @@ class FlatStrategy(FlowerFedAvg):
         self.buffer_keys = [k for k in self.keys if k in set(buffers)]
         params, kept = bufs.split(initial_model, self.buffer_keys)
         self.buffers: OrderedDict = OrderedDict((k, v.clone()) for k, v in kept.items())
+        self.initial_buffers = OrderedDict((k, v.clone()) for k, v in kept.items())  # buffers = local's counters
         self.rule: ServerRule = spec.new_rule(cfg, params if self.buffer_keys else initial_model)
         self.layout = layout_of(initial_model)  # what every reply's model must be: parameters and buffers
         self.round = 0  # last completed training round
@@ -174,12 +178,19 @@ class FlatStrategy(FlowerFedAvg):
 
     def _split_update(self, update: ClientUpdate) -> ClientUpdate:
         """A validated reply as the rule sees it: its model and uploads without the buffers
-        (the model's buffers kept in ``update.buffers``); a running variance with a negative
-        entry refuses the reply."""
+        (the model's buffers kept in ``update.buffers``). Buffers no honest client of this round
+        could send refuse the reply (:func:`flatflower.strategies.buffers.check_reply`): a
+        statistic no data gives, a counter beyond the client's local steps, and under DP any
+        buffer other than the one the server sent."""
         if not self.buffer_keys:
             return update
         update.model, update.buffers = bufs.split(update.model, self.buffer_keys)
-        bufs.check(update.buffers)
+        if self.cfg.buffers == "local":  # its own counter: from the initial model's, at most every round's steps
+            most = max((self.cfg.num_steps(n) for n in self.participation.sizes.values()), default=0)
+            counted_from, steps = self.initial_buffers, max(self.rule.round, 1) * max(most, update.num_steps)
+        else:  # from the global buffers it received, by its own steps
+            counted_from, steps = self.buffers, update.num_steps
+        bufs.check_reply(update.buffers, self.buffers, counted_from, steps, frozen=self.cfg.dp_clip > 0)
         update.records = {name: bufs.split(r, self.buffer_keys)[0] for name, r in update.records.items()}
         return update
 
@@ -346,13 +357,19 @@ class FlatStrategy(FlowerFedAvg):
 
     def reject_outliers(self, server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """``outlier-norm-factor`` f > 0: reject a client any of whose uploads (the model
-        update, each ``up`` record) has a norm > f * the round's median norm of that quantity
+        update, each ``up`` record, and for a model with float buffers the buffers' update
+        b_i - b, a quantity of its own: BatchNorm's statistics are in the units of the layers'
+        inputs, not of the weights) has a norm > f * the round's median norm of that quantity
         (with at least 3 updates; a median itself is never rejected). Norms in float64."""
         factor = self.cfg.outlier_norm_factor
         if factor <= 0 or len(updates) < 3:
             return updates
         names = ["update", *self.spec.up]
         norms = [[float(global_norm(x, torch.float64)) for x in self.rule.uploads(u)] for u in updates]
+        if any(v.is_floating_point() for v in self.buffers.values()):
+            names.append("buffers")
+            for row, u in zip(norms, updates):
+                row.append(bufs.update_norm(u.buffers, self.buffers))
         medians = [float(np.median(column)) for column in zip(*norms)]
         kept = []
         for u, row in zip(updates, norms):
@@ -458,7 +475,7 @@ class FlatStrategy(FlowerFedAvg):
             if not self.rule.apply(server_round, updates, weights):
                 reason = "the server update gave non-finite values"
             else:  # these clients' states after this round are the ones they go on from
-                if self.buffer_keys:
+                if self.buffer_keys and self.cfg.dp_clip <= 0:  # under DP they stay the initial ones
                     self.buffers = bufs.combine([u.buffers for u in updates], weights, robust=aggregator.name != "mean")
                 self.participation.commit(server_round, [u.partition_id for u in updates])
                 self.stats.rule = dict(self.rule.metrics)
