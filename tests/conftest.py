@@ -2,7 +2,8 @@
 
 * Flower is kept offline and away from ``~/.flwr``: ``FLWR_HOME`` points at a temporary
   directory, update checks and telemetry are off. This runs at import time, i.e. before any
-  test module imports ``flwr``.
+  test module imports ``flwr``. The record key that seals run directories
+  (``FLATFLOWER_RECORD_KEY``) is made in that directory too, never in the user's home.
 * :func:`fast_config` - run-config keys for a run that takes well under a second per round.
 * ``make_message`` - a fixture that builds Flower ``Message`` objects outside a Flower
   runtime (Flower needs a task identity for that).
@@ -27,6 +28,8 @@ os.environ["FLWR_HOME"] = _FLWR_HOME
 os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ["FLATFLOWER_TEST_PROCESS"] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+# the record key that seals run directories (server/recordkey.py): this session's, never the user's own
+os.environ["FLATFLOWER_RECORD_KEY"] = os.path.join(_FLWR_HOME, "flatflower", "record.key")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -177,8 +177,8 @@ CASES = [
                  id="manifest-nested-deeply"),
     pytest.param(edit_json(MANIFEST, lambda d: d["files"].update({"../../etc/passwd": d["files"]["config.json"]})),
                  "is not a path inside the run directory", id="manifest-path-outside"),
-    pytest.param(edit_json(MANIFEST, lambda d: d["files"].pop("checkpoint.pt")), "records no checkpoint.pt",
-                 id="manifest-without-checkpoint"),
+    pytest.param(edit_json(MANIFEST, lambda d: d["files"].pop("checkpoint.pt")),
+                 "manifest.json does not match its seal", id="manifest-without-checkpoint"),  # issue 58: sealed
 ]
 
 
@@ -258,18 +258,23 @@ def test_rows_appended_after_the_checkpoint_do_not_matter(tmp_path, feddyn_run, 
     assert [json.loads(line)["round"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
 
 
-def test_a_run_directory_without_a_manifest_resumes_with_a_note(tmp_path, capfd, feddyn_run, uninterrupted):
-    """Run directories of a flatflower that kept no manifest still resume (one note line),
-    and get one from the resumed run's first checkpoint."""
+def test_a_run_directory_without_a_manifest_resumes_only_when_trusted(tmp_path, capfd, feddyn_run, uninterrupted):
+    """A run directory without a manifest (a flatflower that kept none, or one removed: what
+    a forger would do) is refused in one line (issue 58); with --trust-run-dir it resumes
+    (one note line, recorded in config.json), and gets a sealed manifest from the resume."""
     run = tmp_path / "run"
     shutil.copytree(feddyn_run, run)
     (run / MANIFEST).unlink()
+    refused(RESUME, tmp_path, capfd, "{tmp}/run has no manifest.json ... --trust-run-dir")
+    run = Path(shutil.copytree(run, tmp_path / "again"))  # this process keeps its claim on a directory it resumed
     capfd.readouterr()
-    assert main(["simulate", "--resume", str(run), "--rounds", "3"]) == 0
+    assert main(["simulate", "--resume", str(run), "--rounds", "3", "--trust-run-dir"]) == 0
     notes = [line for line in capfd.readouterr().out.splitlines() if line.startswith("note: ")]
     assert len(notes) == 1 and "no manifest.json" in notes[0] and "unchecked" in notes[0]
     assert _same(_final(run), _final(uninterrupted))
-    assert manifest.read(run)["round"] == 3
+    assert manifest.read(run)["round"] == 3 and manifest.read(run)["seal"]["algorithm"] == "hmac-sha256"
+    (note,) = json.loads((run / "config.json").read_text())["resume_notes"]
+    assert note["from_round"] == 3 and "--trust-run-dir" in note["note"]
 
 
 class Crash(Exception):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flatflower.common.config import ConfigError, RunConfig
+from flatflower.server.manifest import TRUST_ENV
 from flatflower.server.rundir import RunDirError
 from flatflower.server.setup import prepare_run
 from flatflower.common.privacy import TAIL_X, PrivacyLedger, honest_norm_range, privatize, round_noise_multiplier
@@ -217,7 +218,7 @@ def _ledger(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "privacy.jsonl").read_text().splitlines()]
 
 
-def test_the_privacy_ledger_outlives_a_resume_and_a_damaged_one_is_refused(tmp_path):
+def test_the_privacy_ledger_outlives_a_resume_and_a_damaged_one_is_refused(tmp_path, monkeypatch):
     """privacy.jsonl is never truncated: a round that ran past the checkpoint (its models were
     released) still counts after the resume redoes it. A resume without the ledger, or with a
     round of the checkpoint missing from it, is refused, and nothing of the run is changed."""
@@ -241,6 +242,7 @@ def test_the_privacy_ledger_outlives_a_resume_and_a_damaged_one_is_refused(tmp_p
     with pytest.raises(Exception, match=r"privacy.jsonl \(its rows up to the checkpoint\) is shorter than"):
         run_inprocess({**config, "num-server-rounds": 4, "resume": True}, 3)  # manifest.json's record first
     (run_dir / "manifest.json").unlink()  # the ledger's own check (a run directory without a manifest)
+    monkeypatch.setenv(TRUST_ENV, str(run_dir))  # --trust-run-dir: else refused for the missing manifest
     with pytest.raises(Exception, match=r"lacks rounds \[1\] of the checkpoint's 1-3"):
         run_inprocess({**config, "num-server-rounds": 4, "resume": True}, 3)
     (run_dir / "privacy.jsonl").unlink()
@@ -364,7 +366,7 @@ def test_honest_dp_runs_refuse_no_update(tmp_path):
     ({"dp_noise_multiplier": "x"}, "not a privacy ledger entry"),
     ({"round": 0}, "round 0"),
 ])
-def test_a_ledger_edited_to_lower_epsilon_is_refused_even_without_a_manifest(tmp_path, edit, fragment):
+def test_a_ledger_edited_to_lower_epsilon_is_refused_even_without_a_manifest(tmp_path, monkeypatch, edit, fragment):
     """Issue 44: privacy.jsonl's noise edited to 1000 (or the sampling rate to 0) made a resume
     report a smaller epsilon. manifest.json refuses any edit; a run directory without one (an
     older run's) is checked against what this config can have written, and refused in one
@@ -378,6 +380,7 @@ def test_a_ledger_edited_to_lower_epsilon_is_refused_even_without_a_manifest(tmp
     with pytest.raises(Exception, match="privacy.jsonl"):  # the manifest's record first
         run_inprocess({**config, "num-server-rounds": 3, "resume": True}, 3)
     (run_dir / "manifest.json").unlink()
+    monkeypatch.setenv(TRUST_ENV, str(run_dir))  # --trust-run-dir: else refused for the missing manifest
     kept = {name: (run_dir / name).read_text() for name in ("metrics.jsonl", "summary.json")}
     with pytest.raises(RunDirError, match=r"privacy.jsonl, line 1: .*" + fragment):
         run_inprocess({**config, "num-server-rounds": 3, "resume": True}, 3)

@@ -477,7 +477,7 @@ def test_a_run_of_code_before_a_new_key_resumes_as_that_keys_default(tmp_path):
     config["config"].pop("batching")
     (run / "config.json").write_text(json.dumps(config))
     (run / "manifest.json").unlink()  # that code kept no manifest either (else: refused as edited)
-    assert cli(["simulate", "--engine", "inprocess", "--resume", str(run), "--rounds", "3"]) == 0
+    assert cli(["simulate", "--engine", "inprocess", "--resume", str(run), "--rounds", "3", "--trust-run-dir"]) == 0
     assert [r["round"] for r in metrics(run)] == [0, 1, 2, 3]
 
 

@@ -119,6 +119,56 @@ def round_noise_multiplier(noise_multiplier: float, sampled: int, accepted: int)
     return noise_multiplier * math.sqrt(min(accepted, sampled) / sampled)
 
 
+class LedgerError(ValueError):
+    """A line of a privacy ledger (privacy.jsonl) that no run of this config writes."""
+
+
+def ledger_entries(lines: Iterable[str], noise_multiplier: float, where: str,
+                   max_round: int = 2**31) -> list[tuple[int, float, float | None]]:
+    """The entries (round, sampling rate q, the round mean's noise multiplier or None) of a
+    privacy ledger's ``lines`` (privacy.jsonl: one JSON object per line, as server/run.py
+    appends them), each checked against what a run with this ``noise_multiplier`` can have
+    written: a noise multiplier above it (an edit to 1000 would lower epsilon) or a released
+    round with q = 0 (it would be free) is refused; LedgerError naming ``where`` and the line."""
+    import json
+
+    out = []
+    for number, line in enumerate(lines, 1):
+        try:
+            entry = json.loads(line)
+            rnd, rate, sigma = int(entry["round"]), entry["dp_sampling_rate"], entry["dp_noise_multiplier"]
+            if not (0.0 <= float(rate) <= 1.0 and (sigma is None or 0.0 <= float(sigma) < math.inf)):
+                raise ValueError(f"sampling rate {rate!r}, noise multiplier {sigma!r}")
+            if not 1 <= rnd < max_round:
+                raise ValueError(f"round {rnd}")
+            # what this run's config can have written: a round's mean carries sigma sqrt(M'/M) <= sigma
+            # (a larger one, e.g. an edit to 1000, would lower epsilon), and a released round was
+            # sampled with a chance q > 0 (q = 0 would make it free)
+            if sigma is not None and (float(sigma) > noise_multiplier * (1 + 1e-12) or float(rate) == 0.0):
+                raise ValueError(f"noise multiplier {sigma!r} at sampling rate {rate!r}, which no round of "
+                                 f"this run (dp.noise-multiplier = {noise_multiplier:g}) releases; "
+                                 "epsilon would be lower than spent")
+            out.append((rnd, float(rate), None if sigma is None else float(sigma)))
+        except (ValueError, KeyError, TypeError, RecursionError) as err:
+            raise LedgerError(f"{where}, line {number}: not a privacy ledger entry ({err})") from None
+    return out
+
+
+_STEPS: dict[tuple[float, float], list[float]] = {}  # (q, sigma) -> one round's RDP, per process
+
+
+def _step(key: tuple[float, float]) -> list[float]:
+    """One round's RDP at (q, sigma) on ORDERS (Opacus's analysis; seconds to compute, so kept)."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    step = _STEPS.get(key)
+    if step is None:
+        step = ([math.inf] * len(ORDERS) if key[1] == 0 else
+                [float(x) for x in compute_rdp(q=key[0], noise_multiplier=key[1], steps=1, orders=list(ORDERS))])
+        _STEPS[key] = step
+    return step
+
+
 class PrivacyLedger:
     """The privacy spent so far: Renyi DP of the sampled Gaussian mechanism, one composition
     per round with that round's sampling rate q and noise multiplier."""
@@ -132,17 +182,12 @@ class PrivacyLedger:
         """One round that released the mean of its accepted clients' noised updates (rate: the
         chance q that a client was sampled; noise_multiplier: that of the mean, None when no
         update was accepted: nothing released, nothing spent)."""
-        from opacus.accountants.analysis.rdp import compute_rdp
-
         if noise_multiplier is None:
             return
         key = (min(1.0, max(0.0, rate)), noise_multiplier)
         step = self._per_round.get(key)
         if step is None:
-            step = ([math.inf] * len(ORDERS) if noise_multiplier == 0 else
-                    [float(x) for x in compute_rdp(q=key[0], noise_multiplier=noise_multiplier, steps=1,
-                                                   orders=list(ORDERS))])
-            self._per_round[key] = step
+            step = self._per_round[key] = _step(key)
         self.rdp = [a + b for a, b in zip(self.rdp, step)]
         self.rounds += 1
 

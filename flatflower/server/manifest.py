@@ -23,10 +23,20 @@ accepts the new one only; a crash between any two leaves a manifest that accepts
 disk. A resume verifies only what it reads (the client-state files of the checkpoint found
 on disk), so a generation's files pruned by the clients never matter.
 
-What it is not: a signature. Anyone who rewrites a file and its manifest entry (sha256 is no
-secret) is believed; the manifest catches damage, truncation, careless edits and swapped
-files, never a deliberate forger with write access to the run directory. A run directory of a
-flatflower that wrote no manifest resumes unchecked (with a note).
+Sealed (issue 58): every write of the manifest carries an HMAC-SHA256 of its content under the
+user's record key (server/recordkey.py), a secret kept outside the run directory, so a file
+rewritten *together with* its manifest entry (sha256 is no secret) is refused: the seal no
+longer matches. A resume goes on only from a manifest sealed by this user's key; one that is
+not sealed (an older flatflower's), sealed by another key (a directory copied from another
+machine or user) or missing altogether is refused in one line, unless the user accepts the
+directory as it is (``--trust-run-dir``: its files are still checked against the digests,
+and the resume seals them under the user's key). A seal that names this user's key but does
+not match is refused always. ``flatflower report`` checks the same (tools/report.py).
+
+What it is not: protection against whoever can read the key (the user, root, a process of the
+user's, anyone who can replace files in the user's home), nor against an older sealed state
+of the same directory restored as a whole (a rollback): the seal binds the manifest to the
+key, not to a moment.
 """
 
 from __future__ import annotations
@@ -40,7 +50,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from flatflower.server.files import open_file, write_json
+from flatflower.server import recordkey
+from flatflower.server.files import RunWriteError, open_file, write_json
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -88,8 +99,15 @@ class Manifest:
         return read(self.run_dir)
 
     def _write(self, data: Mapping[str, Any]) -> None:
-        write_json(self.path, {"format": FORMAT, "what": "sha256 and size of the files a resume reads "
-                               "(docs/run-directory.md)", **data})
+        """The manifest, sealed under the user's record key (server/recordkey.py)."""
+        try:
+            key = recordkey.load(create=True)
+        except recordkey.RecordKeyError as err:
+            raise RunWriteError(f"cannot seal {self.path}: {err}") from None
+        assert key is not None  # create=True: made when missing
+        body = {"format": FORMAT, "what": "sha256 and size of the files a resume reads, sealed under the "
+                "user's record key (docs/run-directory.md)", **{k: v for k, v in data.items() if k != "seal"}}
+        write_json(self.path, recordkey.seal(body, key))
 
     @contextlib.contextmanager
     def replacing(self, rel: str, new: Mapping[str, Any], key: str = "files") -> Iterator[None]:
@@ -211,14 +229,62 @@ def _check_shape(data: Any) -> None:
                 raise ValueError(f"{str(rel)[:80]!r} is not a path inside the run directory")
 
 
-def verify(run_dir: Path, client_files: Iterable[Path]) -> int | None:
+TRUST_FLAG = "--trust-run-dir"
+TRUST_ENV = "FLATFLOWER_TRUST_RUN_DIR"  # the ServerApp's form of --trust-run-dir: the run directory's path
+
+
+def seal_status(run_dir: Path, data: Mapping[str, Any] | None, key: recordkey.RecordKey | None) -> str:
+    """recordkey's SEALED, UNSEALED, OTHER_KEY or BROKEN for the manifest ``data`` (None: there
+    is none, which is UNSEALED)."""
+    return recordkey.UNSEALED if data is None else recordkey.check(dict(data), key)
+
+
+def seal_problem(run_dir: Path, data: Mapping[str, Any] | None, status: str,
+                 key: recordkey.RecordKey | None, what: str = "the resume") -> str | None:
+    """One line saying why ``run_dir``'s records cannot be believed as this user's (None when
+    the manifest is sealed by this user's key)."""
+    path = run_dir / MANIFEST
+    keyfile = recordkey.key_path()
+    if status == recordkey.SEALED:
+        return None
+    if status == recordkey.BROKEN:
+        return (f"{path} does not match its seal (HMAC-SHA256 under your record key {keyfile}): it, and "
+                f"files it vouches for, were rewritten after the run wrote them; {what} refuses the run "
+                "directory (restore it from a copy you trust)")
+    if data is None:
+        why = (f"{run_dir} has no {MANIFEST} (a flatflower before run files were recorded, checkpoint-every = 0, "
+               "or removed)")
+    elif status == recordkey.OTHER_KEY:
+        mine = f"yours ({keyfile}) is {key.id}" if key is not None else f"you have none yet ({keyfile})"
+        why = (f"{path} is sealed by another record key ({recordkey.sealed_by(dict(data))}; {mine}: a run "
+               f"directory copied from another machine or user, or {recordkey.ENV} set otherwise)")
+    else:
+        why = f"{path} is not sealed (a flatflower before records were keyed, or its seal was removed)"
+    return f"{why}: its files cannot be told from a forger's"
+
+
+def verify(run_dir: Path, client_files: Iterable[Path], trusted: bool = False) -> int | None:
     """ManifestError naming the first file a resume reads that is not as its manifest
-    records it (changed, truncated, missing, not recorded); the round of the checkpoint the
-    manifest vouches for, or None when ``run_dir`` has no manifest (an older flatflower's).
+    records it (changed, truncated, missing, not recorded), or a manifest that is not sealed
+    by this user's record key (refused unless ``trusted``: the user accepts the directory as
+    it is; a seal of this user's key that does not match is refused always); the round of the
+    checkpoint the manifest vouches for, or None when ``run_dir`` has no manifest (with
+    ``trusted`` only).
 
     ``client_files``: the clients' state files the checkpoint on disk needs (the others the
     manifest lists belong to the other generation of a checkpoint write cut short)."""
     data = read(run_dir)
+    try:
+        key = recordkey.load(create=False)
+    except recordkey.RecordKeyError as err:
+        raise ManifestError(str(err)) from None
+    status = seal_status(run_dir, data, key)
+    problem = seal_problem(run_dir, data, status, key)
+    if problem is not None and (status == recordkey.BROKEN or not trusted):
+        if status != recordkey.BROKEN:
+            problem += (f"; resume with {TRUST_FLAG} to accept them as they are (the ServerApp: "
+                        f"{TRUST_ENV}={run_dir}), and the resume seals them under your key")
+        raise ManifestError(problem)
     if data is None:
         return None
     files, prefixes = data["files"], data["prefixes"]
@@ -238,6 +304,22 @@ def verify(run_dir: Path, client_files: Iterable[Path]) -> int | None:
     for rel, versions in prefixes.items():
         _match(run_dir / rel, versions, whole=False)
     return data.get("round") if type(data.get("round")) is int else None
+
+
+def check_files(run_dir: Path, data: Mapping[str, Any], names: Iterable[str]) -> dict[str, str | None]:
+    """For each of ``names`` (files or logs the manifest records): None when it is as the run
+    wrote it, else the one line saying how it is not (the analysis commands' check: they read
+    these, never a checkpoint)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        for key, whole in (("files", True), ("prefixes", False)):
+            if name in data[key]:
+                try:
+                    _match(run_dir / name, data[key][name], whole)
+                    out[name] = None
+                except ManifestError as err:
+                    out[name] = str(err).split("; the resume refuses it")[0].split("; restore it to resume")[0]
+    return out
 
 
 def _match(path: Path, versions: list[dict[str, Any]], whole: bool) -> None:

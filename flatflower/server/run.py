@@ -77,7 +77,8 @@ def _run(grid: Grid, cfg: RunConfig, run_dir: RunDir) -> Path:
         log.info("resuming from the checkpoint of round %d", first - 1)
     else:
         run_dir.save_model("model_init.pt", model.state_dict())
-    run_dir.write_config(cfg, device=device, first_round=first, model=cfg.resolved_model(), engine=engine_of(grid))
+    run_dir.write_config(cfg, device=device, first_round=first, model=cfg.resolved_model(), engine=engine_of(grid),
+                         code=setup.code, notes=[n for n in (setup.note, setup.code_note) if n])
     test = None if data is None else data.test
     if device.type != "cpu":  # a copy on the device (the strategy keeps the CPU model) and the test split, once
         model = copy.deepcopy(model).to(device)

@@ -14,7 +14,8 @@
     summary.json     final accuracy, rounds, wall time (written when the run ends)
     checkpoint.pt    the latest checkpoint: round, global model, all strategy state
     client-state/    (when clients mirror their state here) partition-<i>/round-<r>.pt
-    manifest.json    sha256 and size of every file a resume reads (server/manifest.py)
+    manifest.json    sha256 and size of every file a resume reads, sealed under the user's
+                     record key, kept outside the run directory (server/manifest.py, recordkey.py)
     .lock            held (flock) by the process running or resuming the run
 
 JSON files, models and checkpoints are written atomically (temporary file + rename), so a
@@ -46,7 +47,7 @@ import torch
 from flatflower.common import protocol as P
 from flatflower.common import schema
 from flatflower.common.config import RunConfig, defaults, user_path
-from flatflower.server import machine
+from flatflower.server import machine, recordkey
 from flatflower.server.files import RunWriteError, open_file, write_json, writing  # noqa: F401 - used through rundir too
 from flatflower.server.manifest import Manifest, digest
 
@@ -273,6 +274,10 @@ class RunDir:
             raise RunDirError(
                 f"{self.path} already holds a run (metrics.jsonl); choose another --run-dir"
             )
+        try:  # the key that seals manifest.json, made now: a run never fails at its first checkpoint for it
+            recordkey.load(create=True)
+        except recordkey.RecordKeyError as err:
+            raise RunDirError(str(err)) from None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -294,16 +299,22 @@ class RunDir:
             write_json(self.path / "summary.json", {"status": "failed", "error": reason[:500]})
 
     def write_config(self, cfg: RunConfig, device: torch.device | str | None = None, first_round: int = 1,
-                     **extra: Any) -> None:
-        """config.json: the run config, versions, seed, ``extra`` (the model, the engine) and
-        ``machines``: the machine (server/machine.py) of each stretch of the run, the one
-        running it now last (a resume keeps the list it finds, and adds a new machine at
-        ``first_round``)."""
-        previous = self._recorded("config.json").get("machines") if cfg.resume else None
+                     notes: Sequence[str] = (), **extra: Any) -> None:
+        """config.json: the run config, versions, seed, ``extra`` (the model, the engine, the
+        ``code`` it runs: server/codeid.py), ``machines``: the machine (server/machine.py) of
+        each stretch of the run, the one running it now last (a resume keeps the list it finds,
+        and adds a new machine at ``first_round``), and ``resume_notes``: what the user accepted
+        at each resume (``notes``: records not sealed by this user, changed code), kept across
+        resumes (absent while there is none)."""
+        recorded = self._recorded("config.json") if cfg.resume else {}
+        kept = recorded.get("resume_notes")
+        kept = [n for n in kept if isinstance(n, dict)] if isinstance(kept, list) else []
+        kept += [{"from_round": first_round, "note": note} for note in notes]
         write_recorded(self.path / "config.json",
                    {"config": cfg.to_dict(), "seed": cfg.seed, "algorithm": cfg.algorithm,
                     "versions": versions(), **extra,
-                    "machines": machine.history(previous, machine.fingerprint(device), first_round)})
+                    "machines": machine.history(recorded.get("machines"), machine.fingerprint(device), first_round),
+                    **({"resume_notes": kept} if kept else {})})
 
     def _recorded(self, name: str) -> dict[str, Any]:
         """The JSON table ``name`` as the run wrote it ({} when missing or not a table)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +24,9 @@ from flatflower.common.augment import check_train_transform
 from flatflower.common.config import ConfigError, RunConfig
 from flatflower.common.data import check_local_data, dataset_for, model_shape, partitions_for
 from flatflower.common.models import buffer_names, build_model, check_output
-from flatflower.common.privacy import PrivacyLedger
+from flatflower.common.privacy import LedgerError, PrivacyLedger, ledger_entries
 from flatflower.common.references import BadReference
-from flatflower.server import manifest
+from flatflower.server import codeid, manifest, recordkey
 from flatflower.server.files import open_file
 from flatflower.server.rundir import (CHECKPOINT, RunDirError, check_client_state, check_resumable, client_state_files,
                            load_checkpoint)
@@ -48,7 +47,9 @@ class RunSetup:
     first: int  # the first round to play (1, or the checkpoint's round + 1)
     device: torch.device  # where the server evaluates and measures flatness (server-device)
     ledger: PrivacyLedger | None  # dp.clip > 0: the privacy spent before round ``first``
-    note: str | None = None  # a resume of a run directory without manifest.json: its files are unchecked
+    note: str | None = None  # a resume of a run directory whose records are not sealed by this user (trusted)
+    code: dict | None = None  # the code this run runs (server/codeid.py): config.json's ``code``
+    code_note: str | None = None  # a resume with changed code (--allow-code-change): what changed
 
 
 def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
@@ -56,8 +57,9 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
     allocated and, when ``cfg.resume``, loaded from the checkpoint of its run directory
     (``run_dir``, default ``cfg.run_dir``), with the client state that checkpoint needs
     checked, and every file the resume reads verified against the run directory's manifest
-    (server/manifest.py). Writes nothing. A ValueError (or RunDirError) with one line for
-    what does not fit."""
+    (server/manifest.py), sealed by the user's record key, and the code it runs against the
+    code the run ran (server/codeid.py). Writes nothing. A ValueError (or RunDirError) with one
+    line for what does not fit."""
     device = server_device(cfg)
     data = server_data(cfg)
     if data is not None:  # partition = local: each node checks its own data (common/data.py)
@@ -74,10 +76,12 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
         cfg, model.state_dict(), partition_sizes=None if cfg.local_data() else partition_sizes(cfg),
         buffers=buffer_names(model))
     first = 1
+    code = codeid.identity(cfg.to_dict())
     if cfg.resume:
         run_dir = Path(run_dir or cfg.run_dir)
         ckpt = load_checkpoint(run_dir)
         check_resumable(cfg, ckpt)
+        code_note = check_code(code, run_dir)  # before the checkpoint's tensors meet the new code
         try:
             strategy.load_state_dict(ckpt["strategy"])
         except ValueError as err:
@@ -86,8 +90,27 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None = None) -> RunSetup:
         note = verify_files(cfg, ckpt, run_dir)
         first = ckpt["round"] + 1
         ledger = privacy_ledger(cfg, run_dir, first) if cfg.dp_clip > 0 else None
-        return RunSetup(data, model, strategy, first, device, ledger, note)
-    return RunSetup(data, model, strategy, first, device, PrivacyLedger() if cfg.dp_clip > 0 else None)
+        return RunSetup(data, model, strategy, first, device, ledger, note, code, code_note)
+    return RunSetup(data, model, strategy, first, device, PrivacyLedger() if cfg.dp_clip > 0 else None,
+                    code=code)
+
+
+def check_code(code: dict, run_dir: Path) -> str | None:
+    """CodeChanged (a RunDirError: one line naming each module) when ``code`` is not the code
+    config.json records for the run, unless the user allowed it (``--allow-code-change``:
+    codeid.ENV names this run directory); then the note config.json records. config.json is
+    read as it is; the manifest check after it vouches for it (a record rewritten to match the
+    new code is refused there)."""
+    path = Path(run_dir).expanduser().resolve()
+    try:
+        with open_file(path / "config.json") as f:
+            recorded = json.loads(f.read()).get("code")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        recorded = None  # a missing or damaged config.json: the manifest check names it
+    note = codeid.check(recorded, code, path, recordkey.accepts(codeid.ENV, path))
+    if note:
+        log.warning(note)
+    return note
 
 
 def sample_batch(data, input_shape: tuple[int, ...]) -> tuple[torch.Tensor, str]:
@@ -104,18 +127,26 @@ def sample_batch(data, input_shape: tuple[int, ...]) -> tuple[torch.Tensor, str]
 
 def verify_files(cfg: RunConfig, ckpt: dict, run_dir: Path) -> str | None:
     """RunDirError (one line naming the file) unless every file the resume reads is as the
-    run wrote it (manifest.json); after the checks of what the files mean, which name the
-    field or tensor that is wrong. A note when the run directory has no manifest (written by
-    a flatflower before it kept one): its files are then resumed as they are."""
+    run wrote it (manifest.json, sealed by this user's record key); after the checks of what
+    the files mean, which name the field or tensor that is wrong. A run directory whose
+    manifest is not sealed by this user (an older flatflower's, another machine's or user's,
+    or none at all) is refused, unless the user trusts it (``--trust-run-dir``:
+    manifest.TRUST_ENV names it): then a note, and its files are resumed as they are (checked
+    against the digests the manifest has), sealed under this user's key from the resume on."""
     path = Path(run_dir).expanduser().resolve()
+    trusted = recordkey.accepts(manifest.TRUST_ENV, path)
     try:
-        verified = manifest.verify(path, client_state_files(cfg, ckpt["strategy"]["participation"]["accepted"]))
-    except manifest.ManifestError as err:
+        manifest.verify(path, client_state_files(cfg, ckpt["strategy"]["participation"]["accepted"]),
+                        trusted=trusted)
+        problem = manifest.seal_problem(path, data := manifest.read(path),
+                                        manifest.seal_status(path, data, key := recordkey.load(create=False)), key)
+    except (manifest.ManifestError, recordkey.RecordKeyError) as err:
         raise RunDirError(str(err)) from None
-    if verified is not None:
+    if problem is None:
         return None
-    note = (f"{path} has no {manifest.MANIFEST} (written by a flatflower before run files were "
-            "recorded): its files are resumed unchecked; the resume records them from its first checkpoint")
+    unchecked = "" if data is not None else " unchecked"
+    note = (f"{problem}; resumed{unchecked} as they are ({manifest.TRUST_FLAG}): the resume records and "
+            "seals them under your record key from its first write")
     log.info(note)
     return note
 
@@ -159,7 +190,6 @@ def privacy_ledger(cfg: RunConfig, run_dir: Path, first: int) -> PrivacyLedger:
     cannot have written, is refused (RunDirError, one line naming the file)."""
     ledger = PrivacyLedger()
     path = run_dir / LEDGER
-    seen = set()
     try:
         with open_file(path) as f:
             lines = f.read().splitlines()
@@ -167,25 +197,13 @@ def privacy_ledger(cfg: RunConfig, run_dir: Path, first: int) -> PrivacyLedger:
         lines = []
     except OSError as err:
         raise RunDirError(f"cannot read {path}: {err.strerror or err}") from None
-    for number, line in enumerate(lines, 1):
-        try:
-            entry = json.loads(line)
-            rnd, rate, sigma = int(entry["round"]), entry["dp_sampling_rate"], entry["dp_noise_multiplier"]
-            if not (0.0 <= float(rate) <= 1.0 and (sigma is None or 0.0 <= float(sigma) < math.inf)):
-                raise ValueError(f"sampling rate {rate!r}, noise multiplier {sigma!r}")
-            if not 1 <= rnd < first + 1_000_000:
-                raise ValueError(f"round {rnd}")
-            # what this run's config can have written: a round's mean carries sigma sqrt(M'/M) <= sigma
-            # (a larger one, e.g. an edit to 1000, would lower epsilon), and a released round was
-            # sampled with a chance q > 0 (q = 0 would make it free)
-            if sigma is not None and (float(sigma) > cfg.dp_noise_multiplier * (1 + 1e-12) or float(rate) == 0.0):
-                raise ValueError(f"noise multiplier {sigma!r} at sampling rate {rate!r}, which no round of "
-                                 f"this run (dp.noise-multiplier = {cfg.dp_noise_multiplier:g}) releases; "
-                                 "epsilon would be lower than spent")
-            ledger.add_round(float(rate), None if sigma is None else float(sigma))
-            seen.add(rnd)
-        except (ValueError, KeyError, TypeError) as err:
-            raise RunDirError(f"{path}, line {number}: not a privacy ledger entry ({err})") from None
+    try:
+        entries = ledger_entries(lines, cfg.dp_noise_multiplier, str(path), max_round=first + 1_000_000)
+    except LedgerError as err:
+        raise RunDirError(str(err)) from None
+    for _, rate, sigma in entries:
+        ledger.add_round(rate, sigma)
+    seen = {rnd for rnd, _, _ in entries}
     missing = sorted(set(range(1, first)) - seen)
     if missing:
         raise RunDirError(f"{path} lacks rounds {missing[:5]}{' ...' if len(missing) > 5 else ''} of the "

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from flatflower.runtime import engines
-from flatflower.tools.prepare import UsageError, app_dir, check_device, log_dir, node_configs, preflight, resolve_config
+from flatflower.tools.prepare import (UsageError, app_dir, check_device, log_dir, node_configs, preflight,
+                                     resolve_config, resume_acceptance)
 from flatflower.tools.presets import PresetError, available, load_preset
 from flatflower.tools.progress import EXIT_FAILED, EXIT_OK, Progress, finish
 
@@ -80,16 +81,17 @@ def local(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, {"min-available-nodes": args.clients})
     app = app_dir(args.app_dir, cfg)
     nodes = node_configs(args)
-    preflight(cfg, args.clients, nodes=nodes)
-    progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
-    try:
-        outcome = engines.run_local(cfg, args.clients, app, log_dir(cfg), timeout=args.timeout,
-                                    on_poll=progress, device=args.device, tls=args.tls,
-                                    clientapps=args.clientapps, fast_poll=args.fast_poll,
-                                    node_configs=nodes)
-    except BaseException:
-        progress.close()
-        raise
+    with resume_acceptance(args, cfg):  # --trust-run-dir, --allow-code-change: the ServerApp's environment
+        preflight(cfg, args.clients, nodes=nodes)
+        progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
+        try:
+            outcome = engines.run_local(cfg, args.clients, app, log_dir(cfg), timeout=args.timeout,
+                                        on_poll=progress, device=args.device, tls=args.tls,
+                                        clientapps=args.clientapps, fast_poll=args.fast_poll,
+                                        node_configs=nodes)
+        except BaseException:
+            progress.close()
+            raise
     return finish(cfg, outcome.ok, progress, outcome.details)
 
 
@@ -97,22 +99,23 @@ def simulate(args: argparse.Namespace) -> int:
     """Flower's Ray simulation engine, or the in-process engine (vectorised or not)."""
     cfg = resolve_config(args)
     nodes = node_configs(args)
-    preflight(cfg, args.clients, args.engine, nodes=nodes)
-    progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
-    try:
-        if args.engine in ("inprocess", "vectorized"):
-            outcome = engines.run_in_process(cfg, args.clients, on_poll=progress,
-                                             vectorized=args.engine == "vectorized", node_configs=nodes)
-        else:
-            outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir, cfg), log_dir(cfg),
-                                      timeout=args.timeout, on_poll=progress,
-                                      **{k: v for k, v in (("cpus_per_client", args.cpus_per_client),
-                                                           ("gpus_per_client", args.gpus_per_client),
-                                                           ("ray_address", getattr(args, "ray_address", None)))
-                                         if v is not None})
-    except BaseException:
-        progress.close()
-        raise
+    with resume_acceptance(args, cfg):  # --trust-run-dir, --allow-code-change: the ServerApp's environment
+        preflight(cfg, args.clients, args.engine, nodes=nodes)
+        progress = Progress(Path(cfg.run_dir), cfg.num_server_rounds)
+        try:
+            if args.engine in ("inprocess", "vectorized"):
+                outcome = engines.run_in_process(cfg, args.clients, on_poll=progress,
+                                                 vectorized=args.engine == "vectorized", node_configs=nodes)
+            else:
+                outcome = engines.run_ray(cfg, args.clients, app_dir(args.app_dir, cfg), log_dir(cfg),
+                                          timeout=args.timeout, on_poll=progress,
+                                          **{k: v for k, v in (("cpus_per_client", args.cpus_per_client),
+                                                               ("gpus_per_client", args.gpus_per_client),
+                                                               ("ray_address", getattr(args, "ray_address", None)))
+                                             if v is not None})
+        except BaseException:
+            progress.close()
+            raise
     return finish(cfg, outcome.ok, progress, outcome.details)
 
 

@@ -6,11 +6,13 @@ line and exit code 2 (:class:`UsageError`), and nothing is written for a run tha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,15 @@ def add_run_arguments(p: argparse.ArgumentParser, per_run: bool = True) -> None:
         p.add_argument("--resume", metavar="RUN_DIR",
                        help="continue the run in RUN_DIR from its last checkpoint (same config; "
                             "--rounds may extend it)")
+    p.add_argument("--trust-run-dir", action="store_true",
+                   help="when a run is resumed: accept its run directory although its "
+                        "manifest.json is not sealed by your record key (an older flatflower's, copied from "
+                        "another machine or user, or with none) as it is; the resume seals it under your key "
+                        "(docs/run-directory.md)")
+    p.add_argument("--allow-code-change", action="store_true",
+                   help="when a run is resumed: go on although a referenced module "
+                        "(model, dataset, train-transform, algorithm) or flatflower itself changed since "
+                        "the run started; config.json records it (docs/run-directory.md)")
     p.add_argument("--flatness-every", type=cli_int, metavar="K",
                    help="measure the global model's sharpness, top Hessian eigenvalue and Hessian "
                         "trace every K rounds and at the last (flatness-every; default 0 = off)")
@@ -202,6 +213,30 @@ def check_run_arguments(args: argparse.Namespace) -> None:
                          "use --engine inprocess or vectorized, or flatflower local")
     if not 0 < args.timeout <= MAX_SECONDS:
         raise UsageError(f"--timeout must be in (0, {MAX_SECONDS:.0f}] seconds (got {args.timeout:g})")
+
+
+@contextlib.contextmanager
+def resume_acceptance(args: argparse.Namespace, cfg: RunConfig) -> Iterator[None]:
+    """For the block (the preflight and the run): what the user accepted for the run directory
+    a resume continues (--trust-run-dir, --allow-code-change), in the environment the ServerApp
+    reads, this process's and those it starts (server/manifest.py TRUST_ENV, server/codeid.py
+    ENV: the run directory's path; nothing for a run that is not resumed)."""
+    from flatflower.server.codeid import ENV as CODE_ENV
+    from flatflower.server.manifest import TRUST_ENV
+
+    given = [env for env, flag in ((TRUST_ENV, "trust_run_dir"), (CODE_ENV, "allow_code_change"))
+             if cfg.resume and getattr(args, flag, False)]
+    saved = {env: os.environ.get(env) for env in given}
+    for env in given:
+        os.environ[env] = os.pathsep.join([v for v in [saved[env], cfg.run_dir] if v])
+    try:
+        yield
+    finally:
+        for env, value in saved.items():
+            if value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -410,8 +445,13 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
     --node-data, partition = local) loads and fits, the vectorised engine can batch the model,
     the aggregator gets enough clients per round."""
     from flatflower.common.data import partitions_for
+    from flatflower.server import recordkey
     from flatflower.server.setup import prepare_run
 
+    try:  # the record key that will seal the run directory (made here on first use, outside it)
+        recordkey.load(create=True)
+    except recordkey.RecordKeyError as err:
+        raise UsageError(str(err)) from None
     if cfg.local_data():
         check_node_folders(cfg, nodes)
     else:
@@ -424,8 +464,9 @@ def preflight(cfg: RunConfig, num_clients: int, engine: str = "",
         model = setup.model
     except ValueError as err:  # BadReference, TransformError, a model that does not fit, a damaged checkpoint
         raise UsageError(str(err)) from None
-    if setup.note:
-        print(f"note: {setup.note}", flush=True)
+    for note in (setup.note, setup.code_note):  # what a resume goes on with because the user accepted it
+        if note:
+            print(f"note: {note}", flush=True)
     if engine == "vectorized":
         from flatflower.runtime.engines.vectorized import check_batchable, check_compilable
 

@@ -11,6 +11,15 @@ with its t-based 95% interval over seeds, and each algorithm against the best on
 share (tools/comparison.py, tools/stats.py: paired t, Holm-corrected); a warning when the runs ran
 on different machines (config.json's ``machines``, server/machine.py).
 
+The privacy a run spent (``dp_epsilon``) is recomputed from its privacy ledger
+(``privacy.jsonl``, each round's sampling rate and noise multiplier) through the accountant
+(common/privacy.py), never taken from metrics.jsonl's copy; the files the report reads are
+checked against the run's manifest.json, sealed under the user's record key
+(server/manifest.py): a seal that does not match, or a ledger that is not as the run wrote it,
+is refused in one line; a manifest that is not sealed by this user (an older flatflower's,
+another machine's or user's, none in a DP run) and any other file that differs from its record
+are one warning line each (:func:`check_records`).
+
 A run's accuracy is the server's test split's (``test_accuracy``); a run with no evaluation set
 on the server (``partition = local`` without ``data-dir``) is measured by its federated
 evaluation instead (``federated_accuracy``: the clients' own held-out data, example-weighted),
@@ -46,6 +55,8 @@ from flatflower.tools.stats import mean_interval
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 CLIENTS_FILE = "clients.jsonl"
+LEDGER_FILE = "privacy.jsonl"
+RECORDED = (CONFIG_FILE, METRICS_FILE, CLIENTS_FILE, LEDGER_FILE)  # what the report reads of what manifest.json records
 SETTING = ("clients", "rounds", "dataset", "partition")  # what makes two runs comparable
 
 
@@ -75,6 +86,10 @@ class RunSummary:
     # what ``accuracy`` and ``loss`` measure: "test" (the server's test split) or "federated"
     # (federated evaluation, for a run with no evaluation set on the server)
     measure: str = "test"
+    # the privacy spent, from the ledger (check_records): after its last entry, and by round
+    # (the epsilon metrics.jsonl's row of that round should hold); None: no ledger, or no noise
+    epsilon: float | None = None
+    epsilon_by_round: dict[int, float | None] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -320,14 +335,116 @@ def flatness_summary(run: RunSummary, last_k: int) -> dict[str, float | None]:
 
 
 def has_privacy(run: RunSummary) -> bool:
-    return bool(curve(run, "dp_epsilon")[0])
+    """Whether the run ran under client-level DP (dp.clip > 0), kept a privacy ledger, or says
+    it spent privacy (metrics.jsonl's dp_epsilon)."""
+    clip = run.config.get("dp.clip")
+    return ((isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0)
+            or (run.run_dir / LEDGER_FILE).is_file() or bool(curve(run, "dp_epsilon")[0]))
+
+
+def _record_key() -> tuple[Any, str | None]:
+    """(this user's record key or None, a warning when it cannot be read)."""
+    from flatflower.server import recordkey
+
+    try:
+        return recordkey.load(create=False), None
+    except recordkey.RecordKeyError as err:
+        return None, f"{err}: no run's records can be checked"
+
+
+def check_records(run: RunSummary, key: Any) -> list[str]:
+    """The files the report reads checked against the run's manifest.json (its seal under the
+    user's record ``key``, then each file's digest), and the run's privacy recomputed from its
+    ledger (``run.epsilon``, ``run.epsilon_by_round``). RunFileError (one line) for a seal of
+    this user's key that does not match, or a ledger that is not as the run wrote it (or no
+    run writes); the warnings to print otherwise: records this user did not seal, another file
+    not as written, ledger rows past the sealed checkpoint, metrics.jsonl's dp_epsilon not the
+    ledger's, a DP run without a ledger."""
+    from flatflower.server import manifest, recordkey
+
+    warnings: list[str] = []
+    private = has_privacy(run)
+    try:
+        data = manifest.read(run.run_dir)
+    except manifest.ManifestError:
+        data = None
+        warnings.append(f"{run.run_dir / manifest.MANIFEST} is damaged: the run's records cannot be checked; "
+                        "the report shows them as they are")
+    else:
+        status = manifest.seal_status(run.run_dir, data, key)
+        problem = manifest.seal_problem(run.run_dir, data, status, key, what="the report")
+        if status == recordkey.BROKEN:
+            raise ReportError(problem)
+        # no manifest at all: worth a line for a DP run's ledger (a DP run without one gets its own line)
+        if problem is not None and (data is not None or (private and (run.run_dir / LEDGER_FILE).is_file())):
+            warnings.append(f"{problem}; the report shows them as they are")
+        if data is not None:
+            for name, differs in manifest.check_files(run.run_dir, data, RECORDED).items():
+                if differs and name == LEDGER_FILE:
+                    raise ReportError(f"{differs}; the report refuses its privacy numbers (restore the file)")
+                if differs:
+                    warnings.append(f"{differs}; the report shows it as it is now")
+            recorded = data["prefixes"].get(LEDGER_FILE)
+            path = run.run_dir / LEDGER_FILE
+            if recorded and path.is_file() and path.stat().st_size > recorded[0]["size"]:
+                warnings.append(f"{path} has rows past the checkpoint {manifest.MANIFEST} seals (a run that is "
+                                "running or was interrupted): they are counted, not verified")
+    if private:
+        warnings += _ledger_privacy(run)
+    return warnings
+
+
+def _ledger_privacy(run: RunSummary) -> list[str]:
+    """Set ``run.epsilon`` and ``run.epsilon_by_round`` from the run's privacy.jsonl through the
+    accountant, as the server composed it (each entry in file order: a round redone after a
+    resume counts twice); the warnings: no ledger, metrics.jsonl's dp_epsilon not the ledger's."""
+    import math
+
+    from flatflower.common.privacy import LedgerError, PrivacyLedger, ledger_entries
+    from flatflower.tools.runfiles import read_text
+
+    path = run.run_dir / LEDGER_FILE
+    if not path.is_file():
+        return [(f"{run.run_dir} ran under DP but keeps no {LEDGER_FILE}: its privacy is not shown "
+                 "(metrics.jsonl's dp_epsilon is a copy, not the ledger)")]
+    sigma, delta = run.config.get("dp.noise-multiplier"), run.config.get("dp.delta", 1e-5)
+    if not (isinstance(sigma, (int, float)) and isinstance(delta, (int, float)) and 0 < delta < 1):
+        raise ReportError(f"{run.run_dir / CONFIG_FILE} holds no dp.noise-multiplier and dp.delta in (0, 1) "
+                          f"for its {LEDGER_FILE}: the privacy it spent cannot be accounted")
+    try:
+        entries = ledger_entries(read_text(path).splitlines(), float(sigma), str(path))
+    except LedgerError as err:
+        raise ReportError(str(err)) from None
+    ledger, by_round = PrivacyLedger(), {}
+    for rnd, rate, noise in entries:
+        ledger.add_round(rate, noise)
+        eps = ledger.epsilon(float(delta))
+        by_round[rnd] = eps if math.isfinite(eps) else None
+    run.epsilon_by_round = by_round
+    last = ledger.epsilon(float(delta))  # 0 before any round; inf without noise: no privacy (None)
+    run.epsilon = last if math.isfinite(last) else None
+    differ = [int(r["round"]) for r in run.rows if "dp_epsilon" in r and int(r["round"]) >= 1
+              and not _same_number(r["dp_epsilon"], by_round.get(int(r["round"])))]
+    if differ:
+        first = next(r for r in run.rows if int(r["round"]) == differ[0])
+        return [(f"{run.run_dir / METRICS_FILE}'s dp_epsilon is not its ledger's at rounds {differ[:5]}"
+                 f"{' ...' if len(differ) > 5 else ''} (round {differ[0]}: {first['dp_epsilon']!r:.12}, the "
+                 f"ledger's {by_round.get(differ[0])!r:.12}): the report shows the ledger's ({LEDGER_FILE})")]
+    return []
+
+
+def _same_number(a: Any, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return abs(float(a) - b) <= 1e-9 * max(1.0, abs(b))
 
 
 def summarize(run: RunSummary, last_k: int = 5, target: float | None = None,
               flatness: bool = False, privacy: bool = False) -> dict[str, Any]:
     """Headline numbers of one run; last-k statistics ignore round 0. ``flatness``: with
     :func:`flatness_summary`'s columns; ``privacy``: with ``dp_epsilon``, the privacy the run
-    spent by its last round (client-level DP, metrics.jsonl; None for a run without DP)."""
+    spent by its last round (client-level DP: its ledger, :func:`check_records`; None for a run
+    without DP or without a ledger)."""
     trained = [acc for r, acc in zip(run.rounds, run.accuracy) if r >= 1]
     tail = np.asarray(trained[-last_k:] if last_k > 0 else [], dtype=float)
     return {
@@ -342,7 +459,7 @@ def summarize(run: RunSummary, last_k: int = 5, target: float | None = None,
         "rounds_to_target": rounds_to_target(run, target),
         "bytes_total": run.bytes_total,
         **(flatness_summary(run, last_k) if flatness else {}),
-        **({"dp_epsilon": (curve(run, "dp_epsilon")[1] or [None])[-1]} if privacy else {}),
+        **({"dp_epsilon": run.epsilon} if privacy else {}),
     }
 
 
@@ -742,6 +859,8 @@ def write_csv(runs: Sequence[RunSummary], path: Path) -> Path:
         for run in runs:
             for row in run.rows:
                 cells = {k: _csv_cell(v) for k, v in row.items()}
+                if "dp_epsilon" in row:  # the ledger's (check_records), never metrics.jsonl's copy
+                    cells["dp_epsilon"] = run.epsilon_by_round.get(int(row["round"]))
                 writer.writerow({"run": str(run.run_dir), "algorithm": run.algorithm,
                                  "seed": run.seed, **cells})
     return path
@@ -756,6 +875,15 @@ def main(argv: list[str] | None = None) -> int:
     except RunFileError as exc:  # ReportError, or a damaged file (tools/runfiles.py)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    key, problem = _record_key()
+    try:  # the records checked against their sealed manifests; the privacy from the ledgers
+        notes = [problem] if problem else []
+        notes += [note for run in runs for note in check_records(run, key)]
+    except RunFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"warning: {printable(note, 600)}", file=sys.stderr)
     differences = setting_differences(runs)
     if differences:
         what = "; ".join(differences)

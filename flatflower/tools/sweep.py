@@ -262,7 +262,9 @@ def simulate_argv(one: argparse.Namespace) -> list[str]:
     if one.resume:
         return ["simulate", "--resume", one.resume, "--clients", str(one.clients), "--engine", one.engine,
                 *(["--rounds", str(one.rounds)] if one.rounds else []),
-                "--timeout", repr(one.timeout), *ray_sizes(one)]
+                "--timeout", repr(one.timeout), *ray_sizes(one),
+                *(["--trust-run-dir"] if getattr(one, "trust_run_dir", False) else []),
+                *(["--allow-code-change"] if getattr(one, "allow_code_change", False) else [])]
     argv = ["simulate", "--algorithm", one.algorithm, "--seed", str(one.seed), "--run-dir", one.run_dir,
             *(["--engine", one.engine] if one.engine else []), "--timeout", repr(one.timeout), *ray_sizes(one)]
     for flag, value in (("--preset", one.preset), ("--clients", one.clients), ("--rounds", one.rounds),
