@@ -218,3 +218,31 @@ def test_the_wheel_holds_each_file_once_and_runs_the_own_algorithm_example(insta
     out = run_installed(installed, project, [], "-m", "flatflower.tools.cli", "check-algorithm", "emasam:spec",
                         "--reference", "reference:first_round")
     assert out.returncode == 0 and out.stdout.count("PASS") == 7, out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.ray
+def test_the_wheel_runs_the_own_algorithm_example_on_supernodes_and_ray(installed, tmp_path):
+    """The same example from the wheel in a loopback deployment and on Flower's Ray engine: the
+    generated app declares its keys, the nodes find and allow its module; both end at the
+    in-process model's accuracy."""
+    import shutil
+    import tempfile
+
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "examples" / "own_algorithm", project, ignore=shutil.ignore_patterns("__pycache__"))
+    accuracy = {}
+    ray_tmp = tempfile.mkdtemp(prefix="ray-")  # Ray's socket paths must stay under 108 bytes
+    try:
+        for command, extra in (("simulate", ["--engine", "inprocess"]), ("local", []),
+                               ("simulate", ["--engine", "ray"])):
+            name = extra[-1] if extra else command
+            out = run_installed(installed, project, [], "-m", "flatflower.tools.cli", command, *extra,
+                                "--algorithm", "emasam:spec", "--dataset", "digits", "--clients", "2", "--rounds", "2",
+                                "--run-dir", str(tmp_path / name), env={"RAY_TMPDIR": ray_tmp})
+            assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+            accuracy[name] = json.loads((tmp_path / name / "summary.json").read_text())["final_test_accuracy"]
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert accuracy["local"] == accuracy["inprocess"] == accuracy["ray"], accuracy
