@@ -204,6 +204,7 @@ def test_the_wheel_holds_each_file_once_and_runs_the_own_algorithm_example(insta
     record = (next(installed.glob("flatflower-*.dist-info")) / "RECORD").read_text().splitlines()
     files = [line.split(",")[0] for line in record]
     assert len(files) == len(set(files)) and "flatflower/common/config.py" in files
+    assert "flatflower/py.typed" in files  # PEP 561: the installed package's annotations are read
     assert not [f for f in files if f.split("/")[0] in FOLDERS]
     project = tmp_path / "project"
     shutil.copytree(ROOT / "examples" / "own_algorithm", project, ignore=shutil.ignore_patterns("__pycache__"))
