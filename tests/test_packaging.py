@@ -69,6 +69,7 @@ def test_jedi_goes_to_the_definition_in_the_checkouts_file():
     assert "class RunConfig" in (ROOT / "flatflower" / "common" / "config.py").read_text().splitlines()[found.line - 1]
 
 
+@pytest.mark.slow  # a cold mypy over torch's stubs: about a minute on 2 cores
 def test_mypy_checks_the_public_api_and_resolves_its_modules(tmp_path):
     """The public API (docs/api.md, docs/own-algorithm.md) type-checks, and mypy finds
     flatflower's modules (it reported import-not-found for every one)."""

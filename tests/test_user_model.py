@@ -199,8 +199,9 @@ def test_a_node_without_the_module_answers_the_handshake_with_one_line(make_mess
     from flatflower.common import protocol as P
     from flatflower.strategies.participation import error_text
 
-    context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 2},
-                      state=RecordDict(), run_config={"dataset": "digits", "model": "nowhere_module_abc:net"})
+    context = Context(run_id=1, node_id=1, state=RecordDict(),  # the operator allowed it; it is not installed
+                      node_config={"partition-id": 0, "num-partitions": 2, "allow-code": "nowhere_module_abc"},
+                      run_config={"dataset": "digits", "model": "nowhere_module_abc:net"})
     msg = make_message(RecordDict({P.CONFIG: ConfigRecord({P.NONCE: 7})}), message_type=MessageType.QUERY)
     with pytest.raises(BadReference) as err:
         query(msg, context)
