@@ -27,7 +27,7 @@ from flatflower.runtime.deadline import (
 )
 from flatflower.runtime.engines.inprocess import InProcessGrid
 from flatflower.server.run import run_server
-from flatflower.strategies.participation import TTL_MARGIN
+from flatflower.strategies.participation import TTL_MARGIN, UNFINISHED, exchange
 from tests.conftest import set_task_identity
 from tests.helpers import ROOT, fast_config, round_deadline
 
@@ -67,6 +67,62 @@ def _message(created_at: float, ttl: float) -> Message:
                   message_type=MessageType.TRAIN, group_id="4", ttl=ttl)
     msg.metadata.created_at = created_at
     return msg
+
+
+class UploadingGrid:
+    """The SuperLink holds each reply's header but its content never arrives (a node cut off
+    while it uploads): Flower 1.39's grid pulls the objects with ``pull_objects`` and makes an
+    error reply of a pull that gives up (flwr/superlink/grid/http_grid.py)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def push_messages(self, messages):
+        self.sent = list(messages)
+        for i, msg in enumerate(self.sent):
+            msg.metadata.__dict__["_message_id"] = f"m{i}"
+        return [m.metadata.message_id for m in self.sent]
+
+    def pull_messages(self, message_ids):
+        from flwr.app import Error
+        from flwr.common.constant import ErrorCode
+        from flwr.supercore.inflatable.inflatable_utils import (ObjectPullError, ObjectUnavailableError,
+                                                                pull_objects)
+
+        def never(object_id):
+            raise ObjectUnavailableError(object_id)
+
+        replies = []
+        for msg in self.sent:
+            if msg.metadata.message_id in message_ids:
+                try:
+                    pull_objects([f"{msg.metadata.message_id}-model"], never)
+                except ObjectPullError as err:
+                    replies.append(Message(Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=f"Reply "
+                                                 f"message objects are unavailable. {err}"), reply_to=msg))
+        return replies
+
+
+def test_a_reply_still_uploading_at_the_deadline_does_not_hold_the_round():
+    """A reply whose header reached the SuperLink but whose content does not arrive (a slow or
+    cut link mid-upload) ends the exchange at its deadline, as an error reply that says so.
+    Before, Flower's pull waited for it up to 500 tries backing off to 10 s (two hours)."""
+    from flwr.supercore.inflatable.inflatable_utils import pull_objects
+
+    set_task_identity()
+    defaults = dict(pull_objects.__kwdefaults__)
+    msgs = [Message(RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN, group_id="3")
+            for node in (5, 6)]
+    done: list = []
+    t0 = time.monotonic()
+    thread = threading.Thread(target=lambda: done.append(exchange(UploadingGrid(), msgs, 1.5)), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert done, "the exchange waited past its deadline for content that never comes"
+    assert time.monotonic() - t0 < 1.5 + 3  # one more try after the deadline, retried within 1 s
+    assert [r.metadata.src_node_id for r in done[0]] == [5, 6]
+    assert all(r.error.reason == f"{UNFINISHED} (1.5s)" for r in done[0])
+    assert pull_objects.__kwdefaults__ == defaults  # Flower's own limits, outside the exchange
 
 
 def test_a_tasks_deadline_is_its_messages_ttl_stretched_by_the_clock_slack():

@@ -33,6 +33,7 @@ same clients in-process, in simulation and in a deployment.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -104,7 +105,8 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float, expire: bo
     deadline = start + timeout
     replies: list[Message] = []
     while pending:
-        got = list(grid.pull_messages(pending))
+        with objects_within(deadline - time.monotonic()):
+            got = [_unfinished(m, timeout) for m in grid.pull_messages(pending)]
         replies += got
         pending -= {m.metadata.reply_to_message_id for m in got}
         now = time.monotonic()
@@ -117,6 +119,49 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float, expire: bo
         pause_between_pulls(min(pause, deadline - now))
     rank = {message_id: i for i, message_id in enumerate(order)}
     return sorted(replies, key=lambda m: rank.get(m.metadata.reply_to_message_id, len(rank)))
+
+
+UNFINISHED = ("its reply was still arriving when the server stopped waiting (round-timeout or "
+              "node-wait-timeout): a slow or broken link")
+
+
+@contextlib.contextmanager
+def objects_within(seconds: float):
+    """Flower's reply pulls (``pull_objects`` in the ServerApp: flwr 1.39's grid inflates each
+    reply the SuperLink holds, which it holds as soon as the reply's header arrived) give up
+    after ``seconds`` (at least one try each), retrying at most every second. Flower's own
+    limits are 500 tries backing off to 10 s, two hours in all: a reply still uploading over a
+    256 kbit/s link held its round past round-timeout until it arrived, and one whose node was
+    cut off mid-upload held it for minutes. Such a reply is an error reply (Flower's
+    ``MESSAGE_UNAVAILABLE``: :func:`_unfinished`). A Flower without these defaults: unbounded."""
+    try:
+        from flwr.supercore.inflatable import inflatable_utils
+
+        pull = inflatable_utils.pull_objects
+        saved = dict(pull.__kwdefaults__ or {})
+    except (ImportError, AttributeError):
+        saved = {}
+    if "max_time" not in saved or "backoff_cap" not in saved:
+        yield
+        return
+    pull.__kwdefaults__ = {**saved, "max_time": max(0.0, seconds),
+                           "backoff_cap": min(saved["backoff_cap"], 1.0)}
+    try:
+        yield
+    finally:
+        pull.__kwdefaults__ = {**pull.__kwdefaults__, "max_time": saved["max_time"],
+                               "backoff_cap": saved["backoff_cap"]}
+
+
+def _unfinished(reply: Message, timeout: float) -> Message:
+    """A reply whose content did not arrive in time (Flower's grid makes it an error reply saying
+    that "the object-push session expired"), said as it is."""
+    from flwr.app import Error
+    from flwr.common.constant import ErrorCode
+
+    if reply.has_error() and reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:
+        reply.error = Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=f"{UNFINISHED} ({timeout:g}s)")
+    return reply
 
 
 def new_nonce() -> int:
