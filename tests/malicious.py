@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import random
 import statistics
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -197,6 +199,8 @@ ATTACKS: dict[str, tuple[str, Tamper]] = {
     "perfect-eval": ("evaluate", lambda r, m, c, x: with_metric(with_metric(
         r if x <= 1 else with_metric(r, P.NUM_EXAMPLES, int(x)), P.EVAL_ACCURACY, 1.0), P.EVAL_LOSS, 0.0)),
     "eval-loss": ("evaluate", lambda r, m, c, x: with_metric(r, "eval-loss", x)),
+    # over the Fleet API, a reply as another node (tests/fleet_forgery.py; x: the update's factor)
+    "answer-for": ("train", lambda r, m, c, x: answer_for(r, m, c, x)),
 }
 # records and metrics beyond the protocol, at every stage: e.g. train-extra-config, query-extra-key
 for _stage in ("query", "train", "evaluate"):
@@ -206,6 +210,19 @@ for _stage in ("query", "train", "evaluate"):
     ATTACKS[f"{_stage}-extra-key"] = (_stage, lambda r, m, c, x: with_metric(r, "junk", [0.0] * 1000))
 ATTACKS["query-long-device"] = ("query", lambda r, m, c, x: with_record(
     r, "node", ConfigRecord({"device": "x" * 1000})))
+
+
+def answer_for(reply: Message, msg: Message, context: Context, factor: float) -> Message:
+    """tests/fleet_forgery.py's attack: B's own update times ``factor``, under the identity of the
+    partition its ``forge-target`` names; B's own reply goes out unchanged."""
+    try:
+        from fleet_forgery import answer_for_another  # beside this module, in a Flower App
+    except ImportError:
+        from tests.fleet_forgery import answer_for_another
+    target = json.loads(Path(str(context.node_config["forge-target"])).read_text())
+    forged = scaled_update(Message(copy.deepcopy(reply.content), reply_to=msg), msg, factor)
+    forged = with_identity(forged, P.PARTITION_ID, int(target["partition"]))
+    return answer_for_another(reply, msg, context, forged.content)
 
 
 def parse(spec: str) -> dict[str, tuple[Tamper, float]]:

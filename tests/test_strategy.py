@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 import flatflower.client.app as real_client
@@ -157,13 +157,48 @@ def test_real_client_reply_is_accepted() -> None:
     for reply in replies:
         node = reply.metadata.src_node_id
         pid = int(grid.contexts[node].node_config["partition-id"])
-        update = parse_train_reply(reply, node, strategy.expected(pid, strategy._nonce))
+        update = parse_train_reply(reply, node, strategy.expected(pid))
         assert update.partition_id == pid and update.num_examples == 1000
         wrong = 1 - pid  # the same reply, attributed to the other partition
         with pytest.raises(RejectedReply, match="claims partition"):
-            parse_train_reply(reply, node, strategy.expected(wrong, strategy._nonce))
+            parse_train_reply(reply, node, strategy.expected(wrong, strategy._nonces[pid]))
         with pytest.raises(RejectedReply, match="nonce"):  # the same reply in a later round
-            parse_train_reply(reply, node, strategy.expected(pid, strategy._nonce + 1))
+            parse_train_reply(reply, node, strategy.expected(pid, strategy._nonces[pid] + 1))
+
+
+def _answered_for(reply: Message, theirs: Message, partition: int) -> Message:
+    """Another node's ``reply`` turned into an answer to ``theirs`` (the message of
+    ``partition``'s node), as a node that reaches the Fleet API with its own key can push it
+    (tests/fleet_forgery.py): the content and nonce are its own, the identity is the victim's."""
+    from tests.malicious import with_identity
+
+    return with_identity(Message(copy.deepcopy(reply.content), reply_to=theirs), P.PARTITION_ID, partition)
+
+
+def test_a_node_cannot_answer_another_nodes_train_or_evaluate_message() -> None:
+    """Each message carries a nonce of its own: a reply to node 0's message made by node 1 (its
+    own reply, under partition 0's name, before node 0 answers) is refused, and node 0's own
+    reply still counts. With one nonce a round, it was taken for node 0's."""
+    cfg = RunConfig.from_mapping(fast_config(num_partitions=3, fraction_evaluate=1.0))
+    strategy = make_strategy(cfg)
+    grid = InProcessGrid(real_client.app, 3, cfg.to_dict())
+    for stage in ("train", "evaluate"):
+        configure = strategy.configure_train if stage == "train" else strategy.configure_evaluate
+        messages = list(configure(1, codec.to_record(strategy.model), ConfigRecord(), grid))
+        assert len({int(m.content[P.CONFIG][P.NONCE]) for m in messages}) == len(messages) == 3
+        replies = {strategy.participation.partition_of[r.metadata.src_node_id]: r
+                   for r in grid.send_and_receive(messages)}
+        victim = next(m for m in messages if strategy.participation.partition_of[m.metadata.dst_node_id] == 0)
+        forged = _answered_for(replies[1], victim, 0)
+        if stage == "train":
+            updates = strategy.collect(1, [forged, replies[1], replies[2], replies[0]])
+            assert [u.partition_id for u in updates] == [0, 1, 2]
+            assert torch.equal(next(iter(updates[0].model.values())),
+                               next(iter(codec.from_record(replies[0].content[P.MODEL]).values())))
+        else:
+            strategy.aggregate_evaluate(1, [forged, replies[1], replies[2], replies[0]])
+        (refusal,) = [r for r in strategy.stats.rejections if r["stage"] == stage]
+        assert refusal["partition"] == 0 and "nonce" in refusal["reason"], refusal
 
 
 # ----------------------------------------------------------------------------- bad clients, end to end

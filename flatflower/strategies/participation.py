@@ -417,12 +417,11 @@ class Participation:
                                + ("; ".join(listed[:4]) or "no node answered") + more)
 
     def _queries(self, node_ids: list[int]) -> list[Message]:
-        """One handshake ``query`` for each node, all with one fresh nonce."""
-        content = {P.CONFIG: ConfigRecord({P.NONCE: new_nonce()})}
-        if self.settings:
-            content[P.SETTINGS] = ConfigRecord(self.settings)
-        return [Message(RecordDict(content), dst_node_id=n, message_type=MessageType.QUERY)
-                for n in node_ids]
+        """One handshake ``query`` for each node, each with a fresh nonce of its own (another
+        node cannot answer for it: Strategy.train_messages)."""
+        settings = {P.SETTINGS: ConfigRecord(self.settings)} if self.settings else {}
+        return [Message(RecordDict({P.CONFIG: ConfigRecord({P.NONCE: new_nonce()}), **settings}),
+                        dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
 
     def _claim(self, reply: Message, asked: Mapping[str, tuple[int, int]],
                refuse: Callable[[int, int, str], None]) -> None:

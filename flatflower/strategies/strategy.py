@@ -156,9 +156,9 @@ class FlatStrategy(FlowerFedAvg):
         self._messages: list[Message] = []  # this round's train messages (ids map error replies)
         self._grid: Grid | None = None  # the grid this round was sent on
         self._content = RecordDict()  # what every train message of this round carries
-        self._nonce = 0  # this round's train nonce, echoed by every valid reply
+        self._nonces: dict[int, int] = {}  # partition -> its train message's nonce (its reply echoes it)
         self._eval_messages: list[Message] = []
-        self._eval_nonce = 0
+        self._eval_nonces: dict[int, int] = {}  # the same for this round's evaluate messages
 
     @property
     def model(self) -> OrderedDict:
@@ -279,10 +279,10 @@ class FlatStrategy(FlowerFedAvg):
         self._set_model(codec.from_record(arrays))
         available = self.available_partitions(grid)
         chosen = self.participation.sample(server_round, list(available), self.fraction_train)
-        self._nonce = new_nonce()
+        self._nonces = {}
         self.rule.round = server_round
         start = self.rule.start_point()
-        values = {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._nonce}
+        values = {**dict(config), P.SERVER_ROUND: server_round}
         if self.cfg.dp_clip > 0:  # M: each client's DP noise is noise-multiplier * clip / sqrt(M)
             values[P.SAMPLED_CLIENTS] = len(chosen)
             self.stats.privacy["dp_sampling_rate"] = self.participation.inclusion_rate(
@@ -309,19 +309,25 @@ class FlatStrategy(FlowerFedAvg):
     def train_messages(self, server_round: int, nodes: dict[int, int]) -> list[Message]:
         """The round's train message to each partition's node (``nodes``: partition -> node):
         the round's content, with the partition's ``state-round`` (its last round the server
-        accepted) in the config, which tells the client what state to start from."""
+        accepted) in the config, which tells the client what state to start from, and a nonce
+        of its own. A reply must echo its message's nonce, which no other node sees: another
+        node cannot answer for it (Flower 1.39's SuperLink stores a reply as the node it names,
+        whoever sends it), nor work out its message's id, a hash of its content."""
         msgs = []
         for pid, node in nodes.items():
             content = RecordDict(dict(self._content.items()))  # the same arrays, its own config
-            content[P.CONFIG] = ConfigRecord({**dict(self._content[P.CONFIG]),
+            self._nonces[pid] = new_nonce()
+            content[P.CONFIG] = ConfigRecord({**dict(self._content[P.CONFIG]), P.NONCE: self._nonces[pid],
                                               P.STATE_ROUND: self.participation.state_round(pid)})
             msgs.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
                                 group_id=str(server_round)))
         self.stats.bytes_down += codec.payload_bytes(self._content) * len(msgs)
         return msgs
 
-    def expected(self, pid: int, nonce: int) -> Expected:
-        """What partition ``pid``'s reply to a message with ``nonce`` must say."""
+    def expected(self, pid: int, nonce: int | None = None) -> Expected:
+        """What partition ``pid``'s reply to a message with ``nonce`` (default: its train message
+        of this round) must say."""
+        nonce = self._nonces.get(pid, 0) if nonce is None else nonce
         part = self.participation
         return Expected(pid, part.num_examples(pid), nonce, part.num_steps(pid), self.layout, self.spec.up)
 
@@ -342,7 +348,7 @@ class FlatStrategy(FlowerFedAvg):
                 self.stats.bytes_up += codec.payload_bytes(reply.content)
                 if pid < 0 or pid in updates:
                     raise RejectedReply("a reply from a node that holds no partition, or a second one")
-                updates[pid] = self._split_update(parse_train_reply(reply, node, self.expected(pid, self._nonce)))
+                updates[pid] = self._split_update(parse_train_reply(reply, node, self.expected(pid)))
             except Exception as why:  # noqa: BLE001 - one reply's fault, never the run's end
                 self._refused("train", pid, node, str(why))
         for msg in self._messages:
@@ -529,20 +535,17 @@ class FlatStrategy(FlowerFedAvg):
             self._eval_messages = []
             return []
         chosen = self.participation.sample_evaluate(server_round, pool, self.fraction_evaluate)
-        self._eval_nonce = new_nonce()
-        content = RecordDict({P.MODEL: arrays, P.CONFIG: ConfigRecord(
-            {**dict(config), P.SERVER_ROUND: server_round, P.NONCE: self._eval_nonce})})
-        if self.cfg.buffers == "local" and self.buffer_keys:  # each evaluates with its own statistics
-            self._eval_messages = []
-            for p in chosen:
-                own = RecordDict(dict(content.items()))
-                own[P.CONFIG] = ConfigRecord({**dict(content[P.CONFIG]),
-                                              P.STATE_ROUND: self.participation.state_round(p)})
-                self._eval_messages.append(Message(own, dst_node_id=available[p], message_type=MessageType.EVALUATE,
-                                                   group_id=str(server_round)))
-            return self._eval_messages
-        self._eval_messages = [Message(content, dst_node_id=available[p], message_type=MessageType.EVALUATE,
-                                       group_id=str(server_round)) for p in chosen]
+        shared = {**dict(config), P.SERVER_ROUND: server_round}
+        own_statistics = self.cfg.buffers == "local" and self.buffer_keys  # each evaluates with its own
+        self._eval_nonces, self._eval_messages = {}, []
+        for p in chosen:  # each with a nonce of its own (train_messages says why)
+            self._eval_nonces[p] = new_nonce()
+            values = {**shared, P.NONCE: self._eval_nonces[p]}
+            if own_statistics:
+                values[P.STATE_ROUND] = self.participation.state_round(p)
+            self._eval_messages.append(Message(RecordDict({P.MODEL: arrays, P.CONFIG: ConfigRecord(values)}),
+                                               dst_node_id=available[p], message_type=MessageType.EVALUATE,
+                                               group_id=str(server_round)))
         return self._eval_messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
@@ -566,7 +569,7 @@ class FlatStrategy(FlowerFedAvg):
                 if pid < 0 or pid in rows:
                     raise RejectedReply("a reply from a node that holds no partition, or a second one")
                 part = self.participation
-                rows[pid] = parse_evaluate_reply(reply, Expected(pid, part.num_evaluated(pid), self._eval_nonce))
+                rows[pid] = parse_evaluate_reply(reply, Expected(pid, part.num_evaluated(pid), self._eval_nonces.get(pid, 0)))
             except Exception as why:  # noqa: BLE001 - one reply's fault, never the run's end
                 self._refused("evaluate", pid, node, str(why))
         if not rows:
