@@ -268,6 +268,34 @@ def test_a_pruned_trial_stops_early_and_counts_the_rounds_it_ran(tmp_path):
     assert isinstance(args, argparse.Namespace)
 
 
+def test_a_trial_interrupted_after_the_pruners_word_runs_again_not_counted_failed(tmp_path):
+    """Ctrl-C in the round that ends a pruned trial: the trial is interrupted (run again at the
+    next resume), as any interrupted trial. It was recorded as failed ("failed:130") and spent
+    a trial of the budget (issue 56's MoFedSAM piece)."""
+    from flatflower.tools.parsers import tune as parser
+    from flatflower.tools.tune_trial import run_trial, trial_args
+
+    class Trial:  # the pruner says stop after round 1; the user presses Ctrl-C in the next round
+        def __init__(self):
+            self.reports, self.pruned = [], False
+
+        def report(self, value, step):
+            if self.pruned:
+                raise KeyboardInterrupt
+            self.reports.append((step, value))
+
+        def should_prune(self):
+            self.pruned = len(self.reports) >= 2
+            return self.pruned
+
+    args = parser().parse_args(["--algorithms", "fedavg", "--trials", "1", "--out", str(tmp_path),
+                                "--engine", "inprocess", "--clients", "2", "--rounds", "200",
+                                "--dataset", "digits", "--model", "mlp"])
+    args.first_seed = 0
+    with pytest.raises(KeyboardInterrupt):
+        run_trial(trial_args(args, "fedavg", {"lr": 0.05}, tmp_path / "t0"), Trial())
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--validation-fraction", "1"], "--validation-fraction must be in (0, 1)"),
     (["--engine", "ray"], "--engine inprocess or vectorized"),

@@ -134,7 +134,7 @@ def run_trial(one: argparse.Namespace, trial: Any) -> tuple[str, list[tuple[int,
     with trial_output(), open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         code = commands.run("simulate", one, handler=handler)
     rows = accuracies(Path(one.run_dir))
-    if code == commands.EXIT_INTERRUPTED and not state["pruned"]:
+    if code == commands.EXIT_INTERRUPTED:  # also after the pruner's word: the trial runs again
         raise KeyboardInterrupt
     return ("pruned" if code == PRUNED else "ok" if code == 0 else f"failed:{code}"), rows
 
