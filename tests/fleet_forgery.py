@@ -29,7 +29,9 @@ RECEIVING = re.compile(r"Receiving: train message \(ID: ([0-9a-f]{64})\)")
 
 def _fleet(key_path: str, superlink: str, ca_path: str):
     from cryptography.hazmat.primitives.serialization import load_ssh_private_key
-    from flwr.client.grpc_rere_client.node_auth_client_interceptor import NodeAuthClientInterceptor
+    from flwr.client.grpc_rere_client.node_auth_client_interceptor import (
+        NodeAuthClientInterceptor,
+    )
     from flwr.proto.fleet_pb2_grpc import FleetStub
     from flwr.supercore.grpc import create_channel
     from flwr.supercore.interceptors import RuntimeVersionClientInterceptor
@@ -62,8 +64,13 @@ def _push(stub, node_id: int, reply) -> bool:
     from flwr.common.serde import message_to_proto
     from flwr.proto.fleet_pb2 import PushMessagesRequest  # pylint: disable=E0611
     from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_push_object_fn_protobuf
+    from flwr.supercore.inflatable.inflatable_object import (
+        get_all_nested_objects,
+        get_object_tree,
+    )
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_push_object_fn_protobuf,
+    )
 
     reply.metadata.__dict__["_message_id"] = reply.object_id
     node = Node(node_id=node_id)
