@@ -367,8 +367,10 @@ class Participation:
         A node that does not answer within ``node-wait-timeout`` is reported (a handshake
         refusal) and never waited for again: its query stays out, and an answer that comes
         later is taken at a later call, without a wait (a slow node joins late)."""
-        self.partition_of = {n: p for n, p in self.partition_of.items() if n in node_ids}
-        self.unanswered = {m: q for m, q in self.unanswered.items() if q[0] in node_ids}
+        connected = set(node_ids)  # (a set: thousands of nodes, every round)
+        self.partition_of = {n: p for n, p in self.partition_of.items() if n in connected}
+        self.unanswered = {m: q for m, q in self.unanswered.items() if q[0] in connected}
+        holders = {p: n for n, p in self.partition_of.items()}  # partition id -> node id
         refusals = []
 
         def refuse(node: int, pid: int, why: str) -> None:
@@ -379,7 +381,7 @@ class Participation:
             late = dict(self.unanswered)
             for reply in grid.pull_messages(list(late)):
                 self.unanswered.pop(reply.metadata.reply_to_message_id, None)
-                self._claim(reply, late, refuse)
+                self._claim(reply, late, refuse, holders)
         asked = {node for node, _ in self.unanswered.values()}
         new = [n for n in node_ids if n not in self.partition_of and n not in asked]
         if new:
@@ -395,7 +397,7 @@ class Participation:
                 replies = exchange(grid, msgs, self.cfg.node_wait_timeout, expire=False)
                 queries = _asked(msgs)
                 for reply in replies:
-                    self._claim(reply, queries, refuse)
+                    self._claim(reply, queries, refuse, holders)
                     queries.pop(reply.metadata.reply_to_message_id, None)
                 for message_id, (node, nonce) in queries.items():
                     self.unanswered[message_id] = (node, nonce)
@@ -424,9 +426,10 @@ class Participation:
                         dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
 
     def _claim(self, reply: Message, asked: Mapping[str, tuple[int, int]],
-               refuse: Callable[[int, int, str], None]) -> None:
+               refuse: Callable[[int, int, str], None], holders: dict[int, int]) -> None:
         """Accept or refuse the claim of a reply to one of the ``asked`` queries (see
-        :func:`_asked`); a reply to none of them, or from a node already placed, is ignored."""
+        :func:`_asked`); a reply to none of them, or from a node already placed, is ignored.
+        ``holders``: partition id -> node id of :attr:`partition_of`, kept in step with it."""
         node, nonce = asked.get(reply.metadata.reply_to_message_id, (None, 0))
         if node is None or node in self.partition_of:
             return  # not ours to answer, or a second reply
@@ -439,7 +442,7 @@ class Participation:
             refuse(node, -1, str(why))
             return
         pid, declared, heldout = claim.partition_id, claim.num_examples, claim.num_heldout or 0
-        holder = next((n for n, p in self.partition_of.items() if p == pid), None)
+        holder = holders.get(pid)
         if holder is not None:
             refuse(node, pid, f"claims partition {pid}, which node {holder} holds")
         elif self.sizes.setdefault(pid, declared) != declared:
@@ -448,7 +451,7 @@ class Participation:
             refuse(node, pid, f"declares {heldout} held-out examples, partition {pid} has "
                               f"{self.heldout[pid]} (fixed at its first handshake)")
         else:
-            self.partition_of[node] = pid
+            self.partition_of[node], holders[pid] = pid, node
             if not self.evaluates(pid):
                 log.info("partition %d (node %d) holds no held-out data: it trains, and federated "
                          "evaluation does not ask it", pid, node)
