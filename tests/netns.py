@@ -132,3 +132,18 @@ class Network:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def opened(n: int):
+    """A fixture's body: an open ``Network(n)``, closed afterwards; the test skipped, saying
+    why, where namespaced networks cannot be made."""
+    import pytest
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    net = Network(n).open()
+    try:
+        yield net
+    finally:
+        net.close()

@@ -200,9 +200,14 @@ def test_another_user_cannot_take_a_nodes_task_and_the_run_is_unharmed(tmp_path)
     model every round and made that node fail every round. Now every request it makes for a
     task (at ten times the worker's rate) is refused (unsigned, or signed with a guessed secret), it gets no task token (so it
     reads nothing), and the run completes with both nodes' updates in every round."""
+    assert_every_request_refused(*attack_during_a_run(tmp_path, seconds_budget=4 * round_deadline()))
+
+
+def assert_every_request_refused(row: dict, rows: list, found: dict) -> None:
+    """:func:`attack_during_a_run`'s outcome when the node's runtime API holds: the run completes
+    with both nodes in every round, and the attackers, who kept asking, got nothing."""
     from flatflower.runtime.engines.federation import COMPLETED
 
-    row, rows, found = attack_during_a_run(tmp_path, seconds_budget=4 * round_deadline())
     assert row["status"] == COMPLETED, row
     assert [r["round"] for r in rows] == list(range(ROUNDS + 1)) and set(found) == {"unsigned", "forged"}
     for r in rows[1:]:

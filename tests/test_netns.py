@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, flower_pids, metrics, run_with_faults, same
-from tests.netns import Network, unavailable
+from tests.netns import Network, opened
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,14 +29,7 @@ NODES = 3
 
 @pytest.fixture
 def network():
-    why = unavailable()
-    if why:
-        pytest.skip(f"network namespaces unavailable: {why}")
-    net = Network(NODES).open()
-    try:
-        yield net
-    finally:
-        net.close()
+    yield from opened(NODES)
 
 
 def federation(net: Network, tmp_path):

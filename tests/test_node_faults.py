@@ -37,7 +37,7 @@ from tests.helpers import (
     same,
     startup_seconds,
 )
-from tests.netns import Network, unavailable
+from tests.netns import opened
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -200,14 +200,7 @@ def _signal(pid: int, sig: int) -> None:
 
 @pytest.fixture
 def network():
-    why = unavailable()
-    if why:
-        pytest.skip(f"network namespaces unavailable: {why}")
-    net = Network(NODES).open()
-    try:
-        yield net
-    finally:
-        net.close()
+    yield from opened(NODES)
 
 
 def test_a_link_at_256_kbit_and_a_long_partition_fail_only_those_rounds(network, tmp_path):

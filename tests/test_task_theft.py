@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.helpers import fast_config, flower_pids, metrics, round_deadline, run_with_faults, same
-from tests.test_appauth import ROUNDS, attack_during_a_run, needs_root
+from tests.test_appauth import assert_every_request_refused, attack_during_a_run, needs_root
 from tests.test_attacks import malicious_app_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -30,17 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @needs_root
 def test_another_user_cannot_take_a_nodes_task_under_tls_and_node_authentication(tmp_path):
-    from flatflower.runtime.engines.federation import COMPLETED
-
-    row, rows, found = attack_during_a_run(tmp_path, seconds_budget=4 * round_deadline(), tls=True)
-    assert row["status"] == COMPLETED, row
-    assert [r["round"] for r in rows] == list(range(ROUNDS + 1)) and set(found) == {"unsigned", "forged"}
-    for r in rows[1:]:
-        assert (r["clients_sampled"], r["clients_replied"], r["clients_rejected"]) == (2, 2, 0), r
-    for kind, seen in found.items():
-        assert seen["tasks"] == seen["models_read"] == seen["failed_pushed"] == 0, (kind, seen)
-        assert seen["refused"] == seen["requests"] > 10, (kind, seen)
-        assert all("401 Unauthorized" in err for err in seen["errors"]), (kind, seen)
+    assert_every_request_refused(*attack_during_a_run(tmp_path, seconds_budget=4 * round_deadline(), tls=True))
 
 
 def forgery_app_dir(tmp_path: Path) -> Path:
