@@ -105,13 +105,16 @@ def exchange(grid: Grid, messages: Iterable[Message], timeout: float, expire: bo
     deadline = start + timeout
     replies: list[Message] = []
     while pending:
-        with objects_within(deadline - time.monotonic()):
+        last = time.monotonic() >= deadline  # the pull that starts at the deadline is the last
+        with objects_by(deadline):
             got = [_unfinished(m, timeout) for m in grid.pull_messages(pending)]
         replies += got
         pending -= {m.metadata.reply_to_message_id for m in got}
         now = time.monotonic()
-        if not pending or now >= deadline:
+        if not pending or last:
             break
+        if now >= deadline:  # one more pull, for the replies that arrived while this one ran
+            continue
         if wait is not None:
             wait(pending, deadline - now)
             continue
@@ -126,31 +129,46 @@ UNFINISHED = ("its reply was still arriving when the server stopped waiting (rou
 
 
 @contextlib.contextmanager
-def objects_within(seconds: float):
+def objects_by(deadline: float):
     """Flower's reply pulls (``pull_objects`` in the ServerApp: flwr 1.39's grid inflates each
-    reply the SuperLink holds, which it holds as soon as the reply's header arrived) give up
-    after ``seconds`` (at least one try each), retrying at most every second. Flower's own
-    limits are 500 tries backing off to 10 s, two hours in all: a reply still uploading over a
-    256 kbit/s link held its round past round-timeout until it arrived, and one whose node was
-    cut off mid-upload held it for minutes. Such a reply is an error reply (Flower's
-    ``MESSAGE_UNAVAILABLE``: :func:`_unfinished`). A Flower without these defaults: unbounded."""
-    try:
-        from flwr.supercore.inflatable import inflatable_utils
+    reply the SuperLink holds, which it holds as soon as the reply's header arrived) give up at
+    ``deadline`` (``time.monotonic()``; at least one try each), retrying at most every second.
 
-        pull = inflatable_utils.pull_objects
-        saved = dict(pull.__kwdefaults__ or {})
-    except (ImportError, AttributeError):
-        saved = {}
-    if "max_time" not in saved or "backoff_cap" not in saved:
+    Flower's own limits are 500 tries backing off to 10 s, two hours in all: a reply still
+    uploading over a 256 kbit/s link held its round past round-timeout until it arrived, and
+    one whose node was cut off mid-upload held it for minutes. Such a reply is an error reply
+    (Flower's ``MESSAGE_UNAVAILABLE``: :func:`_unfinished`). The grid inflates the replies of
+    one pull one after another, each with its own time limit; the deadline is the same for
+    all, so the replies behind one still uploading are taken as soon as it gives up (one try:
+    a reply whose content is in is taken) and a pull of many such replies still ends at the
+    deadline. :func:`exchange` pulls once more after the deadline for the replies that arrived
+    while a pull waited. A Flower whose pull has no such limits: unbounded."""
+    try:
+        from flwr.superlink.grid import http_grid
+        from flwr.supercore.inflatable import inflatable_utils
+    except ImportError:
         yield
         return
-    pull.__kwdefaults__ = {**saved, "max_time": max(0.0, seconds),
-                           "backoff_cap": min(saved["backoff_cap"], 1.0)}
+    flower_pull = inflatable_utils.pull_objects
+    defaults = getattr(flower_pull, "__kwdefaults__", None) or {}
+    if "max_time" not in defaults or "backoff_cap" not in defaults:
+        yield
+        return
+    cap = min(defaults["backoff_cap"], 1.0)
+
+    def bounded(*args, **kwargs):
+        kwargs.update(max_time=max(0.0, deadline - time.monotonic()),
+                      backoff_cap=min(kwargs.get("backoff_cap", cap), cap))
+        return flower_pull(*args, **kwargs)
+
+    modules = [m for m in (inflatable_utils, http_grid) if getattr(m, "pull_objects", None) is flower_pull]
+    for module in modules:
+        module.pull_objects = bounded
     try:
         yield
     finally:
-        pull.__kwdefaults__ = {**pull.__kwdefaults__, "max_time": saved["max_time"],
-                               "backoff_cap": saved["backoff_cap"]}
+        for module in modules:
+            module.pull_objects = flower_pull
 
 
 def _unfinished(reply: Message, timeout: float) -> Message:
