@@ -107,7 +107,7 @@ def test_unknown_scheme_lists_names() -> None:
 
 @pytest.mark.parametrize("num_partitions", [0, len(DIGITS) + 1])
 def test_bad_partition_count(num_partitions: int) -> None:
-    with pytest.raises(PartitionError, match="num_partitions must be between 1 and"):
+    with pytest.raises(PartitionError, match=r"the number of clients \(num-partitions, --clients\) must be between 1 and"):
         partition_indices(DIGITS, num_partitions, "iid", seed=0)
 
 

@@ -115,8 +115,8 @@ def partition(labels: np.ndarray, num_partitions: int, scheme: str, args: str, s
         raise PartitionError(f"partition={scheme!r} needs Flower Datasets, which is not installed here: "
                              "pip install 'flatflower[fds]'") from None
     if not 1 <= num_partitions <= len(labels):
-        raise PartitionError(f"num_partitions must be between 1 and the number of samples ({len(labels)}), "
-                             f"got {num_partitions}")
+        raise PartitionError(f"the number of clients (num-partitions, --clients) must be between 1 and "
+                             f"the number of samples ({len(labels)}), got {num_partitions}")
     name = scheme[len(PREFIX):]
     names = sorted(n for n in dir(fdp) if n.endswith("Partitioner") and n != "Partitioner")
     cls = getattr(fdp, name, None)

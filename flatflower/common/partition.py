@@ -72,7 +72,8 @@ def _validate(
         raise PartitionError(f"labels must be a 1-D array, got shape {labels.shape}")
     if not 1 <= n <= len(labels):
         raise PartitionError(
-            f"num_partitions must be between 1 and the number of samples ({len(labels)}), got {n}"
+            f"the number of clients (num-partitions, --clients) must be between 1 and the number of "
+            f"samples ({len(labels)}), got {n}"
         )
     if not alpha > 0:
         raise PartitionError(f"alpha must be > 0, got {alpha}")
