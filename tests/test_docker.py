@@ -511,7 +511,7 @@ def test_named_volumes_and_each_clients_state_is_its_own():
     names = supernodes(config)
     state = [f"client-state-{n.split('-')[1]}" for n in names]
     secrets = [f"app-secret-{n.split('-')[1]}" for n in names]
-    assert set(config["volumes"]) == {"superlink-state", "runs", "data", *state, *secrets}
+    assert set(config["volumes"]) == {"superlink-state", "runs", "data", "record-key", *state, *secrets}
     users: dict[str, set[str]] = {}
     for name, service in config["services"].items():
         for volume in service.get("volumes") or []:
@@ -524,8 +524,33 @@ def test_named_volumes_and_each_clients_state_is_its_own():
         i = volume.rsplit("-", 1)[1]
         assert users[volume] == {f"supernode-{i}", f"superexec-clientapp-{i}", f"app-secret-init-{i}"}
     assert users["runs"] == {"superexec-serverapp"}
+    assert users["record-key"] == {"superexec-serverapp"}
     assert users["data"] == {"superexec-serverapp", *(f"superexec-clientapp-{n.split('-')[1]}"
                                                        for n in names)}
+
+
+@pytest.mark.parametrize("combo", COMBOS)
+def test_the_serverapps_record_key_outlives_its_container(combo):
+    """The ServerApp seals every run directory's manifest under its record key
+    (server/recordkey.py). In the container's own home, a recreated container (a new image, `up
+    --force-recreate`) made a new key, and every resume of a run in the `runs` volume was
+    refused as "sealed by another record key" until the operator said --trust-run-dir. The key
+    is in a volume of its own: outside the run directories, only the ServerApp's, a folder the
+    image makes (0700, `app`) so a fresh volume takes over its ownership."""
+    from flatflower.server import recordkey
+
+    config = load_merged(COMBOS[combo])
+    service = config["services"]["superexec-serverapp"]
+    key = service["environment"][recordkey.ENV]
+    folder = str(Path(key).parent)
+    assert named_volume(service, folder) == "record-key"
+    assert not any(key.startswith(volume_target(v) + "/") for v in service["volumes"]
+                   if volume_target(v) != folder), "the key lies in another volume (a run directory's?)"
+    base = load_merged(COMBOS["base"])["services"]["superexec-serverapp"]["environment"]
+    assert service["environment"] == base and set(base) > {recordkey.ENV}  # Flower's settings kept
+    for dockerfile in DOCKERFILES.values():
+        runs = [r for i, r in dockerfile_instructions(dockerfile) if i == "RUN" and folder in r]
+        assert runs and re.search(rf"chmod 700 [^&]*{re.escape(folder)}", runs[0]), dockerfile
 
 
 def test_insecure_only_in_the_base_file():
