@@ -19,6 +19,10 @@ Steps, each printed with the time it took:
             2 (as a crash would: `docker kill` counts as a manual stop, which restart policies
             ignore); `restart: unless-stopped` brings it back, the client restores its state
             from its volume, and the run ends with the model of an uninterrupted run.
+6. recreate base stack; a 2-round FedSAM run; the ServerApp executor's container is recreated
+            (`up --force-recreate --no-deps`, as a new image would); `resume=true` to 3 rounds
+            must be accepted (its record key is in a volume, not the container), hold rounds 0-3
+            and end with the model of an uninterrupted 3-round run.
 
 Everything it creates is removed at the end, on success and on failure: the compose project
 (`flatflower-e2e`: containers, network, volumes), the work directory, and a dockerd it started.
@@ -29,6 +33,7 @@ the only published ports are the compose files' 127.0.0.1:8000 and 127.0.0.1:909
 
     sudo make test-docker                       # all scenarios
     .venv/bin/python tests/docker_e2e.py --only base --keep-work
+    .venv/bin/python tests/docker_e2e.py --only recreate --overlay my.yml   # e.g. a fix undone
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ FEDSAM = {"algorithm": "fedsam", "dataset": "digits", "model": "mlp", "local-epo
 FEDDYN = {**FEDSAM, "algorithm": "feddyn", "num-server-rounds": 4, "min-replies": NODES,
           "too-few-replies": "retry", "max-retries": 8, "round-timeout": 30.0}
 KILL_AFTER_ROUND = 2
+# The recreate scenario: this many rounds, then the ServerApp's container is recreated and the run
+# is resumed to FEDSAM's num-server-rounds (an extension: bit for bit the uninterrupted run).
+RECREATE_AFTER_ROUND = 2
+# Extra compose files (--overlay) for every stack, after its own and before the local stand-ins.
+EXTRA_OVERLAYS: list[Path] = []
 
 T0 = time.monotonic()
 
@@ -363,7 +373,7 @@ class Federation:
     def __init__(self, engine: Engine, images: Images, name: str, files: list[Path], work: Path,
                  env: dict | None = None, certs: Path | None = None):
         self.e, self.name, self.work = engine, name, work
-        self.files = [*files, *images.overlay]
+        self.files = [*files, *EXTRA_OVERLAYS, *images.overlay]
         self.env = dict(env or {})
         self.certs = certs
         self.flwr_home = work / "flwr_home"
@@ -428,7 +438,7 @@ class Federation:
     def _check_running(self) -> None:
         ps = self.c("ps", quiet=True, check=False).stdout
         for line in ps.splitlines():
-            if line.startswith(PROJECT) and "Exit" in line and "state-init" not in line:
+            if line.startswith(PROJECT) and "Exit" in line and "-init" not in line:  # the one-shot inits exit
                 say(f"{self.name}: note: {line.strip()}")
 
     # -- runs
@@ -698,7 +708,64 @@ def scenario_restart(engine: Engine, images: Images, work: Path, results: dict) 
     results["restart"] = {"restarts": restarts}
 
 
-SCENARIOS = {"base": scenario_base, "tls": scenario_tls, "restart": scenario_restart}
+def scenario_recreate(engine: Engine, images: Images, work: Path, results: dict) -> None:
+    """A run, its ServerApp executor's container recreated, the run resumed and extended: the
+    record key that sealed the run directory (its own volume, record-key) must outlive the
+    container, or the resume is refused as "sealed by another record key"."""
+    fed = Federation(engine, images, "recreate", [DOCKER / "compose.yml"], work)
+    rounds = FEDSAM["num-server-rounds"]
+    first = {**FEDSAM, "num-server-rounds": RECREATE_AFTER_ROUND, "run-dir": "/app/runs/e2e-recreate"}
+    extended = {**first, "num-server-rounds": rounds, "resume": True}
+    seal = "/app/runs/e2e-recreate/manifest.json"
+
+    def key_id() -> str:
+        manifest = engine.d("exec", fed.container("superexec-serverapp"), "cat", seal, quiet=True).stdout
+        return json.loads(manifest)["seal"]["key_id"]
+
+    try:
+        fed.up()
+        fed.wait(fed.submit(first), RECREATE_AFTER_ROUND)
+        sealed_by = key_id()
+        old = fed.container("superexec-serverapp")
+        start = time.monotonic()
+        fed.c("up", "-d", "--no-build", "--no-deps", "--force-recreate", "superexec-serverapp")
+        new = fed.container("superexec-serverapp")
+        say(f"recreate: superexec-serverapp recreated in {time.monotonic() - start:.1f}s: container "
+            f"{old[:12]} -> {new[:12]}; the run directory is sealed by record key {sealed_by}")
+        assert new != old, "superexec-serverapp was not recreated"
+        run_id = fed.submit(extended)  # refused: "finished:failed (... sealed by another record key ...)"
+        row = fed.wait(run_id, rounds - RECREATE_AFTER_ROUND)
+        resealed_by = key_id()
+        run_dir = fed.fetch("/app/runs/e2e-recreate", work / "recreate-run")
+        p = engine.d("logs", new, quiet=True)
+        executor_log = p.stdout + p.stderr
+    finally:
+        codes = fed.down()
+    run_log = (work / f"recreate-run{run_id}.log").read_text()
+    for name, log in (("ServerApp executor", executor_log), ("run", run_log)):
+        assert "another record key" not in log, f"the {name} log mentions another record key"
+    assert f"resuming from the checkpoint of round {RECREATE_AFTER_ROUND}" in run_log, \
+        f"the second run did not resume from round {RECREATE_AFTER_ROUND}'s checkpoint"
+    assert resealed_by == sealed_by, f"the resume sealed with record key {resealed_by}, the run with {sealed_by}"
+    notes = json.loads((run_dir / "config.json").read_text()).get("resume_notes")
+    assert not notes, f"the resume went on with notes (trusted, not verified?): {notes}"
+    _, model = check_run_dir(run_dir, rounds)
+    assert_clean_stop(codes)
+    assert_nothing_left(engine)
+    say(f"recreate: resumed after round {RECREATE_AFTER_ROUND} in the new container, sealed by the "
+        f"same record key ({sealed_by}), rounds 0-{rounds} in metrics.jsonl")
+    if "base" in results:  # the same training config, 3 rounds uninterrupted
+        assert same_model(model, results["base"]["model"]), "the resumed run's model differs from the base run's"
+        say("recreate: final model == the base run's (uninterrupted)")
+    else:
+        reference = reference_model(engine, FEDSAM, work, "recreate")
+        assert same_model(model, reference), "the resumed run's model differs from an uninterrupted run"
+        say("recreate: final model == uninterrupted (in-process) run")
+    results["recreate"] = {"elapsed": row.get("elapsed")}
+
+
+SCENARIOS = {"base": scenario_base, "tls": scenario_tls, "restart": scenario_restart,
+             "recreate": scenario_recreate}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -709,7 +776,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="Flower's images (pulled) or the local stand-ins (default: auto)")
     parser.add_argument("--keep-work", action="store_true", help="keep the work directory (logs, runs)")
     parser.add_argument("--remove-images", action="store_true", help="delete the images built here")
+    parser.add_argument("--overlay", action="append", type=Path, default=[], metavar="FILE",
+                        help="an extra compose file for every stack (repeatable), e.g. one that undoes "
+                             "a fix, to see a scenario fail without it")
     args = parser.parse_args(argv)
+    EXTRA_OVERLAYS[:] = [f.resolve() for f in args.overlay]
     if os.geteuid() != 0:
         print("make test-docker needs root (it may install and start a Docker engine)", file=sys.stderr)
         return 2
